@@ -1,0 +1,29 @@
+"""Redis key names, in one place. Every service builds its keys from a RedisKeys."""
+
+from dataclasses import dataclass
+
+SCHEDULER_GROUP = "schedulers"
+STREAM_FIELD = b"m"  # the one field of every stream entry: a msgpack-encoded StreamMessage
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    prefix: str = "pagedserve"
+
+    @property
+    def requests(self) -> str:
+        """Stream of NewRequest / AbortRequest entries, read by the scheduler group."""
+        return f"{self.prefix}:requests"
+
+    def reply_channel(self, gateway_id: str) -> str:
+        """Pub/sub channel a gateway subscribes to; workers publish TokenEvent batches."""
+        return f"{self.prefix}:out:{gateway_id}"
+
+    @property
+    def workers(self) -> str:
+        """Set of worker ids that have registered (possibly dead: check worker(id))."""
+        return f"{self.prefix}:workers"
+
+    def worker(self, worker_id: str) -> str:
+        """A worker's WorkerRegistration, with a TTL its heartbeat keeps refreshing."""
+        return f"{self.prefix}:worker:{worker_id}"

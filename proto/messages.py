@@ -1,0 +1,68 @@
+"""msgspec messages carried through Redis.
+
+Stream `RedisKeys.requests` (gateway → scheduler): StreamMessage = NewRequest | AbortRequest,
+msgpack-encoded under the field STREAM_FIELD.
+Channel `RedisKeys.reply_channel(gateway_id)` (worker or scheduler → gateway): a msgpack
+list[TokenEvent] per publish, every event of one step for that gateway in one message.
+Key `RedisKeys.worker(worker_id)` (worker → scheduler, gateway): WorkerRegistration.
+"""
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class NewRequest(msgspec.Struct, frozen=True, tag="new"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_channel: str
+    arrival_time: float  # time.time() at the gateway
+    priority: int = 0  # lower runs first; ties go to the earlier arrival
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
+    request_id: str
+
+
+StreamMessage = NewRequest | AbortRequest
+
+
+class TokenEvent(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Output tokens of one request. `index` is the output position of token_ids[0];
+    a finished request's last event carries finish_reason (and `error` for "error")."""
+
+    request_id: str
+    index: int
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+class WorkerRegistration(msgspec.Struct, frozen=True):
+    worker_id: str
+    address: str  # host:port of its gRPC server
+    model: str  # served model name
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    started_at: float
+
+
+stream_encoder = msgspec.msgpack.Encoder()
+stream_decoder = msgspec.msgpack.Decoder(StreamMessage)
+events_decoder = msgspec.msgpack.Decoder(list[TokenEvent])
+registration_decoder = msgspec.msgpack.Decoder(WorkerRegistration)
