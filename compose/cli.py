@@ -1,0 +1,124 @@
+"""`pagedserve` — one command for every service.
+
+    pagedserve up          [--model DIR] [--port 8000] [--workers N]   the whole stack, local processes
+    pagedserve gateway     --model DIR ...                            one service alone
+    pagedserve scheduler   ...
+    pagedserve worker      --model DIR ...
+    pagedserve make-model  DIR --preset tiny|small|1b
+
+Every flag `--some-flag` also reads `PAGEDSERVE_SOME_FLAG` from the environment (the flag wins).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _env(flag: str, default=None):
+    return os.environ.get("PAGEDSERVE_" + flag.lstrip("-").replace("-", "_").upper(), default)
+
+
+def _add(parser: argparse.ArgumentParser, flag: str, type=str, default=None, help: str = "", **kw):
+    value = _env(flag, default)
+    parser.add_argument(flag, type=type, default=type(value) if value is not None else None,
+                        help=f"{help} (env PAGEDSERVE_{flag.lstrip('-').replace('-', '_').upper()})", **kw)
+
+
+def parse_bytes(text: str) -> int:
+    """'256MiB', '2GiB', '1.5GB', '1048576' → bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lowered = text.strip().lower()
+    for unit, scale in units.items():
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * scale)
+    return int(lowered)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis the services meet in")
+    _add(parser, "--key-prefix", default="pagedserve", help="prefix of every Redis key")
+    _add(parser, "--log-level", default="info", help="debug|info|warning")
+
+
+def _worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="a model worker (gRPC server; registers itself in Redis)")
+    _add(p, "--model", required=_env("--model") is None, help="Hugging Face checkpoint folder")
+    _add(p, "--served-model-name", help="name clients use (default: the folder's name)")
+    _add(p, "--host", default="127.0.0.1", help="gRPC bind address")
+    _add(p, "--port", type=int, default=50051, help="gRPC port (0 = any free one)")
+    _add(p, "--advertise-host", help="address schedulers dial (default: --host)")
+    _add(p, "--worker-id", help="default: random")
+    _add(p, "--block-size", type=int, default=16, help="tokens per KV block")
+    _add(p, "--kv-cache-memory", type=parse_bytes, default="256MiB", help="memory for the KV cache")
+    _add(p, "--num-blocks", type=int, help="KV blocks (overrides --kv-cache-memory)")
+    _add(p, "--max-model-len", type=int, help="default: the model's max_position_embeddings")
+    _add(p, "--dtype", default="auto", help="auto|float32|bfloat16|float16")
+    _add(p, "--device", default="cpu", help="cpu|cuda|cuda:N")
+    _add(p, "--attention-backend", default="auto", help="auto|torch|triton")
+    _add(p, "--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    _add(p, "--seed", type=int, default=0)
+    _add_common(p)
+
+
+def _scheduler_parser(sub) -> None:
+    p = sub.add_parser("scheduler", help="the scheduler (continuous batching, block tables)")
+    _add(p, "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    _add(p, "--max-num-seqs", type=int, default=256, help="requests in one step at most")
+    _add(p, "--consumer-name", help="stream consumer name (default: scheduler-<hostname>)")
+    _add_common(p)
+
+
+def _gateway_parser(sub) -> None:
+    p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    _add(p, "--model", required=_env("--model") is None, help="checkpoint folder (tokenizer, chat template)")
+    _add(p, "--served-model-name", help="name clients use (default: the folder's name)")
+    _add(p, "--host", default="127.0.0.1")
+    _add(p, "--port", type=int, default=8000)
+    _add_common(p)
+
+
+def _up_parser(sub) -> None:
+    p = sub.add_parser("up", help="Redis + workers + scheduler + gateway as local processes")
+    _add(p, "--model", help="checkpoint folder (default: make the `small` preset in ./models/small)")
+    _add(p, "--preset", default="small", help="preset made when --model is not given")
+    _add(p, "--host", default="127.0.0.1")
+    _add(p, "--port", type=int, default=8000)
+    _add(p, "--workers", type=int, default=1)
+    _add(p, "--redis-url", help="use this Redis instead of starting one")
+    _add(p, "--run-dir", default=".run", help="logs of every process go here")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker")
+    p.add_argument("--scheduler-arg", action="append", default=[], help="extra flag for the scheduler")
+    p.add_argument("--gateway-arg", action="append", default=[], help="extra flag for the gateway")
+
+
+def _make_model_parser(sub) -> None:
+    p = sub.add_parser("make-model", help="write a random-weight HF checkpoint with a local tokenizer")
+    p.add_argument("dir")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "1b"])
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_up_parser, _gateway_parser, _scheduler_parser, _worker_parser, _make_model_parser):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from compose import commands  # imported late: `pagedserve --help` stays instant
+
+    return getattr(commands, "run_" + args.command.replace("-", "_"))(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""What each `pagedserve` subcommand does: build the service's frozen config, run it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import signal
+from pathlib import Path
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from worker_svc.config import RunnerConfig
+    from worker_svc.server import WorkerServiceConfig, serve
+
+    runner = RunnerConfig(
+        model=args.model, served_model_name=args.served_model_name, block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory, num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
+        attention_backend=args.attention_backend, seed=args.seed,
+    )
+    extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    serve(WorkerServiceConfig(runner=runner, host=args.host, port=args.port,
+                              advertise_host=args.advertise_host, redis_url=args.redis_url,
+                              key_prefix=args.key_prefix, **extra))
+    return 0
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+
+    batching = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                               max_num_seqs=args.max_num_seqs)
+    extra = {"consumer_name": args.consumer_name} if args.consumer_name else {}
+    config = SchedulerServiceConfig(batching=batching, redis_url=args.redis_url,
+                                    key_prefix=args.key_prefix, **extra)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await SchedulerService(config).run(stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    config = GatewayConfig(model=args.model, served_model_name=args.served_model_name,
+                           redis_url=args.redis_url, key_prefix=args.key_prefix,
+                           host=args.host, port=args.port)
+    uvicorn.run(create_app(config), host=args.host, port=args.port,
+                log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+    return 0
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    from worker_svc.make_model import make_model
+
+    path = make_model(Path(args.dir), preset=args.preset, seed=args.seed, arch=args.arch)
+    print(f"wrote {args.preset} {args.arch} checkpoint to {path}")
+    return 0
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from compose.launcher import Stack, StackConfig
+
+    model = args.model
+    if model is None:
+        model = str(Path("models") / args.preset)
+        if not (Path(model) / "config.json").exists():
+            from worker_svc.make_model import make_model
+
+            print(f"no --model given: making the `{args.preset}` preset in {model} (once)", flush=True)
+            make_model(Path(model), preset=args.preset, seed=0)
+    config = StackConfig(model=model, host=args.host, port=args.port, workers=args.workers,
+                         redis_url=args.redis_url, run_dir=Path(args.run_dir),
+                         worker_args=tuple(args.worker_arg), scheduler_args=tuple(args.scheduler_arg),
+                         gateway_args=tuple(args.gateway_arg))
+    with Stack(config) as stack:
+        print(f"pagedserve: serving {stack.served_model_name} on {stack.base_url} "
+              f"({args.workers} worker(s), logs in {args.run_dir}/); Ctrl-C stops everything", flush=True)
+        stack.wait()
+    return 0
+
+

@@ -1,0 +1,193 @@
+"""The local launcher: the same services `docker-compose.yml` runs, as child processes.
+
+Start order: Redis (unless a URL is given) → workers (ready once registered in Redis) →
+scheduler → gateway (ready once `/health` answers and it sees the workers). Stop order
+is the reverse; every child gets SIGTERM, then SIGKILL if it lingers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from proto.keys import RedisKeys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1
+    redis_url: str | None = None  # None: start a redis-server on a free port
+    key_prefix: str = "pagedserve"
+    run_dir: Path = Path(".run")
+    worker_args: tuple[str, ...] = ()
+    scheduler_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Stack:
+    def __init__(self, config: StackConfig):
+        self.config = config
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.redis_url = config.redis_url or ""
+        self.keys = RedisKeys(config.key_prefix)
+        self._worker_count = 0
+
+    # ---- context manager ---------------------------------------------------------------
+
+    def __enter__(self) -> "Stack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}/v1"
+
+    @property
+    def served_model_name(self) -> str:
+        return Path(self.config.model).resolve().name
+
+    # ---- start ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.redis_url:
+            self._start_redis()
+        for _ in range(self.config.workers):
+            self.add_worker(wait=False)
+        self.wait_for_workers(self.config.workers)
+        self._spawn("scheduler", self._service("scheduler", *self.config.scheduler_args))
+        self._spawn("gateway", self._service(
+            "gateway", "--model", self.config.model, "--host", self.config.host,
+            "--port", str(self.config.port), *self.config.gateway_args))
+        self._wait_for(self._gateway_ready, "the gateway to answer /health and see the workers")
+
+    def _start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("no redis-server on PATH: `make up` installs one, or pass --redis-url")
+        port = free_port()
+        self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", str(self.config.run_dir.resolve())])
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        self._wait_for(lambda: self._redis().ping(), "redis-server to answer")
+
+    def add_worker(self, wait: bool = True, *extra: str) -> str:
+        name = f"worker-{self._worker_count}"
+        self._worker_count += 1
+        self._spawn(name, self._service("worker", "--model", self.config.model, "--port", "0",
+                                        "--worker-id", name, *self.config.worker_args, *extra))
+        if wait:
+            self.wait_for_workers(len(self.live_worker_ids()) + 1)
+        return name
+
+    def _service(self, name: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", "compose.cli", name, "--redis-url", self.redis_url,
+                "--key-prefix", self.config.key_prefix, *args]
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.config.run_dir / f"{name}.log", "ab")
+        env = {**os.environ, **self.config.env}
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)  # Ctrl-C reaches us only; we stop them in order
+        log.close()
+
+    # ---- readiness -------------------------------------------------------------------------
+
+    def _redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url, socket_timeout=2)
+
+    def live_worker_ids(self) -> list[str]:
+        client = self._redis()
+        ids = sorted(m.decode() for m in client.smembers(self.keys.workers))
+        return [i for i in ids if client.exists(self.keys.worker(i))]
+
+    def wait_for_workers(self, n: int) -> None:
+        self._wait_for(lambda: len(self.live_worker_ids()) >= n, f"{n} worker(s) to register")
+
+    def _gateway_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.config.host}:{self.config.port}/health", timeout=2):
+                pass
+            with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as resp:
+                return self.served_model_name.encode() in resp.read()
+        except OSError:
+            return False
+
+    def _wait_for(self, ready, what: str) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None and not name.startswith("worker"):
+                    raise RuntimeError(f"{name} exited with {proc.returncode} while waiting for {what}; "
+                                       f"see {self.config.run_dir / (name + '.log')}")
+            try:
+                if ready():
+                    return
+            except (OSError, redis.RedisError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}; logs in {self.config.run_dir}")
+            time.sleep(0.1)
+
+    # ---- stop ------------------------------------------------------------------------------
+
+    def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc else None
+        proc.send_signal(sig)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def stop(self) -> None:
+        order = ["gateway", "scheduler", *sorted(n for n in self.procs if n.startswith("worker")), "redis"]
+        for name in order:
+            self.stop_process(name)
+
+    def wait(self) -> None:
+        """Block until Ctrl-C / SIGTERM, or until a service dies on its own."""
+        stopping = []
+        previous = signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+        try:
+            while not stopping:
+                dead = [n for n, p in self.procs.items() if p.poll() is not None]
+                if dead:
+                    print(f"pagedserve: {', '.join(dead)} exited; stopping the stack "
+                          f"(logs in {self.config.run_dir}/)", file=sys.stderr)
+                    return
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
