@@ -1,0 +1,83 @@
+"""Plain-torch references for the paged-cache kernels: simple, per-request loops, slow.
+
+Cache layout (see kvstore/cache_tensors.py): one K and one V tensor per layer, each
+`[num_blocks, block_size, num_kv_heads, head_dim]`. A slot is `block_id * block_size +
+offset`; token `t` of a request lives in slot `block_table[t // block_size] * block_size +
+t % block_size`.
+
+Flat varlen batch: request `i` owns query rows `query_start_loc[i]:query_start_loc[i+1]`.
+Those rows are the LAST `q_len` tokens of its `seq_lens[i]`-token context, whose K/V are
+already in the cache (written by `write_kv` earlier in the same layer), so query row `j`
+sits at position `seq_lens[i] - q_len + j` and sees keys at positions `<=` its own.
+"""
+
+import torch
+
+
+def write_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k_cache[slot // bs, slot % bs] = key[t] for every token t with slot_mapping[t] >= 0."""
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:  # padding token: nothing to store
+            continue
+        k_cache[slot // block_size, slot % block_size] = key[t]
+        v_cache[slot // block_size, slot % block_size] = value[t]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [num_reqs, max_blocks], padded
+    seq_lens: torch.Tensor,  # int32 [num_reqs]: context length including this step's tokens
+    query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's query rows over its paged context (fp32 math).
+
+    sliding_window=W: a query at position p sees keys at positions p-W+1 .. p (itself and
+    W-1 before it, the Hugging Face / Mistral convention). soft_cap=c: scores become
+    c * tanh(scores / c) before masking (Gemma).
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[i, :num_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
+        v = v.repeat_interleave(group, dim=1)
+        q = query[start:end].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out
+
+
+def copy_blocks_reference(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          pairs: list[tuple[int, int]]) -> None:
+    """For each (src, dst): block dst of K and V becomes a copy of block src (copy-on-write)."""
+    for src, dst in pairs:
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]
