@@ -1,0 +1,134 @@
+"""Batched sampling and the finish rule."""
+
+import pytest
+import torch
+
+from proto import worker_pb2
+from worker_svc.config import RunnerConfig
+from worker_svc.model_runner import ModelRunner
+from worker_svc.sampler import SamplingBatch, sample
+from worker_svc.stop import finish_reason
+
+Params = worker_pb2.SamplingParams
+
+
+def batch_of(params, generators=None, vocab=100):
+    return SamplingBatch.build(params, generators or [None] * len(params), vocab)
+
+
+def gen(seed):
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(8, 100, generator=gen(0))
+    out = sample(logits, batch_of([Params(temperature=0.0)] * 8), gen(1))
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_top_k_one_is_greedy_and_greedy_rows_stay_greedy_in_mixed_batches():
+    logits = torch.randn(6, 100, generator=gen(2))
+    params = [Params(temperature=1.3, top_k=1), Params(temperature=0.0),
+              Params(temperature=0.7, top_k=1, top_p=0.9), Params(temperature=0.0, top_k=5),
+              Params(temperature=2.0, top_k=1, seed=3), Params(temperature=0.0, top_p=0.2)]
+    out = sample(logits, batch_of(params, [None, None, None, None, gen(3), None]), gen(4))
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_seeded_rows_reproduce_whatever_the_batch():
+    """A seeded request draws the same tokens step after step, alone or at another row
+    next to unseeded and differently seeded neighbours."""
+    vocab = 50
+    steps = [torch.randn(1, vocab, generator=gen(10 + i)) for i in range(6)]
+    mine = Params(temperature=1.0, top_p=0.95, seed=1234)
+
+    def run(neighbours_before, neighbours_after, shared_seed):
+        g_mine, shared = gen(1234), gen(shared_seed)
+        g_other = gen(77)
+        tokens = []
+        for i, row in enumerate(steps):
+            before = torch.randn(neighbours_before, vocab, generator=gen(100 + i))
+            after = torch.randn(neighbours_after, vocab, generator=gen(200 + i))
+            params = ([Params(temperature=0.8)] * neighbours_before + [mine]
+                      + [Params(temperature=1.0, seed=77, top_k=10)] * neighbours_after)
+            gens = [None] * neighbours_before + [g_mine] + [g_other] * neighbours_after
+            out = sample(torch.cat([before, row, after]), batch_of(params, gens, vocab), shared)
+            tokens.append(int(out[neighbours_before]))
+        return tokens
+
+    alone = run(0, 0, 5)
+    assert run(3, 2, 6) == alone
+    assert run(7, 0, 7) == alone
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_top_k_and_top_p_only_pick_allowed_tokens():
+    probs = torch.tensor([0.05, 0.5, 0.02, 0.3, 0.1, 0.03])
+    logits = probs.log().expand(4000, -1).contiguous()
+    cases = [
+        (Params(temperature=1.0, top_k=2), {1, 3}),
+        (Params(temperature=1.0, top_p=0.75), {1, 3}),
+        (Params(temperature=1.0, top_p=0.85), {1, 3, 4}),
+        (Params(temperature=1.0, top_k=3, top_p=0.99), {1, 3, 4}),
+        (Params(temperature=1.0, top_p=0.01), {1}),
+    ]
+    for params, allowed in cases:
+        out = sample(logits, batch_of([params] * len(logits), vocab=6), gen(9))
+        assert set(out.tolist()) == allowed, params
+
+
+def test_temperature_sampling_follows_the_distribution():
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    temperature = 0.5
+    logits = (probs.log() * temperature).expand(20000, -1).contiguous()  # / T gives back probs
+    out = sample(logits, batch_of([Params(temperature=temperature)] * 20000, vocab=3), gen(11))
+    freq = torch.bincount(out, minlength=3).float() / len(out)
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+
+
+def test_seeded_request_in_runner_ignores_its_neighbours(tiny_model_dir):
+    """End to end: a seeded request's tokens do not depend on what else runs."""
+
+    def run(with_neighbours: bool) -> list[int]:
+        runner = ModelRunner(RunnerConfig(model=str(tiny_model_dir), block_size=4, num_blocks=64))
+        sp = Params(max_tokens=8, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+        new = [worker_pb2.NewRequestData(request_id="s", token_ids=[5, 9, 11, 13, 40],
+                                         num_prompt_tokens=5, block_ids=[3, 7, 8], sampling=sp)]
+        if with_neighbours:
+            other = Params(max_tokens=8, temperature=1.0, ignore_eos=True)
+            new.append(worker_pb2.NewRequestData(request_id="o", token_ids=[7] * 9, num_prompt_tokens=9,
+                                                 block_ids=[10, 11, 12, 13], sampling=other))
+        sched = {r.request_id: len(r.token_ids) for r in new}
+        tokens = []
+        for step in range(8):
+            out = runner.step(worker_pb2.StepRequest(step_id=step, new_requests=new,
+                                                     num_scheduled_tokens=sched))
+            new = []
+            tokens += [s.token_id for s in out.result.sampled if s.request_id == "s"]
+            sched = {s.request_id: 1 for s in out.result.sampled if not s.finish_reason}
+        return tokens
+
+    assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("kwargs,n_out,token,n_total,expected", [
+    (dict(max_tokens=10), 3, 0, 20, "stop"),  # EOS
+    (dict(max_tokens=10), 3, 2, 20, "stop"),  # the other EOS id
+    (dict(max_tokens=10, ignore_eos=True), 3, 0, 20, None),
+    (dict(max_tokens=10, stop_token_ids=[7]), 3, 7, 20, "stop"),
+    (dict(max_tokens=10, stop_token_ids=[7], ignore_eos=True), 3, 7, 20, "stop"),
+    (dict(max_tokens=10, min_tokens=4), 3, 0, 20, None),  # EOS before min_tokens
+    (dict(max_tokens=10, min_tokens=4, stop_token_ids=[7]), 3, 7, 20, None),
+    (dict(max_tokens=10, min_tokens=4), 4, 0, 20, "stop"),
+    (dict(max_tokens=10), 9, 5, 20, None),
+    (dict(max_tokens=10), 10, 5, 20, "length"),
+    (dict(max_tokens=10), 10, 0, 20, "stop"),  # stop wins over length
+    (dict(max_tokens=10, min_tokens=20), 10, 0, 20, "length"),
+    (dict(max_tokens=100), 5, 5, 64, "length"),  # reached max_model_len
+    (dict(max_tokens=100), 5, 5, 63, None),
+    (dict(max_tokens=0), 500, 5, 63, None),  # unset max_tokens: only max_model_len caps
+])
+def test_finish_rule(kwargs, n_out, token, n_total, expected):
+    assert finish_reason(Params(**kwargs), n_out, token, (0, 2), n_total, 64) == expected

@@ -1,0 +1,23 @@
+"""Configuration of the worker's compute core (ModelRunner). Service settings (address,
+Redis, heartbeats) live in the server's own dataclass."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model: str  # checkpoint folder (config.json, *.safetensors, tokenizer files)
+    served_model_name: str | None = None  # default: the folder's basename
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 256 * 2**20  # K + V of every layer
+    num_blocks: int | None = None  # overrides the memory sizing (tests force preemption)
+    max_model_len: int | None = None  # default: config max_position_embeddings
+    dtype: str = "auto"  # "auto" = the checkpoint's dtype; or float32 / bfloat16 / float16
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    seed: int = 0  # seeds the generator of requests that carry no seed of their own
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
