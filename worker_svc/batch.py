@@ -1,0 +1,96 @@
+"""The flat batch of one step: every scheduled token of every request in one row axis.
+
+Request i contributes rows `query_start_loc[i]:query_start_loc[i+1]`: its tokens
+`token_ids[num_computed : num_computed + n]` at positions `num_computed ...`, each written
+to slot `block_table[pos // block_size] * block_size + pos % block_size`. Its context after
+this step is `seq_lens[i] = num_computed + n` tokens. A request whose step catches up with
+its token list samples one token from the logits of its last row (`logits_indices`).
+
+Built with per-request Python work and vectorised torch ops for everything per token.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker_svc.request_state import RequestState
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [R, max_blocks], padded with 0 (a finite block)
+    seq_lens: torch.Tensor  # int32 [R]
+    query_start_loc: torch.Tensor  # int32 [R + 1]
+    plan: Any  # the attention backend's per-step plan, shared by every layer
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [S]: the row each sampling request samples from
+    sampling_requests: tuple[RequestState, ...]  # in logits_indices order
+
+
+def build_flat_batch(scheduled: Sequence[tuple[RequestState, int]], block_size: int,
+                     plan_fn, device: torch.device) -> FlatBatch:
+    """`scheduled`: (request, number of tokens to compute this step), in batch order.
+    `plan_fn` is the attention backend's `plan`."""
+    ids: list[int] = []
+    q_lens, computed, tables, samplers, sample_rows = [], [], [], [], []
+    row = 0
+    for req, n in scheduled:
+        start = req.num_computed_tokens
+        end = start + n
+        if n <= 0 or end > req.num_tokens:
+            raise ValueError(
+                f"request {req.request_id!r}: cannot compute {n} tokens from "
+                f"{start} (it has {req.num_tokens})")
+        num_blocks = -(-end // block_size)
+        if num_blocks > len(req.block_ids):
+            raise ValueError(
+                f"request {req.request_id!r}: {end} tokens need {num_blocks} blocks, "
+                f"its block table has {len(req.block_ids)}")
+        ids.extend(req.token_ids[start:end])
+        q_lens.append(n)
+        computed.append(start)
+        tables.append(req.block_ids[:num_blocks])
+        row += n
+        if end == req.num_tokens:
+            samplers.append(req)
+            sample_rows.append(row - 1)
+
+    max_blocks = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
+                                dtype=torch.int32)
+    q_lens_t = torch.tensor(q_lens, dtype=torch.long)
+    computed_t = torch.tensor(computed, dtype=torch.long)
+    query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.long)
+    torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
+    num_tokens = row
+    req_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t, output_size=num_tokens)
+    positions = (torch.arange(num_tokens) - query_start_loc[:-1][req_of_row]
+                 + computed_t[req_of_row])
+    block_of_row = block_tables[req_of_row, positions // block_size].long()
+    slot_mapping = block_of_row * block_size + positions % block_size
+
+    block_tables = block_tables.to(device)
+    seq_lens = (computed_t + q_lens_t).to(torch.int32).to(device)
+    query_start_loc = query_start_loc.to(torch.int32).to(device)
+    return FlatBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long).to(device),
+        positions=positions.to(device),
+        attn=AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            plan=plan_fn(block_tables, seq_lens, query_start_loc, block_size),
+        ),
+        logits_indices=torch.tensor(sample_rows, dtype=torch.long).to(device),
+        sampling_requests=tuple(samplers),
+    )

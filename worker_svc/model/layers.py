@@ -1,0 +1,85 @@
+"""Building blocks shared by decoder families, written to match transformers' numerics
+(same op order, fp32 where it computes in fp32) so greedy outputs agree token for token."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """weight * (x / rms(x)), the normalisation done in fp32 and cast back before the
+    weight multiply, as in transformers' LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies of RoPE (fp32), with Llama 3's frequency-dependent scaling when
+    `scaling["rope_type"] == "llama3"`: long wavelengths are divided by `factor`, short
+    ones kept, the band between interpolated."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE from cos/sin tables precomputed for every position < max_positions
+    (the same fp32 `position * inv_freq` products transformers computes per call)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        # Real tensors even when the model is built under the loader's meta device, and
+        # plain attributes, not buffers: derived, never loaded or saved, untouched by to_empty.
+        with torch.device(device):
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)
+            freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
+            self.cos = freqs.cos().to(dtype)
+            self.sin = freqs.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """Rotate each x [T, heads, head_dim] by its token's position ([T] int64)."""
+        cos = self.cos.index_select(0, positions)[:, None, :]
+        sin = self.sin.index_select(0, positions)[:, None, :]
+        out = []
+        for x in xs:
+            x1, x2 = x.chunk(2, dim=-1)
+            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        return out
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str):
+        super().__init__()
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}")
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,46 @@
+"""What the worker remembers about one request between steps."""
+
+import torch
+
+from proto import worker_pb2
+
+
+class RequestState:
+    """Invariants: token_ids[:num_computed_tokens] have K/V in the slots named by
+    block_ids (token t in block_ids[t // block_size]); num_prompt_tokens <= len(token_ids);
+    once finish_reason is set the request never samples again (it waits for the scheduler
+    to list it in finished_request_ids)."""
+
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids",
+                 "num_computed_tokens", "sampling", "generator", "reply_channel",
+                 "finish_reason")
+
+    def __init__(self, new: worker_pb2.NewRequestData, device: torch.device):
+        if not new.token_ids:
+            raise ValueError(f"request {new.request_id!r} has no tokens")
+        if not 0 <= new.num_computed_tokens < len(new.token_ids):
+            raise ValueError(
+                f"request {new.request_id!r}: num_computed_tokens={new.num_computed_tokens} "
+                f"must be in [0, {len(new.token_ids)}) (the last token has no K/V yet)")
+        self.request_id: str = new.request_id
+        self.token_ids: list[int] = list(new.token_ids)
+        self.num_prompt_tokens: int = new.num_prompt_tokens
+        self.block_ids: list[int] = list(new.block_ids)
+        self.num_computed_tokens: int = new.num_computed_tokens
+        self.sampling: worker_pb2.SamplingParams = new.sampling
+        self.reply_channel: str = new.reply_channel
+        self.finish_reason: str | None = None
+        # Made once, so a seeded request's draws depend on its own history only. A request
+        # re-added after a preemption starts its stream again (as in vLLM).
+        self.generator: torch.Generator | None = None
+        if new.sampling.HasField("seed"):
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(new.sampling.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
