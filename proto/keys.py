@@ -27,3 +27,7 @@ class RedisKeys:
     def worker(self, worker_id: str) -> str:
         """A worker's WorkerRegistration, with a TTL its heartbeat keeps refreshing."""
         return f"{self.prefix}:worker:{worker_id}"
+
+    def worker_stats(self, worker_id: str) -> str:
+        """The scheduler's WorkerStats for that worker (block pool, preemptions, integrity)."""
+        return f"{self.prefix}:stats:{worker_id}"

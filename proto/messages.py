@@ -5,6 +5,8 @@ msgpack-encoded under the field STREAM_FIELD.
 Channel `RedisKeys.reply_channel(gateway_id)` (worker or scheduler → gateway): a msgpack
 list[TokenEvent] per publish, every event of one step for that gateway in one message.
 Key `RedisKeys.worker(worker_id)` (worker → scheduler, gateway): WorkerRegistration.
+Key `RedisKeys.worker_stats(worker_id)` (scheduler → anyone): WorkerStats, the scheduler's
+view of that worker's block pool, rewritten whenever its step loop goes idle.
 """
 
 from typing import Literal
@@ -62,7 +64,20 @@ class WorkerRegistration(msgspec.Struct, frozen=True):
     started_at: float
 
 
+class WorkerStats(msgspec.Struct, frozen=True):
+    worker_id: str
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # since the scheduler took this worker on
+    num_steps: int
+    integrity_error: str | None = None  # check_integrity()'s complaint, None when it holds
+    updated_at: float = 0.0
+
+
 stream_encoder = msgspec.msgpack.Encoder()
 stream_decoder = msgspec.msgpack.Decoder(StreamMessage)
 events_decoder = msgspec.msgpack.Decoder(list[TokenEvent])
 registration_decoder = msgspec.msgpack.Decoder(WorkerRegistration)
+stats_decoder = msgspec.msgpack.Decoder(WorkerStats)
