@@ -1,0 +1,28 @@
+"""Configuration of the scheduler's batching core (the service adds its own fields)."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits for one worker's steps.
+
+    Chunked prefill is always on: a prompt longer than the budget is computed over several
+    steps, so max_num_batched_tokens may be smaller than max_model_len.
+    """
+
+    max_num_batched_tokens: int = 2048  # tokens computed per step, all requests together
+    max_num_seqs: int = 256  # requests running at once on one worker
+    # 0 = off; else one request computes at most this many tokens per step, so a long
+    # prompt cannot take the whole budget and stall the decodes batched beside it.
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0, "
+                             f"got {self.long_prefill_token_threshold}")

@@ -1,0 +1,94 @@
+"""A request as the scheduler tracks it, and the conversion of its sampling parameters.
+
+Lifecycle: WAITING --admitted--> RUNNING --finish / abort--> FINISHED
+                      ^-- preempted (recompute) --'
+A preempted or re-routed request keeps every token it generated; it goes back to
+WAITING with num_computed_tokens = 0 and is recomputed from prompt + outputs.
+"""
+
+import enum
+from dataclasses import dataclass
+
+from proto import worker_pb2
+from proto.messages import FinishReason, NewRequest, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new, preempted or re-routed); holds no blocks
+    RUNNING = "running"  # admitted: holds blocks, the worker holds its state
+    FINISHED = "finished"  # done; finish_reason says why
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Invariants: 0 <= num_computed_tokens <= len(token_ids); the last token of
+    token_ids has no K/V until a step computes it; num_prompt_tokens <= len(token_ids)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt, then every output token so far
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    reply_channel: str
+    arrival_time: float
+    priority: int = 0  # lower runs first
+    num_computed_tokens: int = 0  # tokens whose K/V are in this worker's cache
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    @classmethod
+    def from_new_request(cls, req: NewRequest) -> "RequestState":
+        return cls(
+            request_id=req.request_id,
+            token_ids=list(req.prompt_token_ids),
+            num_prompt_tokens=len(req.prompt_token_ids),
+            sampling=req.sampling,
+            reply_channel=req.reply_channel,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def sort_key(self) -> tuple[int, float, str]:
+        """Scheduling order: priority, then arrival; the id only breaks exact ties so the
+        order is total and deterministic. The largest key is preempted first."""
+        return (self.priority, self.arrival_time, self.request_id)
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """Most tokens whose K/V this request can ever hold: its last output token is
+        never computed, since nothing is sampled after it."""
+        return self.num_prompt_tokens + self.sampling.max_tokens - 1
+
+    def reset_for_recompute(self) -> None:
+        """Forget all K/V (preemption or re-routing); the tokens stay."""
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+
+
+def to_pb_sampling(params: SamplingParams) -> worker_pb2.SamplingParams:
+    """msgspec SamplingParams (Redis side) -> protobuf SamplingParams (gRPC side)."""
+    pb = worker_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+    )
+    if params.seed is not None:  # proto3 optional: unset means "no per-request generator"
+        pb.seed = params.seed
+    return pb
