@@ -1,0 +1,130 @@
+"""A fake worker for scheduler policy tests (and only those).
+
+It applies a StepRequest exactly as the real worker does -- per-request token ids and block
+tables built from the new/cached diffs, K/V written into slots, one token sampled when a
+request is caught up, the stop rule applied -- with a deterministic "model" in place of the
+network: the sampled token is a hash of the context read back through the block table.
+So a request recomputed after preemption yields the same tokens only if the scheduler
+resent the right tokens and the cache held the right K/V.
+
+It asserts that every step is consistent with the contract in proto/worker.proto.
+"""
+
+import zlib
+from dataclasses import dataclass
+
+from proto import worker_pb2
+
+
+@dataclass
+class _WorkerRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: worker_pb2.SamplingParams
+    finished: bool = False
+
+
+class FakeWorker:
+    def __init__(self, num_blocks: int, block_size: int, max_num_batched_tokens: int,
+                 vocab_size: int = 1000, eos_token_id: int | None = None) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.requests: dict[str, _WorkerRequest] = {}
+        # slot -> (request id, position, token id) whose K/V was last written there
+        self.cache: dict[int, tuple[str, int, int]] = {}
+        self.last_step_id = 0
+        self.steps: list[worker_pb2.StepRequest] = []  # every step applied, for assertions
+
+    def _slot(self, request_id: str, req: _WorkerRequest, pos: int) -> int:
+        index = pos // self.block_size
+        assert index < len(req.block_ids), (
+            f"{request_id}: position {pos} lies beyond its {len(req.block_ids)} blocks")
+        return req.block_ids[index] * self.block_size + pos % self.block_size
+
+    def step(self, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        assert step.step_id == self.last_step_id + 1, (
+            f"step {step.step_id} after {self.last_step_id}")
+        self.last_step_id = step.step_id
+        self.steps.append(step)
+        for request_id in step.finished_request_ids:  # forgotten before anything runs
+            self.requests.pop(request_id, None)
+        for new in step.new_requests:
+            assert new.request_id not in self.requests, f"{new.request_id} sent in full twice"
+            self.requests[new.request_id] = _WorkerRequest(
+                list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+                new.num_computed_tokens, new.sampling)
+        for cached in step.cached_requests:
+            req = self.requests.get(cached.request_id)
+            assert req is not None, f"diff for unknown request {cached.request_id}"
+            assert cached.num_computed_tokens == req.num_computed_tokens, (
+                f"{cached.request_id}: scheduler counts {cached.num_computed_tokens} computed "
+                f"tokens, worker {req.num_computed_tokens}")
+            req.block_ids.extend(cached.new_block_ids)
+
+        order = ([r.request_id for r in step.new_requests]
+                 + [r.request_id for r in step.cached_requests])
+        scheduled = dict(step.num_scheduled_tokens)
+        assert sorted(order) == sorted(scheduled), "num_scheduled_tokens != new + cached requests"
+        assert sum(scheduled.values()) <= self.max_num_batched_tokens, "token budget exceeded"
+        self._check_blocks_disjoint()
+
+        written: dict[int, tuple[str, int, int]] = {}
+        for request_id in order:
+            req, num_new = self.requests[request_id], scheduled[request_id]
+            assert not req.finished, f"{request_id} scheduled after it finished"
+            assert num_new > 0, f"{request_id} scheduled for {num_new} tokens"
+            end = req.num_computed_tokens + num_new
+            assert end <= len(req.token_ids), f"{request_id} scheduled past its last token"
+            for pos in range(req.num_computed_tokens, end):
+                slot = self._slot(request_id, req, pos)
+                assert slot not in written, f"slot {slot} written twice in step {step.step_id}"
+                written[slot] = (request_id, pos, req.token_ids[pos])
+        self.cache.update(written)
+
+        sampled = []
+        for request_id in order:
+            req = self.requests[request_id]
+            req.num_computed_tokens += scheduled[request_id]
+            context = self._read_context(request_id, req)  # what attention reads
+            if req.num_computed_tokens < len(req.token_ids):
+                continue  # a partial prefill samples nothing
+            token = zlib.crc32(repr(context).encode()) % self.vocab_size
+            req.token_ids.append(token)
+            reason = self._finish_reason(req, token)
+            req.finished = bool(reason)
+            sampled.append(worker_pb2.SampledToken(
+                request_id=request_id, token_id=token, finish_reason=reason))
+        return worker_pb2.StepResult(step_id=step.step_id, sampled=sampled)
+
+    def _read_context(self, request_id: str, req: _WorkerRequest) -> list[int]:
+        context = []
+        for pos in range(req.num_computed_tokens):
+            entry = self.cache.get(self._slot(request_id, req, pos))
+            assert entry == (request_id, pos, req.token_ids[pos]), (
+                f"{request_id}: slot for position {pos} holds {entry}")
+            context.append(entry[2])
+        return context
+
+    def _finish_reason(self, req: _WorkerRequest, token: int) -> str:
+        sp = req.sampling
+        num_outputs = len(req.token_ids) - req.num_prompt_tokens
+        if num_outputs >= sp.min_tokens:
+            if token in sp.stop_token_ids or (token == self.eos_token_id and not sp.ignore_eos):
+                return "stop"
+        return "length" if num_outputs >= sp.max_tokens else ""
+
+    def _check_blocks_disjoint(self) -> None:
+        """Live requests never share a block (no prefix caching or fork yet)."""
+        owner: dict[int, str] = {}
+        for request_id, req in self.requests.items():
+            for block_id in req.block_ids:
+                assert 0 <= block_id < self.num_blocks, (
+                    f"{request_id}: block id {block_id} out of range")
+                assert block_id not in owner, (
+                    f"block {block_id} held by {owner[block_id]} and {request_id}")
+                owner[block_id] = request_id
