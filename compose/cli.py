@@ -72,12 +72,11 @@ def _scheduler_parser(sub) -> None:
 
 
 def _gateway_parser(sub) -> None:
+    from gateway.config import add_cli_args  # the gateway's own flags (stdlib-only import)
+
     p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
-    _add(p, "--model", required=_env("--model") is None, help="checkpoint folder (tokenizer, chat template)")
-    _add(p, "--served-model-name", help="name clients use (default: the folder's name)")
-    _add(p, "--host", default="127.0.0.1")
-    _add(p, "--port", type=int, default=8000)
     _add_common(p)
+    add_cli_args(p)
 
 
 def _up_parser(sub) -> None:

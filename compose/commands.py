@@ -55,11 +55,9 @@ def run_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.config import GatewayConfig
+    from gateway.config import config_from_args
 
-    config = GatewayConfig(model=args.model, served_model_name=args.served_model_name,
-                           redis_url=args.redis_url, key_prefix=args.key_prefix,
-                           host=args.host, port=args.port)
+    config = config_from_args(args)
     uvicorn.run(create_app(config), host=args.host, port=args.port,
                 log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
     return 0

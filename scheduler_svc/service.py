@@ -1,0 +1,286 @@
+"""The scheduler service: the Redis and gRPC shell around one BatchScheduler per worker.
+
+Three kinds of task share one asyncio loop:
+  * `_read_requests` — XREADGROUP on the requests stream; routes NewRequest to a worker
+    (least loaded live one) and AbortRequest to whichever worker holds the request;
+  * `_discover_workers` — polls the registry; a new registration gets a WorkerHandle and
+    its own step loop, a vanished one is retired and its requests re-routed;
+  * `_step_loop` (one per worker) — schedule() → gRPC Step → update(), XACKing finished
+    requests. Only this loop drains its worker, so a step in flight is never torn apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from proto import worker_pb2, worker_pb2_grpc
+from proto.keys import SCHEDULER_GROUP, STREAM_FIELD, RedisKeys
+from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistration, WorkerStats,
+                            registration_decoder, stream_decoder, stream_encoder)
+from scheduler_svc.batching import BatchScheduler
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.request import RequestState
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+@dataclass(frozen=True)
+class SchedulerServiceConfig:
+    batching: SchedulerConfig = field(default_factory=SchedulerConfig)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "pagedserve"
+    # Fixed per instance so a restarted scheduler re-reads what it had not acknowledged.
+    consumer_name: str = field(default_factory=lambda: f"scheduler-{socket.gethostname()}")
+    discovery_interval_s: float = 0.5
+    step_timeout_s: float = 120.0
+    max_reroutes: int = 2  # a request whose worker died this often gets an error instead
+    read_batch: int = 256
+
+
+@dataclass
+class WorkerHandle:
+    registration: WorkerRegistration
+    scheduler: BatchScheduler
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    retiring: bool = False
+    task: asyncio.Task | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.registration.worker_id
+
+
+class SchedulerService:
+    def __init__(self, config: SchedulerServiceConfig):
+        self.config = config
+        self.keys = RedisKeys(config.key_prefix)
+        self.redis = aioredis.Redis.from_url(config.redis_url)
+        self.workers: dict[str, WorkerHandle] = {}
+        self.owner: dict[str, WorkerHandle] = {}  # request id → the worker holding it
+        self.entry_ids: dict[str, bytes] = {}  # request id → its stream entry, acked when done
+        self.unassigned: list[NewRequest | RequestState] = []  # waiting for a live worker
+        self.reroutes: dict[str, int] = {}
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        try:
+            await self.redis.xgroup_create(self.keys.requests, SCHEDULER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        tasks = [asyncio.create_task(self._read_requests(), name="read-requests"),
+                 asyncio.create_task(self._discover_workers(), name="discover-workers")]
+        log.info("scheduler %s reading %s", self.config.consumer_name, self.keys.requests)
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for task in [waiter, *tasks, *(h.task for h in self.workers.values() if h.task)]:
+            task.cancel()
+        for task in done:  # surface a crashed reader/discovery task instead of hiding it
+            if task is not waiter and not task.cancelled() and task.exception():
+                raise task.exception()
+        for handle in self.workers.values():
+            await handle.channel.close()
+        await self.redis.aclose()
+
+    # ---- requests in -----------------------------------------------------------------
+
+    async def _read_requests(self) -> None:
+        stream_id = "0"  # first our own pending entries (delivered before a restart), then new ones
+        while True:
+            reply = await self.redis.xreadgroup(
+                SCHEDULER_GROUP, self.config.consumer_name, {self.keys.requests: stream_id},
+                count=self.config.read_batch, block=None if stream_id == "0" else 1000)
+            entries = reply[0][1] if reply else []
+            if stream_id == "0" and not entries:
+                stream_id = ">"
+                continue
+            for entry_id, fields in entries:
+                await self._handle_entry(entry_id, fields)
+
+    async def _handle_entry(self, entry_id: bytes, fields: dict) -> None:
+        try:
+            message = stream_decoder.decode(fields[STREAM_FIELD])
+        except (KeyError, msgspec.DecodeError) as exc:
+            log.error("dropping malformed stream entry %s: %s", entry_id, exc)
+            await self._ack(entry_id)
+            return
+        if isinstance(message, AbortRequest):
+            await self._ack(entry_id)
+            await self._abort(message.request_id)
+            return
+        if message.request_id in self.entry_ids:  # re-delivered while still in flight
+            return
+        self.entry_ids[message.request_id] = entry_id
+        await self._route(message)
+
+    async def _abort(self, request_id: str) -> None:
+        handle = self.owner.get(request_id)
+        if handle is not None and handle.scheduler.abort_request(request_id):
+            handle.wake.set()  # the worker learns to forget it in the next step
+        self.unassigned = [r for r in self.unassigned if r.request_id != request_id]
+        await self._finish(request_id)
+
+    async def _route(self, item: NewRequest | RequestState) -> None:
+        """Least-loaded live worker first (prefix-aware routing comes with prefix caching)."""
+        live = [h for h in self.workers.values() if not h.retiring]
+        if not live:
+            self.unassigned.append(item)
+            return
+        handle = min(live, key=lambda h: h.scheduler.load)
+        add = handle.scheduler.add_request if isinstance(item, NewRequest) else handle.scheduler.add_state
+        error = add(item)
+        if error is not None:  # it can never fit on that worker: tell the client, drop it
+            await self._publish(item.reply_channel, error)
+            await self._finish(item.request_id)
+            return
+        self.owner[item.request_id] = handle
+        handle.wake.set()
+
+    # ---- workers ---------------------------------------------------------------------
+
+    async def _live_registrations(self) -> dict[str, WorkerRegistration]:
+        ids = sorted(m.decode() for m in await self.redis.smembers(self.keys.workers))
+        values = await self.redis.mget([self.keys.worker(i) for i in ids]) if ids else []
+        live = {}
+        for worker_id, raw in zip(ids, values):
+            if raw is None:  # its heartbeat expired: forget it for good
+                await self.redis.srem(self.keys.workers, worker_id)
+            else:
+                live[worker_id] = registration_decoder.decode(raw)
+        return live
+
+    async def _discover_workers(self) -> None:
+        while True:
+            try:
+                live = await self._live_registrations()
+            except aioredis.RedisError as exc:
+                log.warning("worker discovery failed: %s", exc)
+                live = {k: h.registration for k, h in self.workers.items()}
+            for worker_id, handle in list(self.workers.items()):
+                if worker_id not in live or live[worker_id].started_at != handle.registration.started_at:
+                    self._retire(handle, "its registration is gone")
+            for worker_id, reg in live.items():
+                if worker_id not in self.workers:
+                    await self._add_worker(reg)
+            await asyncio.sleep(self.config.discovery_interval_s)
+
+    async def _add_worker(self, reg: WorkerRegistration) -> None:
+        channel = grpc.aio.insecure_channel(reg.address, options=[
+            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        try:
+            info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("worker %s at %s does not answer: %s", reg.worker_id, reg.address, exc.code())
+            await channel.close()
+            return
+        scheduler = BatchScheduler(self.config.batching, num_blocks=info.num_blocks,
+                                   block_size=info.block_size, max_model_len=info.max_model_len)
+        handle = WorkerHandle(reg, scheduler, channel, stub)
+        self.workers[reg.worker_id] = handle
+        handle.task = asyncio.create_task(self._step_loop(handle), name=f"steps-{reg.worker_id}")
+        log.info("worker %s joined (%s, %d blocks)", reg.worker_id, reg.address, info.num_blocks)
+        pending, self.unassigned = self.unassigned, []
+        for item in pending:
+            await self._route(item)
+
+    def _retire(self, handle: WorkerHandle, why: str) -> None:
+        if not handle.retiring:
+            log.warning("retiring worker %s: %s", handle.worker_id, why)
+            handle.retiring = True
+            handle.wake.set()
+
+    async def _step_loop(self, handle: WorkerHandle) -> None:
+        scheduler = handle.scheduler
+        while not handle.retiring:
+            step = scheduler.schedule()
+            if step is None:
+                await self._write_stats(handle)  # idle: a consistent moment to self-check
+                await handle.wake.wait()
+                handle.wake.clear()
+                continue
+            try:
+                result = await handle.stub.Step(step, timeout=self.config.step_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                self._retire(handle, f"Step failed: {exc.code().name} {exc.details()}")
+                break
+            try:
+                finished = scheduler.update(step, result)
+            except ValueError as exc:  # the worker broke the Step contract: stop trusting it
+                self._retire(handle, f"bad StepResult: {exc}")
+                break
+            for state in finished:
+                await self._finish(state.request_id)
+        await self._evacuate(handle)
+
+    async def _evacuate(self, handle: WorkerHandle) -> None:
+        """Move a retired worker's unfinished requests to live workers (they recompute)."""
+        self.workers.pop(handle.worker_id, None)
+        await handle.channel.close()
+        for state in handle.scheduler.drain():
+            self.owner.pop(state.request_id, None)
+            count = self.reroutes.get(state.request_id, 0) + 1
+            self.reroutes[state.request_id] = count
+            if count > self.config.max_reroutes:
+                event = TokenEvent(state.request_id, index=len(state.token_ids) - state.num_prompt_tokens,
+                                   finish_reason="error",
+                                   error=f"request lost its worker {count} times; giving up")
+                await self._publish(state.reply_channel, event)
+                await self._finish(state.request_id)
+            else:
+                await self._route(state)
+
+    async def _write_stats(self, handle: WorkerHandle) -> None:
+        scheduler = handle.scheduler
+        try:
+            scheduler.check_integrity()
+            problem = None
+        except AssertionError as exc:
+            problem = str(exc) or "check_integrity failed"
+            log.error("worker %s: block pool integrity: %s", handle.worker_id, problem)
+        stats = WorkerStats(
+            worker_id=handle.worker_id, num_blocks=scheduler.kv.num_blocks,
+            num_free_blocks=scheduler.kv.num_free_blocks, num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting, num_preemptions=scheduler.num_preemptions,
+            num_steps=scheduler.num_steps, integrity_error=problem, updated_at=time.time())
+        try:
+            await self.redis.set(self.keys.worker_stats(handle.worker_id), stream_encoder.encode(stats),
+                                 ex=3600)
+        except aioredis.RedisError as exc:
+            log.warning("could not write stats: %s", exc)
+
+    # ---- requests out ----------------------------------------------------------------
+
+    async def _publish(self, channel: str, event: TokenEvent) -> None:
+        await self.redis.publish(channel, stream_encoder.encode([event]))
+
+    async def _finish(self, request_id: str) -> None:
+        entry_id = self.entry_ids.get(request_id)
+        self._forget(request_id)
+        if entry_id is not None:
+            await self._ack(entry_id)
+
+    def _forget(self, request_id: str) -> None:
+        self.owner.pop(request_id, None)
+        self.entry_ids.pop(request_id, None)
+        self.reroutes.pop(request_id, None)
+
+    async def _ack(self, entry_id: bytes) -> None:
+        """Acknowledge and delete: a finished request's entry is of no further use."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xack(self.keys.requests, SCHEDULER_GROUP, entry_id)
+        pipe.xdel(self.keys.requests, entry_id)
+        await pipe.execute()
