@@ -9,6 +9,7 @@ import torch
 from proto import worker_pb2
 from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
+from worker_svc.model.config import DecoderConfig
 from worker_svc.model_runner import ModelRunner, StepConsistencyError
 from worker_svc.request_state import RequestState
 
@@ -154,6 +155,24 @@ def test_preempted_request_resumes_with_its_tokens(tiny_model_dir, hf_model):
         assert sched.outputs(f"r{i}") == hf_greedy(hf_model, p, 14), f"r{i}"
 
 
+def chunked_prefill_logits(runner: ModelRunner, prompt: list[int], chunks: list[int],
+                           block_ids: list[int]) -> torch.Tensor:
+    """Logits of every prompt row, computed chunk by chunk through the paged cache."""
+    state = RequestState(worker_pb2.NewRequestData(
+        request_id="x", token_ids=prompt, num_prompt_tokens=len(prompt), block_ids=block_ids),
+        runner.device)
+    got = []
+    for n in chunks:
+        batch = build_flat_batch([(state, n)], runner.config.block_size, runner.backend.plan,
+                                 runner.device)
+        with torch.inference_mode():
+            got.append(runner.model(batch.input_ids, batch.positions, batch.attn,
+                                    (runner.kv_cache.k_caches, runner.kv_cache.v_caches),
+                                    torch.arange(n)))
+        state.num_computed_tokens += n
+    return torch.cat(got)
+
+
 def test_prefill_logits_match_transformers(tiny_model_dir, hf_model):
     """All-row logits of a two-chunk prefill (the second chunk reads the first from the
     paged cache) equal transformers' logits for the whole sequence."""
@@ -161,18 +180,58 @@ def test_prefill_logits_match_transformers(tiny_model_dir, hf_model):
     prompt = prompts(3, [37])[0]
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt])).logits[0]
-    state = RequestState(worker_pb2.NewRequestData(
-        request_id="x", token_ids=prompt, num_prompt_tokens=len(prompt),
-        block_ids=[30, 2, 17, 5, 9, 0, 11, 25, 3, 21], num_computed_tokens=0), runner.device)
-    got = []
-    for n in (20, 17):
-        batch = build_flat_batch([(state, n)], 4, runner.backend.plan, runner.device)
-        rows = torch.arange(n)
-        with torch.inference_mode():
-            got.append(runner.model(batch.input_ids, batch.positions, batch.attn,
-                                    (runner.kv_cache.k_caches, runner.kv_cache.v_caches), rows))
-        state.num_computed_tokens += n
-    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+    got = chunked_prefill_logits(runner, prompt, [20, 17], [30, 2, 17, 5, 9, 0, 11, 25, 3, 21])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+VARIANTS = {
+    # Llama 3 rope scaling (a small original context, so positions here are affected),
+    # tied embeddings, a head_dim that is not hidden / heads, biases, one kv head (MQA).
+    "llama3_rope_tied_bias_mqa": dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
+        tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16}),
+    "no_gqa_eps": dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3,
+                       rms_norm_eps=1e-3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_config_variants_match_transformers(tmp_path, name):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, intermediate_size=96, num_hidden_layers=2,
+                         max_position_embeddings=256, initializer_range=0.1, **VARIANTS[name])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # biases and norms start at 0 and 1: make them matter
+        for pname, param in hf.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                param.add_(torch.randn_like(param) * 0.1)
+    hf.save_pretrained(tmp_path)
+    prompt = prompts(4, [45])[0]
+    prompt = [t % 300 for t in prompt]
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    runner = ModelRunner(RunnerConfig(model=str(tmp_path), block_size=8, num_blocks=12))
+    got = chunked_prefill_logits(runner, prompt, [30, 1, 14], [11, 3, 7, 0, 5, 9])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_reads_transformers_v4_config_spelling():
+    cfg = DecoderConfig.from_dict({
+        "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+        "rope_scaling": {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "eos_token_id": 7,
+    }, generation={"eos_token_id": [7, 9]})
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta) == (2, 4, 500000.0)
+    assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 32.0
+    assert cfg.dtype == torch.bfloat16 and cfg.eos_token_ids == (7, 9)
 
 
 def test_describe_and_consistency_check(tiny_model_dir):
