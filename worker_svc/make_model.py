@@ -19,8 +19,9 @@ decodes.
 Logit separation: with the usual 0.02 init a random model's logits are nearly flat, so
 greedy argmax hits near-ties and "equals transformers token for token" becomes a coin
 toss at float noise level. `tiny` and `small` draw their weights with a larger
-`initializer_range` (sharper attention, more varied outputs), and every preset's LM head is scaled so the logits have a standard deviation of ~3 (`tiny`, 2000 greedy
-steps: median top-1/top-2 gap 0.61, 1st percentile 6e-3, under 1e-3 in 0.15% of steps;
+`initializer_range` (sharper attention, more varied outputs), and every preset's LM head
+is scaled so the logits have a standard deviation of ~3 (`tiny`, 2000 greedy steps:
+median top-1/top-2 gap 0.61, 1st percentile 6e-3, under 1e-3 in 0.15% of steps;
 tests/test_make_model.py keeps an eye on it).
 """
 
