@@ -1,9 +1,10 @@
 """Pick the attention backend a worker runs: the functions that touch the paged KV cache.
 
 Every backend offers the same four calls (signatures as in kernels/torch_attention.py):
-`plan(block_tables, seq_lens, query_start_loc, block_size, sliding_window)` once per step,
-`paged_attention(..., plan=plan)` and `write_kv(...)` per layer, `copy_blocks(...)` for
-copy-on-write. Today only the torch backend exists; Triton kernels come later.
+`plan(block_tables, seq_lens, query_start_loc, block_size, sliding_window, workspace)` once
+per step, `paged_attention(..., plan=plan)` and `write_kv(...)` per layer, `copy_blocks(...)`
+for copy-on-write; `new_workspace()` makes the scratch memory a worker keeps for its life.
+Today only the torch backend exists; Triton kernels come later.
 """
 
 from collections.abc import Callable
@@ -21,6 +22,7 @@ class AttentionBackend:
     paged_attention: Callable
     write_kv: Callable
     copy_blocks: Callable
+    new_workspace: Callable
 
 
 TORCH_BACKEND = AttentionBackend(
@@ -29,6 +31,7 @@ TORCH_BACKEND = AttentionBackend(
     paged_attention=torch_attention.paged_attention,
     write_kv=torch_attention.write_kv,
     copy_blocks=torch_attention.copy_blocks,
+    new_workspace=torch_attention.Workspace,
 )
 
 

@@ -90,6 +90,17 @@ def test_plan_is_reusable_across_layers():
         torch.testing.assert_close(out, ref, **FP32)
 
 
+def test_one_workspace_serves_batches_of_any_size():
+    """A long-lived workspace grows and shrinks its views as batches change."""
+    workspace = torch_attention.Workspace()
+    for seed, name in enumerate(["single_long", "decode_only", "mixed", "prefill_only", "single_long"]):
+        query, k_cache, v_cache, bt, seq_lens, qsl = make_case(50 + seed, MIXES[name])
+        plan = torch_attention.plan_attention(bt, seq_lens, qsl, k_cache.shape[1], workspace=workspace)
+        ref = paged_attention_reference(query, k_cache, v_cache, bt, seq_lens, qsl, 0.2)
+        out = torch_attention.paged_attention(query, k_cache, v_cache, bt, seq_lens, qsl, 0.2, plan=plan)
+        torch.testing.assert_close(out, ref, **FP32)
+
+
 def test_bf16_close_to_reference():
     query, k_cache, v_cache, bt, seq_lens, qsl = make_case(
         5, MIXES["mixed"], dtype=torch.bfloat16)

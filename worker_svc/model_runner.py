@@ -16,6 +16,7 @@ Requests that finished keep their state until the scheduler forgets them, but ar
 computed or sampled again (a scheduler that still lists them gets nothing for them).
 """
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -54,6 +55,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, cfg)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        # scratch memory of the attention backend, kept for the runner's life
+        self.plan_attention = functools.partial(self.backend.plan,
+                                                workspace=self.backend.new_workspace())
         self.model = load_model(config.model, cfg, self.backend, self.max_model_len,
                                 self.dtype, self.device)
         num_blocks = config.num_blocks or num_blocks_for_memory(
@@ -123,7 +127,8 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[tuple[RequestState, int]]) -> list[tuple[RequestState, int]]:
         """Forward the flat batch, advance num_computed_tokens, sample; (request, token)."""
-        batch = build_flat_batch(scheduled, self.config.block_size, self.backend.plan, self.device)
+        batch = build_flat_batch(scheduled, self.config.block_size, self.plan_attention,
+                                 self.device)
         logits = self.model(batch.input_ids, batch.positions, batch.attn,
                             (self.kv_cache.k_caches, self.kv_cache.v_caches), batch.logits_indices)
         for state, n in scheduled:
