@@ -20,7 +20,8 @@ paged_attention, in pseudo-code:
 
 index_select is used instead of advanced indexing: on CPU it is ~2x faster for this gather.
 The gathers write into a `Workspace` that outlives the step: allocating fresh ~10 MB
-tensors per layer costs page faults that made decode steps 2-5x slower on a small VM.
+tensors per layer costs page faults (decode steps of the `small` preset at batch 32 were
+~25% slower that way on a 2-core VM, with worse spikes).
 Padded keys are masked, but SDPA still multiplies them by a zero probability, so they must
 be finite: the cache is zero-initialised and only ever written with model outputs.
 soft_cap needs the raw scores, so it takes an explicit-matmul path (Gemma only).
@@ -156,7 +157,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Same result as `paged_attention_reference`; pass `plan` to reuse it across layers
     (it must have been built with the same sliding_window), `out` to write in place."""
-    num_tokens, num_heads, head_dim = query.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     if plan is None:
