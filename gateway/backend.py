@@ -1,0 +1,175 @@
+"""The gateway's Redis side: submit and abort requests, route token events, see workers.
+
+One `RedisBackend` per gateway process. It owns:
+- a gateway id (uuid) and its reply channel `keys.reply_channel(gateway_id)`;
+- ONE subscription task that decodes every message on that channel (a msgpack
+  `list[TokenEvent]`) and puts each event on the asyncio queue of its request;
+- a short-lived cache of the live workers' `WorkerRegistration`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from proto.keys import STREAM_FIELD, RedisKeys
+from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistration,
+                            events_decoder, registration_decoder, stream_encoder)
+
+logger = logging.getLogger(__name__)
+
+_RESUBSCRIBE_DELAY_S = 0.25
+_RESUBSCRIBE_MAX_DELAY_S = 5.0
+
+
+class RedisBackend:
+    def __init__(self, redis_url: str, keys: RedisKeys, worker_cache_ttl_s: float = 1.0):
+        self.keys = keys
+        self.gateway_id = uuid.uuid4().hex
+        self.reply_channel = keys.reply_channel(self.gateway_id)
+        self._worker_cache_ttl_s = worker_cache_ttl_s
+        # Commands time out so a dead Redis yields a 503, not a hung request. The subscriber
+        # has its own client without a read timeout: it legitimately waits for a long time.
+        self._client = aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self._sub_client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5)
+        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._subscribed = asyncio.Event()
+        self._listener: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        self._workers: list[WorkerRegistration] = []
+        self._workers_at = float("-inf")
+        self._closing = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self, timeout_s: float = 10.0) -> None:
+        """Subscribe before the first request can be submitted, so no event is missed."""
+        self._listener = asyncio.create_task(self._listen(), name=f"gateway-{self.gateway_id}-events")
+        if not await self.ping():
+            logger.warning("Redis does not answer; subscribing in the background")
+            return
+        try:
+            await asyncio.wait_for(self._subscribed.wait(), timeout_s)
+        except TimeoutError:
+            # Redis is not up yet: keep retrying in the background; /health says 503 meanwhile.
+            logger.warning("could not subscribe to %s within %.0fs; retrying", self.reply_channel, timeout_s)
+
+    async def stop(self) -> None:
+        self._closing = True
+        if self._background:  # pending aborts
+            await asyncio.wait(self._background, timeout=2)
+        if self._listener is not None:
+            # redis-py (8.1) sometimes swallows a cancellation that lands mid-read, so the
+            # wait is bounded; closing the client below then ends the read, and the loop
+            # sees _closing.
+            self._listener.cancel()
+            await asyncio.wait({self._listener}, timeout=2)
+        await self._client.aclose()
+        await self._sub_client.aclose()
+
+    async def _listen(self) -> None:
+        """Subscribe and route forever; on a lost connection, resubscribe with a backoff.
+        Events published while unsubscribed are lost: their requests end by timeout."""
+        delay = _RESUBSCRIBE_DELAY_S
+        while not self._closing:
+            pubsub = self._sub_client.pubsub()
+            try:
+                await pubsub.subscribe(self.reply_channel)
+                async for message in pubsub.listen():
+                    if self._closing:
+                        break
+                    if message["type"] == "subscribe":
+                        self._subscribed.set()
+                        delay = _RESUBSCRIBE_DELAY_S
+                    elif message["type"] == "message":
+                        self._route(message["data"])
+            except (RedisError, OSError) as exc:
+                if self._closing:
+                    break
+                if self._subscribed.is_set() or delay == _RESUBSCRIBE_DELAY_S:  # once per outage
+                    logger.warning("reply channel %s lost (%s); resubscribing", self.reply_channel, exc)
+                self._subscribed.clear()
+            except Exception:  # a bug, not an outage: keep serving, but say so loudly
+                logger.exception("reply channel %s failed; resubscribing", self.reply_channel)
+            finally:
+                await asyncio.shield(pubsub.aclose())
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _RESUBSCRIBE_MAX_DELAY_S)
+
+    def _route(self, data: bytes) -> None:
+        try:
+            events = events_decoder.decode(data)
+        except msgspec.DecodeError:
+            logger.error("undecodable message on %s (%d bytes) dropped", self.reply_channel, len(data))
+            return
+        for event in events:
+            queue = self._queues.get(event.request_id)
+            if queue is not None:  # else: finished or aborted here already; late events drop
+                queue.put_nowait(event)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def open(self, request_id: str) -> asyncio.Queue[TokenEvent]:
+        """The queue that will receive `request_id`'s events; open it before submitting."""
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def submit(self, request: NewRequest) -> None:
+        await self._client.xadd(self.keys.requests, {STREAM_FIELD: stream_encoder.encode(request)})
+
+    async def abort(self, request_id: str) -> None:
+        await self._client.xadd(self.keys.requests,
+                                {STREAM_FIELD: stream_encoder.encode(AbortRequest(request_id))})
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort from code that cannot await (a cancelled stream's cleanup): the XADD runs as
+        its own task, outside the cancelled scope."""
+        task = asyncio.get_running_loop().create_task(self._abort_logged(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_logged(self, request_id: str) -> None:
+        try:
+            await self.abort(request_id)
+        except RedisError:
+            logger.warning("could not send the abort of %s", request_id, exc_info=True)
+
+    # ---- workers and health ---------------------------------------------------------------
+
+    async def live_workers(self) -> list[WorkerRegistration]:
+        """Registrations of workers whose key has not expired, reused for worker_cache_ttl_s."""
+        if time.monotonic() - self._workers_at < self._worker_cache_ttl_s:
+            return self._workers
+        ids = sorted(m.decode() if isinstance(m, bytes) else m
+                     for m in await self._client.smembers(self.keys.workers))
+        values = await self._client.mget([self.keys.worker(i) for i in ids]) if ids else []
+        self._workers = list(_decode_registrations(ids, values))
+        self._workers_at = time.monotonic()
+        return self._workers
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._client.ping())
+        except (RedisError, OSError):
+            return False
+
+
+def _decode_registrations(ids: list[str], values: Iterable[bytes | None]) -> Iterable[WorkerRegistration]:
+    for worker_id, value in zip(ids, values):
+        if value is None:  # its TTL ran out: the worker is dead (or never finished registering)
+            continue
+        try:
+            yield registration_decoder.decode(value)
+        except msgspec.DecodeError:
+            logger.warning("worker %s has an undecodable registration; ignored", worker_id)

@@ -1,0 +1,131 @@
+"""One request's life inside the gateway, after validation (DESIGN.md steps 2 and 8).
+
+    generation = Generation(backend, tokenizer, new_request, stop=..., ...)
+    try:
+        async for output in generation.outputs():   # submits, then yields text increments
+            ...
+    finally:
+        generation.close()                           # aborts it if it did not finish
+
+Token events are deduplicated by `index` (a request re-routed after a worker died resumes at
+the right index, possibly repeating tokens we have), detokenized incrementally, and cut at
+stop strings; a stop-string hit sends an AbortRequest so the scheduler frees the blocks.
+Failures reach the caller as `OpenAIError`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from gateway.backend import RedisBackend
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.errors import OpenAIError
+from gateway.stop_strings import StopStringMatcher
+from gateway.tokenizer import PromptTokenizer
+from proto.messages import NewRequest, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    text: str  # new text since the previous output (may be "" in the final one)
+    num_tokens: int  # completion tokens so far
+    finish_reason: str | None  # "stop" or "length" in the last output, else None
+
+
+class Generation:
+    def __init__(self, backend: RedisBackend, tokenizer: PromptTokenizer, request: NewRequest,
+                 *, stop: list[str] | None, timeout_s: float):
+        self.request = request
+        self._backend = backend
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._stop = StopStringMatcher(stop)
+        self._timeout_s = timeout_s
+        self._submitted = False
+        self._finished = False  # the scheduler is done with it, or we already aborted it
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    async def outputs(self) -> AsyncIterator[GenerationOutput]:
+        # Submitted lazily, on first iteration: a stream the server never starts (client gone
+        # before the first byte) then leaves nothing behind at the scheduler.
+        queue = self._backend.open(self.request_id)
+        self._submitted = True  # before the XADD: if it is cancelled midway, close() aborts
+        try:
+            await self._backend.submit(self.request)
+        except (RedisError, OSError) as exc:
+            raise OpenAIError(503, f"The request queue is unreachable: {exc}") from exc
+        while not self._finished:
+            event = await self._next_event(queue)
+            output = await self._apply(event)
+            if output is not None:
+                yield output
+
+    def close(self) -> None:
+        """Release the event queue; abort at the scheduler if the request is still running
+        (client gone, timeout, or the caller stopped iterating)."""
+        self._backend.close(self.request_id)
+        if self._submitted and not self._finished:
+            self._finished = True
+            self._backend.abort_soon(self.request_id)
+
+    async def _next_event(self, queue: asyncio.Queue[TokenEvent]) -> TokenEvent:
+        try:
+            return await asyncio.wait_for(queue.get(), self._timeout_s)
+        except TimeoutError:
+            raise OpenAIError(504, f"No tokens arrived for {self._timeout_s:g}s; the request was "
+                                   "aborted.", code="timeout") from None
+
+    async def _apply(self, event: TokenEvent) -> GenerationOutput | None:
+        if event.finish_reason in ("error", "abort"):
+            self._finished = True  # the scheduler has already dropped it
+            if event.finish_reason == "abort":
+                raise OpenAIError(503, "The request was aborted by the server.", code="aborted")
+            raise OpenAIError(500, f"The model failed on this request: {event.error or 'unknown error'}",
+                              type="server_error", code="generation_error")
+        pieces: list[str] = []
+        for token_id in self._new_tokens(event):
+            check = self._stop.feed(self._detokenizer.step(token_id), check=self._stops_active())
+            pieces.append(check.text)
+            if check.stopped:
+                return await self._stop_string_hit(pieces, event)
+        if event.finish_reason is None:
+            text = "".join(pieces)
+            return GenerationOutput(text, self._detokenizer.num_tokens, None) if text else None
+        # The scheduler finished it ("stop": EOS / stop token, "length": max_tokens).
+        self._finished = True
+        check = self._stop.feed(self._detokenizer.flush(), check=self._stops_active())
+        pieces.append(check.text)
+        pieces.append(self._stop.flush())
+        reason = "stop" if check.stopped else event.finish_reason
+        return GenerationOutput("".join(pieces), self._detokenizer.num_tokens, reason)
+
+    def _new_tokens(self, event: TokenEvent) -> list[int]:
+        """The event's tokens we do not have yet. Events of one request arrive in order, but
+        after a re-route the new worker may resend positions we already hold."""
+        have = self._detokenizer.num_tokens
+        if event.index > have:
+            logger.warning("request %s: tokens %d..%d never arrived; continuing at %d",
+                           self.request_id, have, event.index - 1, event.index)
+        return event.token_ids[max(0, have - event.index):]
+
+    def _stops_active(self) -> bool:
+        # Like vLLM: stop strings count only once more than min_tokens tokens exist.
+        return self._detokenizer.num_tokens > self.request.sampling.min_tokens
+
+    async def _stop_string_hit(self, pieces: list[str], event: TokenEvent) -> GenerationOutput:
+        self._finished = True
+        if event.finish_reason is None:  # still running at the scheduler: free its blocks
+            try:
+                await self._backend.abort(self.request_id)
+            except (RedisError, OSError):
+                logger.warning("could not abort %s after its stop string", self.request_id, exc_info=True)
+        return GenerationOutput("".join(pieces), self._detokenizer.num_tokens, "stop")
