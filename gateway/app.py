@@ -71,7 +71,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await read_body(request, config.max_body_bytes))
         admitted = await request.app.state.preflight.admit_completion(body)
-        fmt = CompletionFormat(admitted.request.request_id, config.model_name)
+        fmt = CompletionFormat(admitted.request.request_id, config.model_name,
+                               admitted.request.prompt_token_ids, bool(body.return_token_ids))
         return await _answer(request, admitted, fmt, stream=bool(body.stream),
                              include_usage=body.include_usage)
 
@@ -79,7 +80,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await read_body(request, config.max_body_bytes))
         admitted = await request.app.state.preflight.admit_chat(body)
-        fmt = ChatFormat(admitted.request.request_id, config.model_name)
+        fmt = ChatFormat(admitted.request.request_id, config.model_name,
+                         admitted.request.prompt_token_ids, bool(body.return_token_ids))
         return await _answer(request, admitted, fmt, stream=bool(body.stream),
                              include_usage=body.include_usage)
 

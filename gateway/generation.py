@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GenerationOutput:
-    text: str  # new text since the previous output (may be "" in the final one)
+    text: str  # new text since the previous output (may be "": ids mid-character, or the end)
+    token_ids: list[int]  # the output ids that arrived since the previous output
     num_tokens: int  # completion tokens so far
     finish_reason: str | None  # "stop" or "length" in the last output, else None
 
@@ -92,21 +93,25 @@ class Generation:
             raise OpenAIError(500, f"The model failed on this request: {event.error or 'unknown error'}",
                               type="server_error", code="generation_error")
         pieces: list[str] = []
+        taken: list[int] = []
         for token_id in self._new_tokens(event):
+            taken.append(token_id)
             check = self._stop.feed(self._detokenizer.step(token_id), check=self._stops_active())
             pieces.append(check.text)
             if check.stopped:
-                return await self._stop_string_hit(pieces, event)
+                await self._stop_string_hit(event)
+                return self._output(pieces, taken, "stop")
         if event.finish_reason is None:
-            text = "".join(pieces)
-            return GenerationOutput(text, self._detokenizer.num_tokens, None) if text else None
+            return self._output(pieces, taken, None) if taken else None
         # The scheduler finished it ("stop": EOS / stop token, "length": max_tokens).
         self._finished = True
         check = self._stop.feed(self._detokenizer.flush(), check=self._stops_active())
         pieces.append(check.text)
         pieces.append(self._stop.flush())
-        reason = "stop" if check.stopped else event.finish_reason
-        return GenerationOutput("".join(pieces), self._detokenizer.num_tokens, reason)
+        return self._output(pieces, taken, "stop" if check.stopped else event.finish_reason)
+
+    def _output(self, pieces: list[str], token_ids: list[int], finish_reason: str | None) -> GenerationOutput:
+        return GenerationOutput("".join(pieces), token_ids, self._detokenizer.num_tokens, finish_reason)
 
     def _new_tokens(self, event: TokenEvent) -> list[int]:
         """The event's tokens we do not have yet. Events of one request arrive in order, but
@@ -121,11 +126,10 @@ class Generation:
         # Like vLLM: stop strings count only once more than min_tokens tokens exist.
         return self._detokenizer.num_tokens > self.request.sampling.min_tokens
 
-    async def _stop_string_hit(self, pieces: list[str], event: TokenEvent) -> GenerationOutput:
+    async def _stop_string_hit(self, event: TokenEvent) -> None:
         self._finished = True
         if event.finish_reason is None:  # still running at the scheduler: free its blocks
             try:
                 await self._backend.abort(self.request_id)
             except (RedisError, OSError):
                 logger.warning("could not abort %s after its stop string", self.request_id, exc_info=True)
-        return GenerationOutput("".join(pieces), self._detokenizer.num_tokens, "stop")

@@ -60,6 +60,7 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    return_token_ids: bool | None = False  # vLLM extension: prompt and output token ids too
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -244,11 +245,26 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class _TokenIdsWhenAsked(BaseModel):
+    """`token_ids` / `prompt_token_ids` (vLLM's `return_token_ids` extension) appear only
+    when they were asked for; every other null field stays in the JSON, as OpenAI sends it."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unrequested_ids(self, handler):
+        data = handler(self)
+        for key in ("token_ids", "prompt_token_ids"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
+class CompletionChoice(_TokenIdsWhenAsked):
     index: int = 0
     text: str
     logprobs: None = None
     finish_reason: FinishReason | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -261,19 +277,30 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # sent (as null until the last chunk) only with include_usage
+    system_fingerprint: str | None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_TokenIdsWhenAsked):
     index: int = 0
     message: AssistantMessage
     logprobs: None = None
     finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIdsWhenAsked):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now)
@@ -281,6 +308,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Delta(BaseModel):
@@ -294,14 +322,15 @@ class Delta(BaseModel):
         return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_TokenIdsWhenAsked):
     index: int = 0
     delta: Delta
     logprobs: None = None
     finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_TokenIdsWhenAsked):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -309,16 +338,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None  # sent (as null until the last chunk) only with include_usage
     system_fingerprint: str | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # first chunk only
 
 
 class ModelCard(BaseModel):

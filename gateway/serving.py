@@ -43,10 +43,10 @@ async def stream_sse(generation: Generation, fmt: ResponseFormat, *, include_usa
             yield _event(first, include_usage)
         async for output in generation.outputs():
             num_tokens = output.num_tokens
-            if output.text:
-                yield _event(fmt.chunk(output.text, None), include_usage)
+            if output.text or (fmt.return_token_ids and output.token_ids):
+                yield _event(fmt.chunk(output.text, None, output.token_ids), include_usage)
             if output.finish_reason is not None:
-                yield _event(fmt.chunk("", output.finish_reason), include_usage)
+                yield _event(fmt.chunk("", output.finish_reason, []), include_usage)
         if include_usage:
             yield _event(fmt.usage_chunk(usage(num_prompt_tokens, num_tokens)), include_usage)
     except OpenAIError as exc:
@@ -77,18 +77,20 @@ async def collect(generation: Generation, fmt: ResponseFormat, *, num_prompt_tok
     if not collecting.done() or collecting.cancelled():
         # The client is gone; nobody reads this, but the ASGI call still needs an answer.
         return Response(status_code=499)
-    text, num_tokens, finish_reason = collecting.result()  # raises the generation's error
-    body = fmt.response(text, finish_reason, usage(num_prompt_tokens, num_tokens))
+    text, token_ids, finish_reason = collecting.result()  # raises the generation's error
+    body = fmt.response(text, finish_reason, usage(num_prompt_tokens, len(token_ids)), token_ids)
     return JSONResponse(body.model_dump(mode="json"))
 
 
-async def _collect_text(generation: Generation) -> tuple[str, int, str | None]:
+async def _collect_text(generation: Generation) -> tuple[str, list[int], str | None]:
     pieces: list[str] = []
-    num_tokens, finish_reason = 0, None
+    token_ids: list[int] = []
+    finish_reason = None
     async for output in generation.outputs():
         pieces.append(output.text)
-        num_tokens, finish_reason = output.num_tokens, output.finish_reason
-    return "".join(pieces), num_tokens, finish_reason
+        token_ids += output.token_ids
+        finish_reason = output.finish_reason
+    return "".join(pieces), token_ids, finish_reason
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -60,6 +60,7 @@ async def test_completion(config, tokenizer):
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["object"] == "text_completion" and body["model"] == MODEL
+    # Exactly OpenAI's keys: no token_ids unless asked for.
     assert body["choices"] == [{"index": 0, "text": " and 日本語 too", "logprobs": None, "finish_reason": "length"}]
     prompt_ids = tokenizer.encode_text("Hello")
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
@@ -71,6 +72,31 @@ async def test_completion(config, tokenizer):
     sampling = request.sampling
     assert (sampling.max_tokens, sampling.temperature, sampling.seed) == (len(ids), 0.0, 3)
     assert sampling.stop_token_ids == [7] and not sampling.ignore_eos
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_return_token_ids(config, tokenizer, stream):
+    """vLLM's extension: output ids (in a stream, per chunk, ids mid-character included) and
+    the prompt's ids once."""
+    ids = tokenizer.encode_text("ids of 🙂 and é")
+    async with FakeWorker(config, lambda r: token_events(r.request_id, ids, "length")):
+        async with gateway_client(config) as client:
+            response = await client.post("/v1/completions", json={
+                "model": MODEL, "prompt": [5, 6, 7], "max_tokens": len(ids), "stream": stream,
+                "return_token_ids": True})
+            chat = (await client.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "x"}], "return_token_ids": True})).json()
+    if stream:
+        choices = [c["choices"][0] for c in sse_events(response.text)]
+        assert choices[0]["prompt_token_ids"] == [5, 6, 7]
+        assert all("prompt_token_ids" not in c for c in choices[1:])
+        assert [t for c in choices for t in c["token_ids"]] == ids
+        assert "".join(c["text"] for c in choices) == "ids of 🙂 and é"
+    else:
+        [choice] = response.json()["choices"]
+        assert (choice["prompt_token_ids"], choice["token_ids"]) == ([5, 6, 7], ids)
+    assert chat["choices"][0]["token_ids"] == ids
+    assert chat["prompt_token_ids"] == tokenizer.encode_chat([{"role": "user", "content": "x"}])
 
 
 async def test_chat_stream_with_usage(config, tokenizer):
