@@ -15,6 +15,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,6 +45,8 @@ class SchedulerServiceConfig:
     step_timeout_s: float = 120.0
     max_reroutes: int = 2  # a request whose worker died this often gets an error instead
     read_batch: int = 256
+    max_early_aborts: int = 10_000
+    idle_stats_interval_s: float = 1.0
 
 
 @dataclass
@@ -71,6 +74,10 @@ class SchedulerService:
         self.entry_ids: dict[str, bytes] = {}  # request id → its stream entry, acked when done
         self.unassigned: list[NewRequest | RequestState] = []  # waiting for a live worker
         self.reroutes: dict[str, int] = {}
+        # Aborts that overtook their NewRequest (the gateway's XADD was cancelled midway):
+        # remembered, boundedly, so the request is dropped when it does arrive.
+        self.early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._stopping = False
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -81,13 +88,18 @@ class SchedulerService:
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        await self._refresh_workers()  # know every live worker before routing anything
         tasks = [asyncio.create_task(self._read_requests(), name="read-requests"),
                  asyncio.create_task(self._discover_workers(), name="discover-workers")]
         log.info("scheduler %s reading %s", self.config.consumer_name, self.keys.requests)
         waiter = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for task in [waiter, *tasks, *(h.task for h in self.workers.values() if h.task)]:
+        # The loops also check _stopping: a blocking redis-py read may swallow a cancellation.
+        self._stopping = True
+        everything = [waiter, *tasks, *(h.task for h in self.workers.values() if h.task)]
+        for task in everything:
             task.cancel()
+        await asyncio.wait(everything, timeout=3)
         for task in done:  # surface a crashed reader/discovery task instead of hiding it
             if task is not waiter and not task.cancelled() and task.exception():
                 raise task.exception()
@@ -99,7 +111,7 @@ class SchedulerService:
 
     async def _read_requests(self) -> None:
         stream_id = "0"  # first our own pending entries (delivered before a restart), then new ones
-        while True:
+        while not self._stopping:
             reply = await self.redis.xreadgroup(
                 SCHEDULER_GROUP, self.config.consumer_name, {self.keys.requests: stream_id},
                 count=self.config.read_batch, block=None if stream_id == "0" else 1000)
@@ -123,10 +135,19 @@ class SchedulerService:
             return
         if message.request_id in self.entry_ids:  # re-delivered while still in flight
             return
+        if message.request_id in self.early_aborts:
+            del self.early_aborts[message.request_id]
+            await self._ack(entry_id)
+            return
         self.entry_ids[message.request_id] = entry_id
         await self._route(message)
 
     async def _abort(self, request_id: str) -> None:
+        if request_id not in self.entry_ids:
+            self.early_aborts[request_id] = None
+            while len(self.early_aborts) > self.config.max_early_aborts:
+                self.early_aborts.popitem(last=False)
+            return
         handle = self.owner.get(request_id)
         if handle is not None and handle.scheduler.abort_request(request_id):
             handle.wake.set()  # the worker learns to forget it in the next step
@@ -163,19 +184,22 @@ class SchedulerService:
         return live
 
     async def _discover_workers(self) -> None:
-        while True:
-            try:
-                live = await self._live_registrations()
-            except aioredis.RedisError as exc:
-                log.warning("worker discovery failed: %s", exc)
-                live = {k: h.registration for k, h in self.workers.items()}
-            for worker_id, handle in list(self.workers.items()):
-                if worker_id not in live or live[worker_id].started_at != handle.registration.started_at:
-                    self._retire(handle, "its registration is gone")
-            for worker_id, reg in live.items():
-                if worker_id not in self.workers:
-                    await self._add_worker(reg)
+        while not self._stopping:
             await asyncio.sleep(self.config.discovery_interval_s)
+            await self._refresh_workers()
+
+    async def _refresh_workers(self) -> None:
+        try:
+            live = await self._live_registrations()
+        except aioredis.RedisError as exc:
+            log.warning("worker discovery failed: %s", exc)
+            return
+        for worker_id, handle in list(self.workers.items()):
+            if worker_id not in live or live[worker_id].started_at != handle.registration.started_at:
+                self._retire(handle, "its registration is gone")
+        for worker_id, reg in live.items():
+            if worker_id not in self.workers:
+                await self._add_worker(reg)
 
     async def _add_worker(self, reg: WorkerRegistration) -> None:
         channel = grpc.aio.insecure_channel(reg.address, options=[
@@ -208,8 +232,13 @@ class SchedulerService:
         while not handle.retiring:
             step = scheduler.schedule()
             if step is None:
-                await self._write_stats(handle)  # idle: a consistent moment to self-check
-                await handle.wake.wait()
+                # Idle: a consistent moment to self-check; repeated while idle so readers
+                # of the stats can tell fresh from stale by updated_at.
+                await self._write_stats(handle)
+                try:
+                    await asyncio.wait_for(handle.wake.wait(), self.config.idle_stats_interval_s)
+                except TimeoutError:
+                    continue
                 handle.wake.clear()
                 continue
             try:

@@ -37,13 +37,15 @@ def worker_stats(stack: Stack) -> dict[str, WorkerStats]:
 
 
 def wait_until_idle(stack: Stack, worker_ids: list[str] | None = None, timeout: float = 30.0) -> dict[str, WorkerStats]:
-    """Wait until every worker's pool is entirely free again; return the stats."""
+    """Wait until every worker's pool is entirely free again, as stats written from now on
+    say (a client has its tokens before the scheduler has the step's result); return them."""
+    since = time.time()
     deadline = time.monotonic() + timeout
     while True:
         stats = worker_stats(stack)
-        chosen = [stats[w] for w in worker_ids] if worker_ids and all(w in stats for w in worker_ids) else list(stats.values())
-        if chosen and all(s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_waiting == 0
-                          for s in chosen):
+        chosen = [stats.get(w) for w in worker_ids] if worker_ids else list(stats.values())
+        if chosen and all(s is not None and s.updated_at >= since and s.num_free_blocks == s.num_blocks
+                          and s.num_running == 0 and s.num_waiting == 0 for s in chosen):
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still held after {timeout}s: {stats}")

@@ -1,0 +1,157 @@
+"""The whole pipeline, started for real: official `openai` client → gateway (uvicorn) →
+Redis stream → scheduler → gRPC → worker → Redis pub/sub → gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.stack_helpers import running_stack, wait_until_idle, worker_stats
+
+pytestmark = pytest.mark.e2e
+
+NUM_BLOCKS = 48  # 768 token slots for 24 requests needing ~2,400: forces preemption
+TOKEN_BUDGET = 48  # prompts up to 120 tokens are prefilled in chunks
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, redis_url, tmp_path_factory):
+    with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run"),
+                       worker_args=("--num-blocks", str(NUM_BLOCKS)),
+                       scheduler_args=("--max-num-batched-tokens", str(TOKEN_BUDGET))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                             do_sample=False, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_greedy_equals_transformers_with_chunking_and_preemption(stack, hf_model, tokenizer):
+    rng = random.Random(0)
+    vocab = tokenizer.vocab_size
+    special = set(tokenizer.all_special_ids)
+    cases = []
+    for i in range(24):
+        prompt = [t for t in (rng.randrange(vocab) for _ in range(rng.randint(3, 120))) if t not in special]
+        cases.append((prompt, rng.randint(1, 40)))
+
+    client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300)
+
+    async def one(prompt, max_tokens):
+        resp = await client.completions.create(model=stack.served_model_name, prompt=prompt,
+                                               max_tokens=max_tokens, temperature=0,
+                                               extra_body={"return_token_ids": True})
+        return resp.choices[0]
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(p, m) for p, m in cases))
+
+    choices = asyncio.run(all_of_them())
+    for (prompt, max_tokens), choice in zip(cases, choices):
+        expected = hf_greedy(hf_model, prompt, max_tokens)
+        assert choice.token_ids == expected, f"prompt of {len(prompt)} tokens"
+        assert choice.text == tokenizer.decode(expected, skip_special_tokens=True)
+        assert choice.finish_reason == ("length" if len(expected) == max_tokens else "stop")
+
+    stats = wait_until_idle(stack)
+    (only,) = stats.values()
+    assert only.integrity_error is None
+    assert only.num_free_blocks == only.num_blocks == NUM_BLOCKS
+    assert only.num_preemptions >= 1, "the pool was meant to be small enough to preempt"
+
+
+def test_streaming_equals_non_streaming_completions(stack):
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    kwargs = dict(model=stack.served_model_name, prompt="The quick brown fox", max_tokens=24, temperature=0)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert full.usage.completion_tokens > 0 and full.usage.prompt_tokens > 0
+
+
+def test_streaming_equals_non_streaming_chat(stack):
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    kwargs = dict(model=stack.served_model_name, temperature=0, max_tokens=20,
+                  messages=[{"role": "system", "content": "You are terse."},
+                            {"role": "user", "content": "Name three colours."}])
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].message.role == "assistant"
+    stream = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full.choices[0].message.content
+    assert stream[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_stop_string_cuts_and_frees_blocks(stack, tokenizer):
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    base = client.completions.create(model=stack.served_model_name, prompt="Once upon a time",
+                                     max_tokens=30, temperature=0)
+    text = base.choices[0].text
+    if len(text) < 6:
+        pytest.fail(f"the tiny model produced too little text to pick a stop string: {text!r}")
+    stop = text[3:6]
+    cut = client.completions.create(model=stack.served_model_name, prompt="Once upon a time",
+                                    max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    wait_until_idle(stack)
+
+
+def test_client_disconnect_aborts(stack):
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    stream = client.completions.create(model=stack.served_model_name, prompt="Hello", max_tokens=400,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    stats = wait_until_idle(stack)  # the abort freed the request's blocks long before 400 tokens
+    assert all(s.integrity_error is None for s in stats.values())
+
+
+def test_errors_through_the_stack(stack):
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=stack.served_model_name, prompt="hi", max_tokens=10**6)
+    assert err.value.body["code"] == "context_length_exceeded"
+    assert "1000000" in err.value.body["message"]
+
+
+def test_two_workers_share_load_and_survive_sigterm(tiny_model_dir, redis_url, tmp_path_factory):
+    with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run2"), workers=2) as stack:
+        async def burst(n):
+            client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+            return await asyncio.gather(*(client.completions.create(
+                model=stack.served_model_name, prompt=f"Request number {i}", max_tokens=16, temperature=0)
+                for i in range(n)))
+
+        first = asyncio.run(burst(8))
+        assert all(r.choices[0].finish_reason in ("stop", "length") for r in first)
+        # Tokens reach the client before the scheduler has the step's result: wait for it.
+        stats = wait_until_idle(stack, ["worker-0", "worker-1"])
+        assert all(stats[w].num_steps > 0 for w in ("worker-0", "worker-1")), stats
+
+        assert stack.stop_process("worker-0") == 0  # SIGTERM: a clean exit
+        second = asyncio.run(burst(6))
+        assert len(second) == 6 and all(r.choices[0].finish_reason in ("stop", "length") for r in second)
+        wait_until_idle(stack, ["worker-1"])
