@@ -4,15 +4,23 @@ Every backend offers the same four calls (signatures as in kernels/torch_attenti
 `plan(block_tables, seq_lens, query_start_loc, block_size, sliding_window, workspace)` once
 per step, `paged_attention(..., plan=plan)` and `write_kv(...)` per layer, `copy_blocks(...)`
 for copy-on-write; `new_workspace()` makes the scratch memory a worker keeps for its life.
-Today only the torch backend exists; Triton kernels come later.
+
+"torch" (kernels/torch_attention.py) runs anywhere. "triton" (kernels/triton_attention.py,
+kernels/triton_cache.py) runs on CUDA devices, or on the CPU in Triton's interpreter when
+TRITON_INTERPRET=1 was set before the kernels were imported (tests only: it is slow).
+"auto" is triton on CUDA and torch elsewhere. The Triton modules are imported only when
+asked for, so a machine without triton still serves with torch.
 """
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kernels import torch_attention
+
+log = logging.getLogger("pagedserve.kernels")
 
 
 @dataclass(frozen=True)
@@ -35,13 +43,45 @@ TORCH_BACKEND = AttentionBackend(
 )
 
 
+def triton_backend(device: torch.device) -> AttentionBackend:
+    """The Triton backend for `device`; ImportError when triton is missing or too old,
+    ValueError when the kernels cannot run on that device."""
+    from kernels import triton_attention, triton_cache  # imports triton
+
+    if device.type == "cuda" and triton_attention.INTERPRETED:
+        raise ValueError("the Triton kernels were imported with TRITON_INTERPRET=1 and would "
+                         "run in the CPU interpreter; unset it to run them on CUDA")
+    if device.type == "cpu" and not triton_attention.INTERPRETED:
+        raise ValueError("the triton backend runs on CUDA devices; on the CPU only in Triton's "
+                         "interpreter (set TRITON_INTERPRET=1 before importing the kernels, "
+                         "tests only); use attention_backend='torch' or 'auto'")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"the triton backend runs on CUDA devices, not {device.type!r}")
+    return AttentionBackend(
+        name="triton",
+        plan=triton_attention.plan_attention,
+        paged_attention=triton_attention.paged_attention,
+        write_kv=triton_cache.write_kv,
+        copy_blocks=triton_cache.copy_blocks,
+        new_workspace=triton_attention.Workspace,
+    )
+
+
 def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
-    """"auto" and "torch" give the torch backend on any device; "triton" is not built yet."""
-    torch.device(device)  # validates the device string early, with torch's own message
-    if name in ("auto", "torch"):
+    """"torch": the torch backend; "triton": the Triton kernels (errors say why they cannot
+    run here); "auto": triton on CUDA (torch, with a warning, if triton does not import),
+    torch elsewhere."""
+    device = torch.device(device)  # validates the device string early, with torch's own message
+    if name == "torch":
         return TORCH_BACKEND
     if name == "triton":
-        raise NotImplementedError(
-            "the triton attention backend does not exist yet; use attention_backend='torch' "
-            "(or 'auto')")
+        return triton_backend(device)
+    if name == "auto":
+        if device.type != "cuda":
+            return TORCH_BACKEND
+        try:
+            return triton_backend(device)
+        except (ImportError, ValueError) as exc:
+            log.warning("attention backend 'auto' on %s falls back to torch: %s", device, exc)
+            return TORCH_BACKEND
     raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch' or 'triton'")

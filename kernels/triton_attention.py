@@ -1,0 +1,270 @@
+"""Unified paged attention in Triton: one kernel for prefill, chunked prefill and decode.
+
+Same contract as `paged_attention_reference` in kernels/reference.py (read its docstring for
+the flat varlen batch and the cache layout `[num_blocks, block_size, num_kv_heads, head_dim]`).
+
+Work split. A program owns one KV head and one *tile* of one request: up to BLOCK_Q of its
+query tokens times the `group = num_heads // num_kv_heads` query heads that read that KV head,
+packed as BLOCK_M = BLOCK_Q * group rows (row r = token r // group, head r % group). K and
+V of a key are loaded once for the whole group (GQA without repeating K/V). Request i's
+tiles are numbered from `query_start_loc[i] // BLOCK_Q + i`; that numbering is increasing and
+leaves room for ceil(q_len / BLOCK_Q) tiles per request, so the grid
+`(num_tokens // BLOCK_Q + num_seqs, num_kv_heads)` covers every tile and needs no host sync:
+a program finds its request by binary search, and a tile past its request's queries exits.
+
+    for each program (tile, kv_head):
+        i = largest request with query_start_loc[i] // BLOCK_Q + i <= tile
+        q_len = query_start_loc[i+1] - query_start_loc[i];  context = seq_lens[i] - q_len
+        t0 = (tile - first_tile(i)) * BLOCK_Q;  if t0 >= q_len: exit
+        Q = query rows of tokens t0 .. t0+BLOCK_Q-1, heads of kv_head's group   # [BLOCK_M, d]
+        pos[r] = context + token(r)                     # absolute position of each query row
+        keys to visit: [lo, hi) with hi = context + last token of the tile + 1,
+                       lo = 0, or with a window W: context + t0 - W + 1 (rounded down)
+        m = -inf, l = 0, acc = 0                       # online softmax state, fp32
+        for each TILE_N keys k in [lo, hi):
+            block = block_tables[i, k // block_size]   # a key-by-key gather: tiles may span blocks
+            K, V = cache[block, k % block_size, kv_head]         # int64 addresses
+            S = Q K^T * scale;  if soft_cap: S = soft_cap * tanh(S / soft_cap)
+            S[r, k] = -inf unless k <= pos[r] (and k > pos[r] - W)
+            m' = max(m, rowmax S);  P = exp(S - m');  alpha = exp(m - m')
+            l = l * alpha + rowsum P;  acc = acc * alpha + P V;  m = m'
+        out[rows] = acc / l
+
+exp is exp2 on pre-scaled scores; a row with no visible key yet keeps m = -inf and is
+guarded so it never computes (-inf) - (-inf). Keys at or past seq_len are never loaded, so
+unused cache slots may hold anything (even NaN). fp32 inputs use IEEE dots (no TF32).
+
+Launch parameters depend only on shapes and dtype (`launch_config`), so `plan_attention`
+has nothing to precompute and the call never syncs with the host.
+"""
+
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+if "input_precision" not in inspect.signature(tl.dot).parameters:  # Triton < 3.0
+    raise ImportError(f"triton {triton.__version__} is too old for these kernels "
+                      "(tl.dot needs input_precision: Triton >= 3.0)")
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))  # in (0, 1]: no overflow for any x
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b accumulated in fp32. UPCAST computes it on fp32 copies: the same products
+    (fp16/bf16 products are exact in fp32), used only under Triton's CPU interpreter, whose
+    dot multiplies bf16 operands as their raw uint16 bits (Triton 3.9)."""
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest i < num_seqs with query_start_loc[i] // BLOCK_Q + i <= tile."""
+    lo: tl.int32 = 0
+    hi = lo + num_seqs  # a tensor even when num_seqs == 1 is specialised to a constant
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    query_start_loc_ptr, scale, soft_cap, window, num_seqs,
+    stride_q_tok, stride_q_head, stride_q_dim,
+    stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
+    stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_o_tok, stride_o_head, stride_o_dim,
+    stride_bt_req,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    t0 = (tile - (q_begin // BLOCK_Q + req)) * BLOCK_Q
+    if t0 < q_len:
+        context = tl.load(seq_lens_ptr + req) - q_len
+
+        rows = tl.arange(0, BLOCK_M)
+        tok = t0 + rows // GROUP  # token index within the request
+        head = kv_head * GROUP + rows % GROUP
+        row_ok = (tok < q_len) & (rows < BLOCK_Q * GROUP)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        dim_ok = dims < HEAD_DIM
+        q_offs = ((q_begin + tok).to(tl.int64)[:, None] * stride_q_tok
+                  + head[:, None].to(tl.int64) * stride_q_head + dims[None, :] * stride_q_dim)
+        q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        q_pos = context + tok
+
+        hi = context + tl.minimum(t0 + BLOCK_Q, q_len)  # one past the last visible key
+        lo = hi * 0
+        if USE_WINDOW:
+            lo = tl.maximum(context + t0 - window + 1, 0) // TILE_N * TILE_N
+
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        block_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
+        log2e = 1.4426950408889634
+        for start in range(lo, hi, TILE_N):
+            k_pos = start + tl.arange(0, TILE_N)
+            k_ok = k_pos < hi
+            block = tl.load(block_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            slot = (k_pos % BLOCK_SIZE).to(tl.int64)
+            k_offs = block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
+            v_offs = block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+            k = tl.load(k_cache_ptr + k_offs[None, :] + dims[:, None] * stride_k_dim,
+                        mask=k_ok[None, :] & dim_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
+            s = _dot(q, k, DOT_PRECISION, UPCAST_DOT) * scale
+            if USE_SOFT_CAP:
+                s = soft_cap * _tanh(s / soft_cap)
+            s = s * log2e
+            visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
+            l = l * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_cache_ptr + v_offs[:, None] + dims[None, :] * stride_v_dim,
+                        mask=k_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_PAD]
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+            m = m_new
+
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        o_offs = ((q_begin + tok).to(tl.int64)[:, None] * stride_o_tok
+                  + head[:, None].to(tl.int64) * stride_o_head + dims[None, :] * stride_o_dim)
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dim_ok[None, :])
+
+
+# True when TRITON_INTERPRET=1 was set as this module was imported: its kernels then run
+# on the CPU in Triton's numpy interpreter (tests only).
+INTERPRETED = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+
+
+class Workspace:
+    """The Triton path needs no scratch memory; this exists for the backend contract."""
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, block_size: int,
+                   sliding_window: int | None = None, workspace: Workspace | None = None) -> None:
+    """Nothing to plan: the kernel reads the metadata tensors on the device."""
+    return None
+
+
+def launch_config(num_tokens: int, num_seqs: int, group: int, head_dim: int,
+                  dtype: torch.dtype) -> dict:
+    """Tile sizes from shapes alone. Decode-only batches use 16-row tiles (one token per
+    request fills `group` rows); other batches 64 rows (32 for head_dim 256). fp32 takes
+    16 x 16 tiles: its IEEE dots are FMA loops that spill registers on larger tiles.
+    Chosen so that no configuration spills when compiled for sm_80/sm_90 (checked by
+    tests/test_triton_kernels.py without a GPU); not yet tuned by timing on a GPU."""
+    decode_only = num_tokens == num_seqs
+    if dtype == torch.float32:
+        rows, tile_n = 16, 16
+    elif decode_only:
+        rows, tile_n = 16, 32
+    else:
+        rows, tile_n = (32, 32) if head_dim > 128 else (64, 64)
+    block_m = max(rows, triton.next_power_of_2(group))
+    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n,
+                num_warps=8 if block_m >= 64 else 4, num_stages=2)
+
+
+def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out):
+    if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"want query [tokens, heads, head_dim] and K/V caches [blocks, "
+                         f"block_size, kv_heads, head_dim] of one shape; got {tuple(query.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads of size {head_dim} cannot read "
+                         f"{num_kv_heads} KV heads of size {k_cache.shape[3]}")
+    if head_dim > MAX_HEAD_DIM or query.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"head_dim {head_dim} / dtype {query.dtype} not supported "
+                         f"(head_dim <= {MAX_HEAD_DIM}, dtypes {SUPPORTED_DTYPES})")
+    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        raise ValueError(f"query {query.dtype} and caches {k_cache.dtype}/{v_cache.dtype} differ")
+    num_seqs = seq_lens.shape[0]
+    if (block_tables.dim() != 2 or block_tables.shape[0] != num_seqs
+            or query_start_loc.shape != (num_seqs + 1,) or seq_lens.dim() != 1):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)}, seq_lens "
+                         f"{tuple(seq_lens.shape)}, query_start_loc "
+                         f"{tuple(query_start_loc.shape)} disagree on the number of requests")
+    for name, t in [("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)]:
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if seq_lens.stride(0) != 1 or query_start_loc.stride(0) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("seq_lens, query_start_loc and block_tables rows must be contiguous")
+    tensors = [query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out]
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"tensors on several devices: {sorted({str(t.device) for t in tensors})}")
+    if out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match query "
+                         f"{tuple(query.shape)} {query.dtype}")
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float,
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    plan: None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same result as `paged_attention_reference`. Any strides are accepted (e.g. `query` a
+    view into a fused QKV output); `out` is written in place when given."""
+    if out is None:
+        out = torch.empty_like(query)
+    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    cfg = launch_config(num_tokens, num_seqs, group, head_dim, query.dtype)
+    grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        float(scale), float(soft_cap or 1.0), int(sliding_window or 0), num_seqs,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=k_cache.shape[1], USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=soft_cap is not None,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        UPCAST_DOT=INTERPRETED and query.dtype == torch.bfloat16, **cfg,
+    )
+    return out
