@@ -155,3 +155,48 @@ def test_two_workers_share_load_and_survive_sigterm(tiny_model_dir, redis_url, t
         second = asyncio.run(burst(6))
         assert len(second) == 6 and all(r.choices[0].finish_reason in ("stop", "length") for r in second)
         wait_until_idle(stack, ["worker-1"])
+
+
+def test_requests_survive_a_worker_killed_mid_generation(tiny_model_dir, redis_url, tmp_path_factory, hf_model):
+    """SIGKILL (no deregistration): the scheduler sees the Step fail, moves the requests to
+    the other worker, which recomputes them; clients get complete, correct outputs."""
+    import signal
+
+    with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run3"), workers=2) as stack:
+        prompts = [[10 + i, 20 + i, 30 + i, 40 + i] for i in range(6)]
+        max_tokens = 120
+
+        async def run_all():
+            client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+            started = asyncio.Event()
+
+            async def one(prompt):
+                text_ids = []
+                stream = await client.completions.create(
+                    model=stack.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+                async for chunk in stream:
+                    if chunk.choices:
+                        text_ids.extend(chunk.choices[0].token_ids or [])
+                        if len(text_ids) >= 5:
+                            started.set()
+                return text_ids
+
+            tasks = [asyncio.create_task(one(p)) for p in prompts]
+            await started.wait()
+            stack.stop_process("worker-0", sig=signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+        outputs = asyncio.run(run_all())
+        for prompt, ids in zip(prompts, outputs):
+            assert len(ids) == max_tokens
+            with torch.no_grad():
+                expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                             min_new_tokens=max_tokens,
+                                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            expected = expected[0, len(prompt):].tolist()
+            # min_new_tokens masks EOS where we ignore it: compare up to the first EOS only.
+            eos = set(hf_model.generation_config.eos_token_id or [])
+            cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
+            assert ids[:cut] == expected[:cut]
+        wait_until_idle(stack, ["worker-1"])

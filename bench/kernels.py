@@ -1,0 +1,297 @@
+"""Kernel benchmark on a CUDA GPU: the Triton paged attention against the device's own limits.
+
+    python bench/kernels.py                      # full sweep, markdown tables on stdout
+    python bench/kernels.py --quick --json out.json
+
+1. Roofs, measured here: copy bandwidth (a device-to-device copy of 2 GiB, read + write
+   bytes / time) and the matmul rate (bf16/fp16 8192^3 GEMM).
+2. Decode, Llama-3-8B layout (32 query heads over 8 KV heads of 128), one token per request,
+   batch 64-256, context 512-8192, block size 16, blocks scattered at random:
+   achieved bandwidth = bytes the kernel must read (each request's K and V up to its
+   seq_len, plus Q and the output) / time, as a fraction of the copy bandwidth (target
+   >= 80%); and the same attention on contiguous K/V with torch SDPA — equal lengths
+   unmasked, mixed lengths (uniform in [ctx/8, ctx]) padded to the longest with a mask —
+   (target: at most 10% slower on equal lengths, faster on mixed).
+3. Prefill, one request of 1k-8k tokens, causal: TFLOP/s (4 * N^2/2 * heads * head_dim
+   flops) against the matmul rate, and causal SDPA (flash) on contiguous K/V beside it.
+
+Every case is first checked against SDPA, so a wrong kernel is never timed. Timings are
+the median of CUDA-event intervals, each after overwriting a 256 MiB buffer to empty L2.
+Nothing here is pinned: it runs with whatever torch and Triton the machine has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a plain checkout
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention layout
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def device_time(fn, iters: int, flush: torch.Tensor) -> float:
+    """Median seconds of `fn()` over `iters` runs, L2 emptied before each (CUDA events;
+    wall clock on the CPU, where this only smoke-tests the script)."""
+    fn()  # warm-up (and Triton compile)
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        if flush.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(flush: torch.Tensor, iters: int, numel: int) -> float:
+    """Bytes/s of a device-to-device copy (2 GiB on a GPU), counting the read and the write."""
+    src = torch.empty(numel, dtype=torch.int16, device=flush.device).random_()
+    dst = torch.empty_like(src)
+    seconds = device_time(lambda: dst.copy_(src), iters, flush)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def matmul_rate(dtype: torch.dtype, flush: torch.Tensor, iters: int, n: int) -> float:
+    a = torch.randn(n, n, device=flush.device, dtype=dtype)
+    b = torch.randn(n, n, device=flush.device, dtype=dtype)
+    return 2 * n**3 / device_time(lambda: a @ b, iters, flush)
+
+
+def sdpa_gqa_kwargs(device) -> dict:
+    """enable_gqa=True where this torch has it (2.5+); else K/V get expanded per head."""
+    q = torch.zeros(1, 4, 1, 16, device=device)
+    kv = torch.zeros(1, 2, 3, 16, device=device)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        return {"enable_gqa": True}
+    except (TypeError, RuntimeError):
+        return {}
+
+
+def paged_batch(seq_lens: list[int], q_lens: list[int], dtype, block_size: int, gen):
+    """Random K/V for each request in scattered blocks; query rows at the end of each."""
+    dev = gen.device
+    per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(per_req)
+    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device=dev, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, device=dev, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, device=dev, generator=gen).to(torch.int32)
+    block_tables = torch.zeros(len(seq_lens), max(per_req), dtype=torch.int32, device=dev)
+    start = 0
+    for i, n in enumerate(per_req):
+        block_tables[i, :n] = perm[start:start + n]
+        start += n
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev)
+    query = torch.randn(sum(q_lens), HEADS, HEAD_DIM, device=dev, generator=gen).to(dtype)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    return query, k_cache, v_cache, block_tables, seq, qsl
+
+
+def contiguous_kv(k_cache, v_cache, block_tables, seq_lens: list[int]):
+    """[B, kv_heads, max_len, d] K and V (padding zeroed) gathered from the paged cache."""
+    b, max_len = len(seq_lens), max(seq_lens)
+    blocks = block_tables[:, : math.ceil(max_len / k_cache.shape[1])].long()
+    out = []
+    for cache in (k_cache, v_cache):
+        x = cache[blocks].reshape(b, -1, KV_HEADS, HEAD_DIM)[:, :max_len].transpose(1, 2).contiguous()
+        for i, n in enumerate(seq_lens):
+            x[i, :, n:] = 0
+        out.append(x)
+    return out
+
+
+def rel_error(out: torch.Tensor, expect: torch.Tensor) -> float:
+    out, expect = out.float(), expect.float()
+    return ((out - expect).abs().max() / expect.abs().max()).item()
+
+
+def decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen) -> dict:
+    batch, scale, group = len(seq_lens), HEAD_DIM**-0.5, HEADS // KV_HEADS
+    query, k_cache, v_cache, bt, seq, qsl = paged_batch(seq_lens, [1] * batch, dtype, args.block_size, gen)
+    out = torch.empty_like(query)
+
+    def triton_decode():
+        ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale, out=out)
+
+    k, v = contiguous_kv(k_cache, v_cache, bt, seq_lens)
+    q4 = query.view(batch, HEADS, 1, HEAD_DIM)
+    mask = None
+    if len(set(seq_lens)) > 1:
+        positions = torch.arange(k.shape[2], device=k.device)
+        mask = (positions[None, :] < seq[:, None].long())[:, None, None, :]
+
+    triton_decode()  # check the first requests against fp32 SDPA before timing anything
+    n = min(batch, 16)
+    expect = F.scaled_dot_product_attention(
+        q4[:n].float(), k[:n].float().repeat_interleave(group, 1),
+        v[:n].float().repeat_interleave(group, 1),
+        attn_mask=None if mask is None else mask[:n], scale=scale)
+    err = rel_error(out[:n], expect.view(n, HEADS, HEAD_DIM))
+    if not err < 2e-2:
+        raise AssertionError(f"decode batch {batch}: relative error {err:.2e} against SDPA")
+    del expect
+
+    seconds = device_time(triton_decode, args.iters, flush)
+    nbytes = (2 * sum(seq_lens) * KV_HEADS * HEAD_DIM + 2 * query.numel()) * query.element_size()
+    best = (math.inf, "none")
+    if gqa:
+        best = min(best, (device_time(lambda: F.scaled_dot_product_attention(
+            q4, k, v, attn_mask=mask, scale=scale, **gqa), args.iters, flush), "gqa"))
+    try:  # K/V materialised per query head: 4x the memory, sometimes a faster SDPA kernel
+        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        best = min(best, (device_time(lambda: F.scaled_dot_product_attention(
+            q4, ke, ve, attn_mask=mask, scale=scale), args.iters, flush), "expanded"))
+        del ke, ve
+    except torch.cuda.OutOfMemoryError:
+        pass
+    return {"triton_us": seconds * 1e6, "GB_per_s": nbytes / seconds / 1e9,
+            "frac_of_copy": nbytes / seconds / copy_bw, "sdpa_us": best[0] * 1e6,
+            "sdpa_kind": best[1], "triton_vs_sdpa": seconds / best[0], "rel_err": err}
+
+
+def bench_decode(args, ta, dtype, copy_bw, flush, gqa, gen) -> list[dict]:
+    rows = []
+    for batch in args.batches:
+        for ctx in args.contexts:
+            for lengths in ("equal", "mixed"):
+                seq_lens = [ctx] * batch
+                if lengths == "mixed":  # uniform in [ctx/8, ctx]
+                    g = torch.Generator().manual_seed(batch * ctx)
+                    seq_lens = torch.randint(max(ctx // 8, 1), ctx + 1, (batch,), generator=g).tolist()
+                try:
+                    row = decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen)
+                except torch.cuda.OutOfMemoryError:
+                    row = {"error": "out of memory"}
+                row.update(batch=batch, context=ctx, lengths=lengths)
+                rows.append(row)
+                if flush.is_cuda:
+                    torch.cuda.empty_cache()
+                print_row(row, DECODE_COLUMNS)
+    return rows
+
+
+def bench_prefill(args, ta, dtype, mm_rate, flush, gqa, gen) -> list[dict]:
+    rows, scale, group = [], HEAD_DIM**-0.5, HEADS // KV_HEADS
+    for n in args.prefill:
+        query, k_cache, v_cache, bt, seq, qsl = paged_batch([n], [n], dtype, args.block_size, gen)
+        out = torch.empty_like(query)
+
+        def triton_prefill():
+            ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale, out=out)
+
+        k, v = contiguous_kv(k_cache, v_cache, bt, [n])
+        if not gqa:
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        q4 = query.transpose(0, 1)[None]
+
+        def sdpa_prefill():
+            return F.scaled_dot_product_attention(q4, k, v, is_causal=True, scale=scale, **gqa)
+
+        triton_prefill()
+        err = rel_error(out, sdpa_prefill()[0].transpose(0, 1))
+        if not err < 2e-2:
+            raise AssertionError(f"prefill {n}: relative error {err:.2e} against SDPA")
+        flops = 4 * n * n / 2 * HEADS * HEAD_DIM
+        t_triton = device_time(triton_prefill, args.iters, flush)
+        t_sdpa = device_time(sdpa_prefill, args.iters, flush)
+        row = {"tokens": n, "triton_us": t_triton * 1e6, "TFLOP_per_s": flops / t_triton / 1e12,
+               "frac_of_matmul": flops / t_triton / mm_rate, "sdpa_us": t_sdpa * 1e6,
+               "sdpa_TFLOP_per_s": flops / t_sdpa / 1e12, "rel_err": err}
+        rows.append(row)
+        print_row(row, PREFILL_COLUMNS)
+    return rows
+
+
+DECODE_COLUMNS = ("batch", "context", "lengths", "triton_us", "GB_per_s", "frac_of_copy",
+                  "sdpa_us", "sdpa_kind", "triton_vs_sdpa")
+PREFILL_COLUMNS = ("tokens", "triton_us", "TFLOP_per_s", "frac_of_matmul", "sdpa_us",
+                   "sdpa_TFLOP_per_s")
+
+
+def print_row(row: dict, cols: tuple) -> None:
+    """One markdown table row (rows that failed show their error)."""
+    cells = [f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, row.get("error", "")))
+             for c in cols]
+    print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def print_header(cols: tuple) -> None:
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--batches", type=parse_ints, default=[64, 128, 256])
+    ap.add_argument("--contexts", type=parse_ints, default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--prefill", type=parse_ints, default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--quick", action="store_true",
+                    help="batches 64,256; contexts 512,8192; prefill 1024,8192")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under TRITON_INTERPRET=1: checks this script, "
+                         "measures nothing")
+    ap.add_argument("--json", type=Path, help="also write every row here")
+    args = ap.parse_args()
+    if args.quick:
+        args.batches, args.contexts, args.prefill = [64, 256], [512, 8192], [1024, 8192]
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke runs the kernels in Triton's CPU interpreter: set TRITON_INTERPRET=1")
+        device, args.batches, args.contexts, args.prefill, args.iters = "cpu", [4], [40], [48], 2
+    elif torch.cuda.is_available():
+        device = "cuda"
+    else:
+        sys.exit("bench/kernels.py needs a CUDA GPU (the Triton kernels run compiled only there); "
+                 "--smoke checks the script on the CPU")
+    import triton
+
+    from kernels import triton_attention as ta
+
+    dtype = DTYPES[args.dtype]
+    gen = torch.Generator(device).manual_seed(0)
+    flush = torch.empty(256 * 2**20 if device == "cuda" else 2**20, dtype=torch.uint8, device=device)
+    env = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke test)",
+           "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+           "python": platform.python_version(), "dtype": args.dtype, "block_size": args.block_size}
+    copy_bw = copy_bandwidth(flush, args.iters, 2**30 if device == "cuda" else 2**20)
+    mm = matmul_rate(dtype, flush, args.iters, 8192 if device == "cuda" else 256)
+    env.update(copy_GB_per_s=copy_bw / 1e9, matmul_TFLOP_per_s=mm / 1e12)
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in env.items()))
+    gqa = sdpa_gqa_kwargs(device)
+    print_header(DECODE_COLUMNS)
+    decode = bench_decode(args, ta, dtype, copy_bw, flush, gqa, gen)
+    print_header(PREFILL_COLUMNS)
+    prefill = bench_prefill(args, ta, dtype, mm, flush, gqa, gen)
+    if args.json:
+        args.json.write_text(json.dumps({"env": env, "decode": decode, "prefill": prefill}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
