@@ -1,43 +1,54 @@
-"""The scheduler-side pool of KV cache blocks: ids, reference counts, the free queue.
+"""The scheduler-side pool of KV cache blocks: ids, reference counts, the free queue, and
+the prefix cache (hash -> block).
 
 The pool holds no KV memory (the worker does); a block here is only an id the worker uses
 as a cache address (slot = block_id * block_size + offset) plus bookkeeping.
 
-Invariants (checked by `check_integrity`):
-- every block is either free (ref_cnt == 0, in the free queue) or referenced
-  (ref_cnt > 0, outside the free queue): free + referenced == num_blocks;
-- the free queue is ordered for eviction: `get_new_blocks` takes from its head,
-  `free_blocks` appends to its tail.
+A block is in one of three states:
+- used: ref_cnt > 0, outside the free queue (it may also be cached);
+- cached: ref_cnt == 0, holds a hash, in the free queue -- reusable by a prefix hit
+  (`touch` takes it out of the middle of the queue in O(1)) until it is evicted;
+- empty: ref_cnt == 0, no hash, in the free queue.
 
-Seam for prefix caching (next issue): a block keeps its `block_hash` while it sits in the
-free queue, so a later request with the same prefix can take it back out of the middle
-(`FreeBlockQueue.remove`, then ref_cnt += 1) instead of recomputing it; `get_new_blocks`
-will then drop the hash of a cached block it evicts. Today `block_hash` stays None.
+Eviction order is the free queue's order: empty blocks at the head (`free_blocks` puts
+them there), cached blocks behind them from least to most recently freed (`free_blocks`
+appends them). `get_new_blocks` takes from the head and drops the hash of a cached block
+it takes -- that is the eviction.
+
+Invariants (checked by `check_integrity`):
+- used + cached + empty == num_blocks; the free queue holds exactly the ref_cnt-0 blocks;
+- every empty block in the free queue comes before every cached one;
+- a block holds a hash iff the cache maps that hash to it; a hashed block has a key and
+  a serial, and serials are distinct.
 """
 
 from collections.abc import Iterable
 
+from kvstore.block_hash import BlockKey
 from kvstore.free_queue import FreeBlockQueue, FreeListNode
 
 
 class KVBlock(FreeListNode):
     """One block of `block_size` token slots. `ref_cnt` counts the block tables holding it."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "serial")
 
     def __init__(self, block_id: int) -> None:
         super().__init__()
         self.block_id = block_id
         self.ref_cnt = 0
-        # Hash of the full block's tokens chained on its parent's hash; None = not cached.
-        self.block_hash: int | None = None
+        # Set together while the block is in the prefix cache, None/None/0 otherwise.
+        self.block_hash: bytes | None = None
+        self.block_key: BlockKey | None = None
+        self.serial = 0
 
     def __repr__(self) -> str:
-        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
+        cached = f", hash={self.block_hash.hex()[:8]}, serial={self.serial}" if self.block_hash else ""
+        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached})"
 
 
 class BlockPool:
-    """`num_blocks` blocks with ids 0..num_blocks-1, all free at first, queued in id order."""
+    """`num_blocks` blocks with ids 0..num_blocks-1, all empty at first, queued in id order."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -45,9 +56,13 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}  # the prefix cache: hash -> block
+        self._last_serial = 0
+        self.num_evictions = 0  # cached blocks reused for something else, for stats
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached + empty): what allocation can take."""
         return self.free_queue.num_free_blocks
 
     @property
@@ -55,8 +70,13 @@ class BlockPool:
         """Fraction of blocks referenced by some request, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def num_cached_free_blocks(self) -> int:
+        """Blocks no request holds that still hold a hash (O(cached blocks))."""
+        return sum(1 for block in self.cached.values() if block.ref_cnt == 0)
+
     def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Take n blocks from the head of the free queue, each with ref_cnt 1.
+        """Take n blocks from the head of the free queue, each with ref_cnt 1, evicting
+        the cached ones among them from the prefix cache.
 
         The caller checks `num_free_blocks` first; asking for more raises IndexError and
         takes nothing.
@@ -65,26 +85,65 @@ class BlockPool:
         for block in blocks:
             assert block.ref_cnt == 0, f"{block!r} was in the free queue while referenced"
             block.ref_cnt = 1
+            if block.block_hash is not None:
+                self._drop_hash(block)
+                self.num_evictions += 1
         return blocks
 
-    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference to each block; a block reaching 0 goes to the free queue tail.
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Add one reference to each block (a prefix hit); a cached block no request held
+        leaves the free queue -- from wherever it is, in O(1)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
 
-        Order matters: blocks reaching 0 are appended in the order given, so the first
-        one given is evicted first. Callers freeing a request pass its block table
-        reversed (tail block first): a sequence's last blocks are the least likely to be
-        shared as a prefix, so they should be reused before its first ones (as vLLM does).
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference to each block; a block reaching 0 goes to the free queue:
+        to the tail if it is cached (most recently used, evicted last), to the head if
+        not (nothing to keep, reused first).
+
+        Order matters: cached blocks are appended in the order given, so the first one is
+        evicted first. Callers freeing a request pass its block table reversed (tail block
+        first): a sequence's last blocks are the least likely to be shared as a prefix, so
+        they should be evicted before its first ones (as vLLM does).
         """
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"{block!r} freed more times than it was referenced")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    # -- the prefix cache ----------------------------------------------------------------
+
+    def cache_block(self, block: KVBlock, block_hash: bytes, key: BlockKey) -> int:
+        """Register a used, full, computed block under `block_hash`; returns its new
+        serial. The hash must be free (`uncache` a block holding it first)."""
+        assert block.ref_cnt > 0 and block.block_hash is None, f"cannot cache {block!r}"
+        assert block_hash not in self.cached, "hash already cached"
+        self._last_serial += 1
+        block.block_hash, block.block_key, block.serial = block_hash, key, self._last_serial
+        self.cached[block_hash] = block
+        return block.serial
+
+    def uncache(self, block: KVBlock) -> None:
+        """Drop a block from the prefix cache (it was replaced by a block with the same
+        hash). A free one moves to the head of the free queue, with the empty blocks."""
+        self._drop_hash(block)
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+
+    def _drop_hash(self, block: KVBlock) -> None:
+        del self.cached[block.block_hash]
+        block.block_hash, block.block_key, block.serial = None, None, 0
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless the free queue is sound and holds exactly the
-        blocks with ref_cnt 0."""
+        """Raise AssertionError unless the invariants in the module docstring hold."""
         self.free_queue.check_integrity()
         free_ids = [block.block_id for block in self.free_queue]  # type: ignore[attr-defined]
         for block_id in free_ids:
@@ -96,3 +155,13 @@ class BlockPool:
             f"{len(free_ids)} free + {len(referenced)} referenced != {self.num_blocks} blocks: "
             f"unreferenced blocks missing from the free queue: "
             f"{sorted(set(range(self.num_blocks)) - set(free_ids) - set(referenced))}")
+        hashed = [self.blocks[i].block_hash is not None for i in free_ids]
+        assert hashed == sorted(hashed), (
+            f"free queue: an empty block behind a cached one: {[self.blocks[i] for i in free_ids]}")
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"cache maps {block_hash.hex()} to {block!r}"
+            assert block.block_key is not None and block.serial > 0, f"{block!r} has no key"
+        num_hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        assert num_hashed == len(self.cached), (
+            f"{num_hashed} blocks hold a hash, the cache maps {len(self.cached)}")
+        assert len({b.serial for b in self.cached.values()}) == len(self.cached), "serials repeat"

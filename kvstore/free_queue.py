@@ -5,8 +5,9 @@ removal from the middle, which prefix caching needs when a free (but still cache
 is hit again and must leave the queue. The links live in the block objects, so removal is
 O(1) given the block, and nothing is allocated per operation.
 
-Order is eviction order: `popleft` hands out the block at the head; a freed block goes to
-the tail. Two sentinel nodes (head and tail) remove every empty-list special case.
+Order is eviction order: `popleft` hands out the block at the head; the pool puts a freed
+block at the tail (`append`) or, when it holds nothing worth keeping, at the head
+(`appendleft`). Two sentinel nodes (head and tail) remove every empty-list special case.
 
 Invariants (checked by `check_integrity`):
 - a node is in the queue iff both its links are set; a node outside has both links None;
@@ -79,6 +80,17 @@ class FreeBlockQueue:
         block.prev_free = last
         block.next_free = self._tail
         self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def appendleft(self, block: FreeListNode) -> None:
+        """Put a block at the head: it is evicted before every block already here."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError("block is already in the free queue")
+        first = self._head.next_free
+        first.prev_free = block
+        block.next_free = first
+        block.prev_free = self._head
+        self._head.next_free = block
         self.num_free_blocks += 1
 
     def __iter__(self) -> Iterator[FreeListNode]:

@@ -65,15 +65,23 @@ class WorkerRegistration(msgspec.Struct, frozen=True):
 
 
 class WorkerStats(msgspec.Struct, frozen=True):
+    """Counters run since the scheduler took this worker on (scheduler_svc/stats.py)."""
+
     worker_id: str
     num_blocks: int
-    num_free_blocks: int
+    num_free_blocks: int  # held by no request, cached ones included
     num_running: int
     num_waiting: int
-    num_preemptions: int  # since the scheduler took this worker on
+    num_preemptions: int
     num_steps: int
     integrity_error: str | None = None  # check_integrity()'s complaint, None when it holds
     updated_at: float = 0.0
+    num_used_blocks: int = 0  # held by running requests
+    num_cached_blocks: int = 0  # held by none, still reusable by a prefix hit
+    prefix_cache_queries: int = 0  # tokens of admitted requests looked up
+    prefix_cache_hits: int = 0  # tokens found cached (not computed again)
+    num_evicted_blocks: int = 0  # cached blocks taken for other contents
+    kv_waste: float = 0.0  # 1 - tokens held / slots of used blocks
 
 
 stream_encoder = msgspec.msgpack.Encoder()

@@ -12,11 +12,15 @@ and a step computes as many as the token budget and `max_num_seqs` allow:
    step; when the victim is the request itself, nothing more fits and scheduling stops.
 2. If nobody was preempted, waiting requests are admitted in (priority, arrival) order,
    their prefill chunked to the remaining budget, until one does not fit (no overtaking).
+   With prefix caching, an admitted request starts from the longest cached prefix of its
+   tokens (prompt + outputs, so a preempted request finds its own blocks again if they
+   were not evicted): those blocks are shared, and only the rest is computed.
 
 The step carries admitted requests in full (prompt + outputs so far, block table) and
 running ones as diffs (the block ids allocated this step). num_computed_tokens advances
 when the step is built: the worker computes exactly what was scheduled. `update` then
-appends the sampled tokens and finishes requests the worker finished.
+offers the blocks the step filled to the prefix cache, appends the sampled tokens and
+finishes requests the worker finished.
 
 Calls alternate: schedule() -> (worker runs the step) -> update(); requests may be added
 or aborted at any time, also while a step is in flight.
@@ -28,20 +32,31 @@ Invariants (checked by `check_integrity`):
 - a running request's block table covers exactly its computed tokens
   (cdiv(num_computed_tokens, block_size) blocks), and it has tokens left to compute
   unless the step that catches it up is in flight;
-- len(running) <= max_num_seqs; the KV manager's own invariants hold.
+- len(running) <= max_num_seqs; load_tokens is the sum of the unfinished requests'
+  tokens; the KV manager's own invariants hold.
 """
 
 import bisect
+from collections.abc import Sequence
 
 from kvstore.kv_cache_manager import KVCacheManager, cdiv
 from proto import worker_pb2
 from proto.messages import NewRequest, TokenEvent
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import RequestState, RequestStatus, to_pb_sampling
+from scheduler_svc.stats import SchedulerStats
+
+_RUNNING = RequestStatus.RUNNING
 
 
 def _sort_key(req: RequestState) -> tuple[int, float, str]:
     return req.sort_key
+
+
+def _may_use_prefix_cache(req: RequestState) -> bool:
+    """False for a request asking for prompt logprobs: they need the logits of every
+    prompt token, so it takes nothing from the prefix cache (proto/worker.proto)."""
+    return getattr(req.sampling, "prompt_logprobs", None) is None
 
 
 class BatchScheduler:
@@ -51,14 +66,20 @@ class BatchScheduler:
                  max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.waiting: list[RequestState] = []  # sorted by sort_key; head is admitted first
         self.running: list[RequestState] = []  # sorted by sort_key; tail is preempted first
         self._requests: dict[str, RequestState] = {}  # every unfinished request, by id
+        self._load_tokens = 0  # sum of their num_tokens
         self._finished_ids: list[str] = []  # for the worker to forget in the next step
         self._next_step_id = 1
         self._in_flight: worker_pb2.StepRequest | None = None  # scheduled, not yet updated
-        self.num_preemptions = 0  # since this scheduler started, for stats
+        self._in_flight_reqs: list[tuple[RequestState, int]] = []  # its requests, tokens
+        # Since this scheduler started, for stats: preemptions, and the tokens admitted
+        # requests looked up in the prefix cache and found there.
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # -- queue state -------------------------------------------------------------------
 
@@ -71,11 +92,15 @@ class BatchScheduler:
         return len(self.running)
 
     @property
+    def load_tokens(self) -> int:
+        """Tokens of every unfinished request here (prompt + outputs so far)."""
+        return self._load_tokens
+
+    @property
     def load(self) -> float:
-        """Tokens of every unfinished request (prompt + outputs so far) as a fraction of
-        this worker's KV capacity; may exceed 1. Lowest = least loaded."""
-        total = sum(req.num_tokens for req in self._requests.values())
-        return total / (self.kv.num_blocks * self.kv.block_size)
+        """load_tokens as a fraction of this worker's KV capacity; may exceed 1.
+        Lowest = least loaded."""
+        return self._load_tokens / (self.kv.num_blocks * self.kv.block_size)
 
     @property
     def num_steps(self) -> int:
@@ -90,6 +115,30 @@ class BatchScheduler:
     def get_request(self, request_id: str) -> RequestState | None:
         """The unfinished request with this id, if it is here."""
         return self._requests.get(request_id)
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens of this sequence's prefix an admission here would find in the prefix
+        cache now (full blocks, its last token excluded); 0 with caching off. Changes
+        nothing; costs one hash and one lookup per block hit, plus one for the miss."""
+        return len(self.kv.find_cached_prefix(token_ids, [])) * self.kv.block_size
+
+    def stats(self) -> SchedulerStats:
+        """Block pool and prefix cache accounting now (O(num_blocks); call it when idle
+        or now and then, not every step)."""
+        kv, pool = self.kv, self.kv.block_pool
+        used = kv.num_blocks - kv.num_free_blocks
+        # Shared blocks are full: subtract the tokens block tables count more than once.
+        held = (sum(req.num_computed_tokens for req in self.running)
+                - kv.block_size * kv.num_shared_references())
+        slots = used * kv.block_size
+        return SchedulerStats(
+            num_blocks=kv.num_blocks, num_used_blocks=used,
+            num_cached_blocks=pool.num_cached_free_blocks(), num_free_blocks=kv.num_free_blocks,
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            num_preemptions=self.num_preemptions, num_steps=self.num_steps,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits, num_evicted_blocks=pool.num_evictions,
+            kv_waste=1.0 - held / slots if slots else 0.0)
 
     # -- requests in -------------------------------------------------------------------
 
@@ -109,6 +158,7 @@ class BatchScheduler:
         if state.request_id in self._requests:
             return None
         state.reset_for_recompute()
+        state.block_hashes = []  # hashed for another worker (whose block size may differ)
         error = self._why_impossible(state)
         if error is not None:
             state.status = RequestStatus.FINISHED
@@ -116,6 +166,7 @@ class BatchScheduler:
             return TokenEvent(request_id=state.request_id, index=state.num_output_tokens,
                               finish_reason="error", error=error)
         self._requests[state.request_id] = state
+        self._load_tokens += state.num_tokens
         bisect.insort(self.waiting, state, key=_sort_key)
         return None
 
@@ -145,6 +196,7 @@ class BatchScheduler:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self._load_tokens -= req.num_tokens
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         else:
@@ -163,17 +215,23 @@ class BatchScheduler:
         if self._in_flight is not None:
             raise RuntimeError(f"step {self._in_flight.step_id} is in flight: call update() first")
         budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
         scheduled: dict[str, int] = {}  # request id -> tokens to compute, in step order
         new_blocks: dict[str, list[int]] = {}  # request id -> block ids allocated now
         preempted = False
 
+        running, allocate = self.running, self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = self._num_new_tokens(req, budget)
-            while (ids := self.kv.allocate_slots(
-                    req.request_id, req.num_computed_tokens + num_new)) is None:
-                victim = self.running.pop()  # largest key; index >= i, so not scheduled yet
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = len(req.token_ids) - req.num_computed_tokens
+            assert num_new > 0, f"request {req.request_id} has nothing to compute"
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            while (ids := allocate(req.request_id, req.num_computed_tokens + num_new)) is None:
+                victim = running.pop()  # largest key; index >= i, so not scheduled yet
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -188,15 +246,22 @@ class BatchScheduler:
         admitted: list[RequestState] = []
         # After a preemption the pool is full: admitting now would only thrash.
         while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            num_new = self._num_new_tokens(req, budget)
-            ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new)
+            lookup = self.kv.enable_prefix_caching and _may_use_prefix_cache(req)
+            cached = self.kv.find_cached_prefix(req.token_ids, req.block_hashes) if lookup else []
+            num_cached = len(cached) * self.kv.block_size
+            num_new = self._num_new_tokens(req, num_cached, budget)
+            ids = allocate(req.request_id, num_cached + num_new, cached)
             if ids is None:
                 break  # later arrivals do not overtake the head of the queue
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
-            bisect.insort(self.running, req, key=_sort_key)
+            req.num_computed_tokens = num_cached
+            if lookup:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_cached
+            bisect.insort(running, req, key=_sort_key)
             admitted.append(req)
             scheduled[req.request_id] = num_new
             budget -= num_new
@@ -205,10 +270,10 @@ class BatchScheduler:
             return None
         return self._build_step(scheduled, new_blocks, admitted)
 
-    def _num_new_tokens(self, req: RequestState, budget: int) -> int:
-        """Tokens the request computes this step: all it lacks, capped by the per-request
-        threshold and by the budget left."""
-        num_new = req.num_tokens - req.num_computed_tokens
+    def _num_new_tokens(self, req: RequestState, num_computed: int, budget: int) -> int:
+        """Tokens a request with `num_computed` tokens computed computes this step: all it
+        lacks, capped by the per-request threshold and by the budget left."""
+        num_new = req.num_tokens - num_computed
         assert num_new > 0, f"request {req.request_id} has nothing to compute"
         if self.config.long_prefill_token_threshold:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
@@ -227,28 +292,39 @@ class BatchScheduler:
 
     def _build_step(self, scheduled: dict[str, int], new_blocks: dict[str, list[int]],
                     admitted: list[RequestState]) -> worker_pb2.StepRequest:
+        """The step message; advances num_computed_tokens by what it schedules. Running
+        requests come first in `scheduled`, then the admitted ones."""
         step = worker_pb2.StepRequest(step_id=self._next_step_id,
                                       finished_request_ids=self._finished_ids)
-        admitted_ids = {req.request_id for req in admitted}
+        requests, reqs = self._requests, []
+        add_cached = step.cached_requests.add
         for request_id, num_new in scheduled.items():
-            req = self._requests[request_id]
-            if request_id in admitted_ids:
-                step.new_requests.add(
-                    request_id=request_id, token_ids=req.token_ids,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    block_ids=self.kv.block_ids(request_id),
-                    num_computed_tokens=req.num_computed_tokens,
-                    sampling=to_pb_sampling(req.sampling), reply_channel=req.reply_channel)
-            else:
-                # Every block allocated before this step went out in an earlier step.
-                step.cached_requests.add(
-                    request_id=request_id, new_block_ids=new_blocks[request_id],
-                    num_computed_tokens=req.num_computed_tokens)
-            step.num_scheduled_tokens[request_id] = num_new
+            req = requests[request_id]
+            if request_id not in new_blocks:
+                break  # the admitted ones: below
+            # Every block allocated before this step went out in an earlier step.
+            if ids := new_blocks[request_id]:
+                add_cached(request_id=request_id, new_block_ids=ids,
+                           num_computed_tokens=req.num_computed_tokens)
+            else:  # (an empty repeated field costs as much as a full one to pass)
+                add_cached(request_id=request_id, num_computed_tokens=req.num_computed_tokens)
+            reqs.append((req, num_new))
             req.num_computed_tokens += num_new
+        for req in admitted:
+            num_new = scheduled[req.request_id]
+            step.new_requests.add(
+                request_id=req.request_id, token_ids=req.token_ids,
+                num_prompt_tokens=req.num_prompt_tokens,
+                block_ids=self.kv.block_ids(req.request_id),
+                num_computed_tokens=req.num_computed_tokens,
+                sampling=to_pb_sampling(req.sampling), reply_channel=req.reply_channel)
+            reqs.append((req, num_new))
+            req.num_computed_tokens += num_new
+        step.num_scheduled_tokens.update(scheduled)
         self._finished_ids = []
         self._next_step_id += 1
         self._in_flight = step
+        self._in_flight_reqs = reqs
         return step
 
     def update(self, step: worker_pb2.StepRequest,
@@ -267,18 +343,15 @@ class BatchScheduler:
         sampled = {s.request_id: s for s in result.sampled}
         if len(sampled) != len(result.sampled):
             raise ValueError(f"step {step.step_id}: a request sampled twice")
-        if unscheduled := sampled.keys() - step.num_scheduled_tokens.keys():
+        in_flight = self._in_flight_reqs
+        if unscheduled := [rid for rid in sampled if rid not in step.num_scheduled_tokens]:
             raise ValueError(
                 f"step {step.step_id}: tokens for unscheduled requests {sorted(unscheduled)}")
-        # In step order (a protobuf map has none), so finished requests come back in order.
-        step_ids = ([r.request_id for r in step.cached_requests]
-                    + [r.request_id for r in step.new_requests])
-        live = [req for rid in step_ids
-                if (req := self._requests.get(rid)) is not None
-                and req.status is RequestStatus.RUNNING]
-        for req in live:
+        # Requests aborted while the step was in flight are FINISHED: their tokens are dropped.
+        live = [(req, n) for req, n in in_flight if req.status is _RUNNING]
+        for req, _ in live:
             # The worker samples exactly when the step catches a request up.
-            caught_up = req.num_computed_tokens == req.num_tokens
+            caught_up = req.num_computed_tokens == len(req.token_ids)
             if caught_up != (req.request_id in sampled):
                 raise ValueError(
                     f"step {step.step_id}: request {req.request_id} "
@@ -286,12 +359,18 @@ class BatchScheduler:
                     f"({req.num_computed_tokens} of {req.num_tokens} tokens computed)")
 
         self._in_flight = None
+        self._in_flight_reqs = []
+        caching, bs = self.kv.enable_prefix_caching, self.kv.block_size
         finished = []
-        for req in live:
+        for req, n in live:  # in step order, so finished requests come back in order
+            computed = req.num_computed_tokens
+            if caching and computed % bs < n:  # the step filled a block
+                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.block_hashes, computed)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
             req.token_ids.append(token.token_id)
+            self._load_tokens += 1
             if token.finish_reason:
                 self._finish(req, token.finish_reason)
                 finished.append(req)
@@ -300,6 +379,7 @@ class BatchScheduler:
     def _finish(self, req: RequestState, reason: str) -> None:
         self.running.remove(req)
         del self._requests[req.request_id]
+        self._load_tokens -= req.num_tokens
         self.kv.free(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason  # type: ignore[assignment]  # the worker's "stop" / "length"
@@ -323,7 +403,9 @@ class BatchScheduler:
             req.reset_for_recompute()
         self.waiting, self.running = [], []
         self._requests.clear()
+        self._load_tokens = 0
         self._in_flight = None
+        self._in_flight_reqs = []
         return states
 
     # -- self-check ----------------------------------------------------------------------
@@ -338,6 +420,8 @@ class BatchScheduler:
             f"requests both waiting and running: {set(waiting_ids) & set(running_ids)}")
         assert sorted(waiting_ids + running_ids) == sorted(self._requests), (
             "waiting + running differ from the unfinished requests")
+        total = sum(req.num_tokens for req in self._requests.values())
+        assert self._load_tokens == total, f"load_tokens {self._load_tokens} != {total}"
         assert self.waiting == sorted(self.waiting, key=_sort_key), "waiting is out of order"
         assert self.running == sorted(self.running, key=_sort_key), "running is out of order"
         assert len(self.running) <= self.config.max_num_seqs, (

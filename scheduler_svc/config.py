@@ -16,6 +16,8 @@ class SchedulerConfig:
     # 0 = off; else one request computes at most this many tokens per step, so a long
     # prompt cannot take the whole budget and stall the decodes batched beside it.
     long_prefill_token_threshold: int = 0
+    # Reuse the K/V of full blocks whose token prefix was computed before (kvstore).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

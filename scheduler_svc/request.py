@@ -7,7 +7,7 @@ WAITING with num_computed_tokens = 0 and is recomputed from prompt + outputs.
 """
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proto import worker_pb2
 from proto.messages import FinishReason, NewRequest, SamplingParams
@@ -35,6 +35,9 @@ class RequestState:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # Prefix-cache hashes of the first full blocks of token_ids on this worker's block
+    # size, filled in by its KVCacheManager; kept across preemptions, cleared on re-routing.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @classmethod
     def from_new_request(cls, req: NewRequest) -> "RequestState":

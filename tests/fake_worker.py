@@ -4,10 +4,13 @@ It applies a StepRequest exactly as the real worker does -- per-request token id
 tables built from the new/cached diffs, K/V written into slots, one token sampled when a
 request is caught up, the stop rule applied -- with a deterministic "model" in place of the
 network: the sampled token is a hash of the context read back through the block table.
-So a request recomputed after preemption yields the same tokens only if the scheduler
-resent the right tokens and the cache held the right K/V.
+A slot's "K/V" is (position, checksum of every token up to it), as a real model's K/V
+depend on the whole prefix; so a request recomputed after preemption, or started from a
+prefix-cache hit, yields the same tokens only if the scheduler sent the right tokens and
+the blocks it named hold exactly that prefix.
 
-It asserts that every step is consistent with the contract in proto/worker.proto.
+It asserts that every step is consistent with the contract in proto/worker.proto, and that
+no step writes into a block another live request holds (shared blocks are read-only).
 """
 
 import zlib
@@ -35,8 +38,8 @@ class FakeWorker:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.requests: dict[str, _WorkerRequest] = {}
-        # slot -> (request id, position, token id) whose K/V was last written there
-        self.cache: dict[int, tuple[str, int, int]] = {}
+        # slot -> (position, checksum of the tokens up to it) last written there
+        self.cache: dict[int, tuple[int, int]] = {}
         self.last_step_id = 0
         self.steps: list[worker_pb2.StepRequest] = []  # every step applied, for assertions
 
@@ -71,19 +74,24 @@ class FakeWorker:
         scheduled = dict(step.num_scheduled_tokens)
         assert sorted(order) == sorted(scheduled), "num_scheduled_tokens != new + cached requests"
         assert sum(scheduled.values()) <= self.max_num_batched_tokens, "token budget exceeded"
-        self._check_blocks_disjoint()
+        holders = self._block_holders()
 
-        written: dict[int, tuple[str, int, int]] = {}
+        written: dict[int, tuple[int, int]] = {}
         for request_id in order:
             req, num_new = self.requests[request_id], scheduled[request_id]
             assert not req.finished, f"{request_id} scheduled after it finished"
             assert num_new > 0, f"{request_id} scheduled for {num_new} tokens"
             end = req.num_computed_tokens + num_new
             assert end <= len(req.token_ids), f"{request_id} scheduled past its last token"
+            sums = _prefix_checksums(req.token_ids)
             for pos in range(req.num_computed_tokens, end):
                 slot = self._slot(request_id, req, pos)
                 assert slot not in written, f"slot {slot} written twice in step {step.step_id}"
-                written[slot] = (request_id, pos, req.token_ids[pos])
+                block_id = slot // self.block_size
+                assert holders[block_id] == [request_id], (
+                    f"{request_id} writes position {pos} into block {block_id}, "
+                    f"held by {holders[block_id]}")
+                written[slot] = (pos, sums[pos])
         self.cache.update(written)
 
         sampled = []
@@ -102,13 +110,12 @@ class FakeWorker:
         return worker_pb2.StepResult(step_id=step.step_id, sampled=sampled)
 
     def _read_context(self, request_id: str, req: _WorkerRequest) -> list[int]:
-        context = []
+        sums = _prefix_checksums(req.token_ids)
         for pos in range(req.num_computed_tokens):
             entry = self.cache.get(self._slot(request_id, req, pos))
-            assert entry == (request_id, pos, req.token_ids[pos]), (
-                f"{request_id}: slot for position {pos} holds {entry}")
-            context.append(entry[2])
-        return context
+            assert entry == (pos, sums[pos]), (
+                f"{request_id}: slot for position {pos} holds {entry}, not its prefix's K/V")
+        return req.token_ids[:req.num_computed_tokens]
 
     def _finish_reason(self, req: _WorkerRequest, token: int) -> str:
         sp = req.sampling
@@ -118,13 +125,23 @@ class FakeWorker:
                 return "stop"
         return "length" if num_outputs >= sp.max_tokens else ""
 
-    def _check_blocks_disjoint(self) -> None:
-        """Live requests never share a block (no prefix caching or fork yet)."""
-        owner: dict[int, str] = {}
+    def _block_holders(self) -> dict[int, list[str]]:
+        """Block id -> the live requests whose block tables hold it."""
+        holders: dict[int, list[str]] = {}
         for request_id, req in self.requests.items():
+            assert len(set(req.block_ids)) == len(req.block_ids), (
+                f"{request_id} holds a block twice: {req.block_ids}")
             for block_id in req.block_ids:
                 assert 0 <= block_id < self.num_blocks, (
                     f"{request_id}: block id {block_id} out of range")
-                assert block_id not in owner, (
-                    f"block {block_id} held by {owner[block_id]} and {request_id}")
-                owner[block_id] = request_id
+                holders.setdefault(block_id, []).append(request_id)
+        return holders
+
+
+def _prefix_checksums(token_ids: list[int]) -> list[int]:
+    """sums[p]: a checksum of token_ids[:p + 1] -- what K/V at position p depend on."""
+    sums, crc = [], 0
+    for token in token_ids:
+        crc = zlib.crc32(token.to_bytes(4, "little"), crc)
+        sums.append(crc)
+    return sums

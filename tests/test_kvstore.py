@@ -66,12 +66,13 @@ def test_block_pool_refcounts_and_free_order():
     a = pool.get_new_blocks(2)
     assert [b.block_id for b in a] == [0, 1] and all(b.ref_cnt == 1 for b in a)
     assert pool.num_free_blocks == 2 and pool.usage == 0.5
-    a[1].ref_cnt += 1  # shared by a second table (what prefix caching will do)
+    pool.touch([a[1]])  # shared by a second table (a prefix hit)
+    assert a[1].ref_cnt == 2
     pool.free_blocks(reversed(a))
     assert a[1].ref_cnt == 1 and a[0].ref_cnt == 0
-    assert [b.block_id for b in pool.free_queue] == [2, 3, 0]
+    assert [b.block_id for b in pool.free_queue] == [0, 2, 3]  # uncached: to the head
     pool.free_blocks([a[1]])
-    assert [b.block_id for b in pool.free_queue] == [2, 3, 0, 1]
+    assert [b.block_id for b in pool.free_queue] == [1, 0, 2, 3]
     with pytest.raises(ValueError, match="freed more times"):
         pool.free_blocks([a[1]])
     with pytest.raises(IndexError):
@@ -94,16 +95,16 @@ def test_allocate_grow_free_reallocate_exact_ids():
     assert free_order(kv) == [5, 6, 7]
     kv.check_integrity()
 
-    kv.free("a")  # tail first: 3, 1, 0 go to the back of the queue in that order
-    assert free_order(kv) == [5, 6, 7, 3, 1, 0]
+    kv.free("a")  # nothing cached: 3, 1, 0 go to the head in that order
+    assert free_order(kv) == [0, 1, 3, 5, 6, 7]
     assert kv.block_ids("a") == [] and kv.num_free_blocks == 6
     kv.check_integrity()
 
-    assert kv.allocate_slots("c", 16) == [5, 6, 7, 3]  # head of the queue first
-    assert kv.allocate_slots("a", 1) == [1]
-    assert free_order(kv) == [0]
+    assert kv.allocate_slots("c", 16) == [0, 1, 3, 5]  # head of the queue first
+    assert kv.allocate_slots("a", 1) == [6]
+    assert free_order(kv) == [7]
     kv.free("b")
-    assert free_order(kv) == [0, 4, 2]
+    assert free_order(kv) == [2, 4, 7]
     kv.free("nobody")  # freeing a request without blocks is a no-op
     kv.check_integrity()
 
@@ -190,7 +191,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         free_before = free_order(self.kv)
         self.kv.free(request_id)
         self.num_tokens.pop(request_id, None)
-        assert free_order(self.kv) == free_before + ids[::-1]  # tail block first
+        assert free_order(self.kv) == ids + free_before  # nothing cached: all to the head
 
     @invariant()
     def consistent(self):

@@ -65,8 +65,9 @@ class Harness:
 
 
 def reference_outputs(*requests: NewRequest) -> dict[str, list[int]]:
-    """Outputs with room for everything: no chunking, no preemption."""
-    h = Harness(num_blocks=1024, max_model_len=4096, max_num_batched_tokens=100_000)
+    """Outputs with room for everything: no chunking, no preemption, no prefix caching."""
+    h = Harness(num_blocks=1024, max_model_len=4096, max_num_batched_tokens=100_000,
+                enable_prefix_caching=False)
     h.add(*requests)
     h.run()
     return h.outputs()
@@ -175,7 +176,9 @@ def test_preempts_latest_arrival_by_recompute_and_it_resumes_identically():
     step_index, new_b = sent_b[1]  # sent in full again when it resumes
     assert step_index == 8 and list(h.steps[8].finished_request_ids) == ["a"]
     assert list(new_b.token_ids) == list(b.prompt_token_ids) + b_state.output_token_ids[:5]
-    assert new_b.num_prompt_tokens == 8 and list(new_b.block_ids) == [3, 2, 5, 4]
+    # Its first two blocks were still cached (its third went to a): it resumes from them.
+    assert new_b.num_prompt_tokens == 8 and list(new_b.block_ids) == [2, 3, 5, 4]
+    assert new_b.num_computed_tokens == 8
     assert h.finished["a"].num_preemptions == 0 and h.sched.num_preemptions == 1
     assert h.sched.num_steps == len(h.steps)
     assert h.outputs() == reference_outputs(a, b, c)

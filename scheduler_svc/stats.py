@@ -1,0 +1,28 @@
+"""Accounting of one worker's KV cache and scheduling, as BatchScheduler.stats() reports it.
+
+The field names are WorkerStats' (proto/messages.py), which carries them through Redis.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_blocks: int  # total
+    num_used_blocks: int  # held by running requests (shared ones counted once)
+    num_cached_blocks: int  # held by none but still cached: reusable by a hit until evicted
+    num_free_blocks: int  # held by none, cached ones included: what allocation can take
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # since the scheduler started, as every counter below
+    num_steps: int
+    prefix_cache_queries: int  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found (not computed again)
+    num_evicted_blocks: int  # cached blocks taken for other contents
+    # 1 - tokens whose K/V the used blocks hold / their slots: the partly filled last block
+    # of each running request (shared blocks are full and counted once).
+    kv_waste: float
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

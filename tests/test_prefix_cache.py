@@ -1,0 +1,480 @@
+"""Automatic prefix caching: exact block ids, eviction order, LRU, hit verification,
+sharing, hits after preemption, random operation sequences (kvstore); then the scheduler
+with the fake worker, its accounting, and a real model's greedy outputs."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstore.block_hash import hash_block
+from kvstore.kv_cache_manager import KVCacheManager, cdiv
+from test_scheduler import Harness, make_request, reference_outputs, scheduled
+
+BS = 4
+
+
+def free_order(kv: KVCacheManager) -> list[int]:
+    return [block.block_id for block in kv.block_pool.free_queue]
+
+
+def run(kv: KVCacheManager, rid: str, tokens: list[int], hashes: list[bytes] | None = None,
+        computed: int | None = None) -> list[int]:
+    """Admit a request with its cached prefix, 'compute' it up to `computed` tokens (all
+    but the last by default), offer its full blocks to the cache; its block ids."""
+    hashes = [] if hashes is None else hashes
+    computed = len(tokens) - 1 if computed is None else computed
+    cached = kv.find_cached_prefix(tokens, hashes)
+    assert kv.allocate_slots(rid, computed, cached) is not None
+    kv.cache_full_blocks(rid, tokens, hashes, computed)
+    kv.check_integrity()
+    return kv.block_ids(rid)
+
+
+P = list(range(100, 112))  # three blocks of 4
+
+
+# -- kvstore: hand-written scenarios ---------------------------------------------------
+
+
+def test_second_request_reuses_the_cached_prefix_exact_ids():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    assert run(kv, "a", P[:10] + [1], computed=11) == [0, 1, 2]  # blocks 0, 1 full
+    assert sorted(b.block_id for b in kv.block_pool.cached.values()) == [0, 1]
+    kv.free("a")  # 2 (not cached) to the head; 1 then 0 to the tail
+    assert free_order(kv) == [2, 3, 4, 5, 6, 7, 1, 0]
+    kv.check_integrity()
+
+    hashes: list[bytes] = []
+    cached = kv.find_cached_prefix(P[:8] + [7, 7, 7], hashes)
+    assert [b.block_id for b in cached] == [0, 1] and len(hashes) == 2
+    assert free_order(kv) == [2, 3, 4, 5, 6, 7, 1, 0]  # finding changes nothing
+    assert kv.allocate_slots("b", 11, cached) == [0, 1, 2]  # hits, then the head
+    assert free_order(kv) == [3, 4, 5, 6, 7]
+    assert [kv.block_pool.blocks[i].ref_cnt for i in (0, 1, 2)] == [1, 1, 1]
+    kv.check_integrity()
+
+
+def test_last_token_is_always_computed():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    run(kv, "a", P[:8] + [9], computed=9)  # both blocks of P[:8] cached
+    assert len(kv.find_cached_prefix(P[:8], [])) == 1  # 8 tokens: block 2 holds the last
+    assert len(kv.find_cached_prefix(P[:9], [])) == 2
+    assert kv.find_cached_prefix(P[:4], []) == []
+
+
+def test_two_live_requests_share_blocks_by_refcount():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    assert run(kv, "a", P + [1]) == [0, 1, 2]  # 12 computed: all three cached
+    assert run(kv, "b", P + [2, 3]) == [0, 1, 2, 3]  # shares a's three blocks
+    assert [kv.block_pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 2, 1]
+    kv.free("a")
+    assert [kv.block_pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 1, 1]
+    assert free_order(kv) == [4, 5, 6, 7]  # still used by b: nothing freed
+    kv.free("b")
+    assert free_order(kv) == [3, 4, 5, 6, 7, 2, 1, 0]  # b's partial block first
+    kv.check_integrity()
+
+
+def test_eviction_takes_empty_blocks_first_then_least_recently_used():
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    run(kv, "a", P[:4] + [1, 1], computed=6)  # blocks 0 (cached), 1 (partial)
+    run(kv, "b", [5, 5, 5, 5, 6], computed=5)  # blocks 2 (cached), 3 (partial)
+    kv.free("a")
+    kv.free("b")
+    assert free_order(kv) == [3, 1, 4, 5, 0, 2]  # empty ones first, then a's, then b's
+    assert kv.allocate_slots("c", 12) == [3, 1, 4]
+    assert kv.block_pool.num_evictions == 0 and len(kv.block_pool.cached) == 2
+    assert kv.allocate_slots("c", 16) == [5]
+    assert kv.allocate_slots("c", 20) == [0]  # a's block: freed before b's
+    assert kv.block_pool.num_evictions == 1 and kv.find_cached_prefix(P[:4] + [1], []) == []
+    assert [b.block_id for b in kv.find_cached_prefix([5, 5, 5, 5, 6], [])] == [2]
+    kv.check_integrity()
+
+
+def test_a_hit_moves_a_free_cached_block_to_most_recently_used():
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    run(kv, "a", P[:4] + [1], computed=5)  # 0 cached, 1 partial
+    run(kv, "b", [5, 5, 5, 5, 6], computed=5)  # 2 cached, 3 partial
+    kv.free("a")
+    kv.free("b")
+    assert free_order(kv) == [3, 1, 4, 5, 0, 2]
+    assert run(kv, "c", P[:4] + [9], computed=5) == [0, 3]  # out of the middle, O(1)
+    assert free_order(kv) == [1, 4, 5, 2]
+    kv.free("c")
+    assert free_order(kv) == [3, 1, 4, 5, 2, 0]  # 0 is now the most recently used
+    assert kv.allocate_slots("d", 20) == [3, 1, 4, 5, 2]  # b's block evicted before a's
+    kv.check_integrity()
+
+
+def test_equal_content_cached_once_and_chains_continue_through_it():
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    # a and b both compute P from scratch (b admitted before a's blocks were cached).
+    assert kv.allocate_slots("a", 12) == [0, 1, 2]
+    assert kv.allocate_slots("b", 13) == [3, 4, 5, 6]
+    kv.cache_full_blocks("a", P + [1], [], 12)
+    hashes_b: list[bytes] = []
+    kv.cache_full_blocks("b", P + [2], hashes_b, 13)
+    assert sorted(b.block_id for b in kv.block_pool.cached.values()) == [0, 1, 2]  # not b's
+    kv.allocate_slots("b", 17)
+    kv.cache_full_blocks("b", P + [2] * 5, hashes_b, 17)  # b's 4th block chains on a's 3rd
+    assert [b.block_id for b in kv.find_cached_prefix(P + [2] * 5, [])] == [0, 1, 2, 6]
+    kv.free("b")
+    assert free_order(kv) == [3, 4, 5, 7, 8, 9, 6]  # b's duplicates hold no hash: reused first
+    kv.check_integrity()
+
+
+def colliding_hash(parent: bytes, tokens, extra_keys) -> bytes:
+    """Ignores the parent: the same tokens collide at every position and after any prefix."""
+    return hash_block(b"", tokens, extra_keys)
+
+
+def test_a_hash_hit_is_verified_against_the_tokens():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, hash_fn=lambda p, t, e: b"same")
+    run(kv, "a", P[:4] + [1], computed=5)
+    assert kv.find_cached_prefix([9, 9, 9, 9, 1], []) == []  # same hash, other tokens
+    assert [b.block_id for b in kv.find_cached_prefix(P[:4] + [2], [])] == [0]
+    kv.check_integrity()
+
+
+def test_a_hit_is_verified_against_the_whole_prefix():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, hash_fn=colliding_hash)
+    X, Y, W = [1] * 4, [2] * 4, [3] * 4
+    run(kv, "a", X + Y + [0], computed=9)  # X -> 0, Y -> 1 (after X)
+    kv.free("a")
+    run(kv, "c", W + Y + [0], computed=9)  # Y after W: same hash as a's Y, other K/V
+    assert [b.block_id for b in kv.find_cached_prefix(W + Y + [0], [])] == [2, 3]
+    # a's Y block lost its place to c's; X + Y must not be served c's Y.
+    assert [b.block_id for b in kv.find_cached_prefix(X + Y + [0], [])] == [0]
+    kv.free("c")
+    run(kv, "d", X + Y + [0], computed=9)  # computes Y after X again: cached again
+    assert [b.block_id for b in kv.find_cached_prefix(X + Y + [5], [])] == [0, kv.block_ids("d")[1]]
+    kv.check_integrity()
+
+
+def test_a_block_whose_parent_left_the_cache_is_not_served():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, hash_fn=colliding_hash)
+    X, Y, W = [1] * 4, [2] * 4, [3] * 4
+    run(kv, "a", X + Y + [0], computed=9)  # X -> 0, Y -> 1 (after X)
+    kv.free("a")
+    assert run(kv, "e", W + X + [0], computed=9) == [2, 3, 4]  # X after W replaces block 0
+    assert free_order(kv) == [0, 5, 6, 7, 1]  # 0 lost its hash: with the empty ones
+    assert kv.block_pool.blocks[1].block_hash is not None  # a's Y: cached, parent gone
+    assert kv.find_cached_prefix(X + Y + [0], []) == []
+    kv.free("e")
+    assert run(kv, "f", X + Y + [0], computed=9) == [4, 0, 5]  # replaces the stale Y too
+    assert kv.block_pool.blocks[1].block_hash is None
+    assert [b.block_id for b in kv.find_cached_prefix(X + Y + [7], [])] == [4, 0]
+    kv.check_integrity()
+
+
+def test_prefix_caching_off():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    assert run(kv, "a", P[:8] + [0], computed=9) == [0, 1, 2]
+    assert kv.block_pool.cached == {}
+    kv.free("a")
+    assert free_order(kv) == [0, 1, 2, 3]
+    assert kv.find_cached_prefix(P[:8] + [0], []) == []
+
+
+# -- kvstore: random operation sequences ------------------------------------------------
+
+NUM_BLOCKS = 12
+PREFIXES = [[], P[:4], P[:8], P, [7, 7, 7, 7, 8, 8], [0] * 4, P[:4] + [0] * 4]
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Random admit (with prefix hits) / compute and decode / finish / preempt / resume /
+    evict. Every slot remembers the prefix its K/V were computed from, so the invariants
+    prove that no hit serves wrong K/V and nothing overwrites a live request's K/V,
+    whatever the hash function does."""
+
+    hash_fn = staticmethod(hash_block)
+
+    @initialize()
+    def setup(self):
+        self.kv = KVCacheManager(NUM_BLOCKS, BS, hash_fn=self.hash_fn)
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
+        self.live: dict[str, dict] = {}
+        self.waiting: dict[str, dict] = {}
+        self.next_id = 0
+
+    def _compute(self, rid: str, req: dict, upto: int) -> None:
+        table = self.kv.block_ids(rid)
+        for pos in range(req["computed"], upto):
+            block_id = table[pos // BS]
+            assert self.kv.block_pool.blocks[block_id].ref_cnt == 1, "write into a shared block"
+            self.slots[(block_id, pos % BS)] = tuple(req["tokens"][:pos + 1])
+        req["computed"] = upto
+        self.kv.cache_full_blocks(rid, req["tokens"], req["hashes"], upto)
+
+    def _admit(self, rid: str, req: dict, chunk: int) -> None:
+        tokens, before = req["tokens"], free_order(self.kv)
+        cached = self.kv.find_cached_prefix(tokens, req["hashes"])
+        assert len(cached) <= (len(tokens) - 1) // BS and free_order(self.kv) == before
+        for pos in range(len(cached) * BS):  # the hit holds exactly this prefix's K/V
+            assert self.slots[(cached[pos // BS].block_id, pos % BS)] == tuple(tokens[:pos + 1])
+        upto = min(len(tokens), len(cached) * BS + chunk)
+        ids = self.kv.allocate_slots(rid, upto, cached)
+        if ids is None:
+            need = cdiv(upto, BS) - len(cached) + sum(b.ref_cnt == 0 for b in cached)
+            assert need > len(before) and free_order(self.kv) == before
+            self.waiting[rid] = req
+            return
+        hit_ids = [b.block_id for b in cached]
+        assert ids[:len(cached)] == hit_ids
+        assert ids[len(cached):] == [i for i in before if i not in hit_ids][:len(ids) - len(cached)]
+        req["computed"] = len(cached) * BS
+        self.live[rid] = req
+        self._compute(rid, req, upto)
+
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 2), max_size=9),
+          chunk=st.integers(1, 16))
+    def admit(self, prefix, suffix, chunk):
+        rid, self.next_id = f"r{self.next_id}", self.next_id + 1
+        self._admit(rid, dict(tokens=prefix + suffix or [0], computed=0, hashes=[]), chunk)
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 99), chunk=st.integers(1, 8), token=st.integers(0, 2))
+    def advance(self, pick, chunk, token):
+        rid = sorted(self.live)[pick % len(self.live)]
+        req = self.live[rid]
+        if req["computed"] == len(req["tokens"]):
+            req["tokens"].append(token)  # the token the last step sampled
+        upto = min(len(req["tokens"]), req["computed"] + chunk)
+        before = free_order(self.kv)
+        if self.kv.allocate_slots(rid, upto) is None:
+            assert cdiv(upto, BS) - len(self.kv.block_ids(rid)) > len(before)
+            assert free_order(self.kv) == before
+            return
+        self._compute(rid, req, upto)
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 99), preempt=st.booleans())
+    def finish_or_preempt(self, pick, preempt):
+        rid = sorted(self.live)[pick % len(self.live)]
+        req = self.live.pop(rid)
+        self.kv.free(rid)
+        if preempt:  # recompute later; its tokens and hashes stay
+            req["computed"] = 0
+            self.waiting[rid] = req
+
+    @precondition(lambda self: self.waiting)
+    @rule(pick=st.integers(0, 99), chunk=st.integers(1, 16))
+    def resume(self, pick, chunk):
+        rid = sorted(self.waiting)[pick % len(self.waiting)]
+        self._admit(rid, self.waiting.pop(rid), chunk)
+
+    @rule(n=st.integers(1, NUM_BLOCKS))
+    def evict(self, n):
+        pool = self.kv.block_pool
+        before = free_order(self.kv)
+        if n > len(before):
+            return
+        empty = [i for i in before if pool.blocks[i].block_hash is None]
+        blocks = pool.get_new_blocks(n)
+        assert [b.block_id for b in blocks] == before[:n]  # empty ones first, then LRU
+        assert before[:len(empty)] == empty
+        assert all(b.block_hash is None for b in blocks) and pool.num_evictions >= 0
+        pool.free_blocks(blocks)
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "kv"):
+            return
+        self.kv.check_integrity()
+        for rid, req in self.live.items():  # nobody overwrote a live request's K/V
+            table = self.kv.block_ids(rid)
+            assert len(table) == cdiv(req["computed"], BS)
+            for pos in range(req["computed"]):
+                assert self.slots[(table[pos // BS], pos % BS)] == tuple(req["tokens"][:pos + 1])
+        for block in self.kv.block_pool.cached.values():  # a cached block holds its key's tokens
+            held = tuple(self.slots[(block.block_id, off)][-1] for off in range(BS))
+            assert held == block.block_key.token_ids
+
+
+class CollidingPrefixCacheMachine(PrefixCacheMachine):
+    hash_fn = staticmethod(colliding_hash)
+
+
+settings_ = settings(max_examples=60, stateful_step_count=50, deadline=None)
+PrefixCacheMachine.TestCase.settings = settings_
+CollidingPrefixCacheMachine.TestCase.settings = settings_
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+TestCollidingPrefixCacheMachine = CollidingPrefixCacheMachine.TestCase
+
+
+# -- the scheduler with the fake worker -------------------------------------------------
+
+
+def request(rid: str, prompt: list[int], max_tokens: int, arrival: float, **sampling):
+    from proto.messages import NewRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
+    return NewRequest(rid, prompt, params, "out:gw", arrival)
+
+
+def test_second_identical_request_computes_only_the_uncached_tail():
+    h = Harness(num_blocks=8, block_size=BS)
+    h.add(request("a", P[:10], 3, arrival=0))
+    h.run()  # a computed 12 tokens: blocks 0, 1, 2 cached
+    assert h.sched.cached_prefix_tokens(P[:10]) == 8  # its last token is computed again
+    h.add(request("b", P[:10], 3, arrival=1))
+    step = h.step()
+    (new,) = step.new_requests
+    assert new.num_computed_tokens == 8 and list(new.block_ids) == [0, 1, 3]
+    assert scheduled(step) == {"b": 2}
+    h.run()
+    assert h.outputs()["b"] == h.outputs()["a"]
+    stats = h.sched.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (20, 8)
+
+
+def test_live_requests_share_a_prefix_and_outputs_do_not_change():
+    a, b = request("a", P[:10], 6, arrival=0), request("b", P[:9] + [5, 6, 7], 6, arrival=1)
+    h = Harness(num_blocks=8, block_size=BS)
+    h.add(a)
+    h.step()  # a's prompt: blocks 0, 1 full and cached
+    h.add(b)
+    step = h.step()
+    assert scheduled(step) == {"a": 1, "b": 4}
+    assert list(step.new_requests[0].block_ids) == [0, 1, 3]
+    pool = h.sched.kv.block_pool
+    assert [pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
+    stats = h.sched.stats()  # 11 + 12 tokens in 4 blocks of 4, 2 of them counted twice
+    assert (stats.num_used_blocks, stats.num_free_blocks) == (4, 4)
+    assert stats.kv_waste == pytest.approx(1 - (11 + 12 - 8) / 16)
+    h.run()
+    assert h.outputs() == reference_outputs(a, b)
+    stats = h.sched.stats()
+    assert (stats.num_used_blocks, stats.num_free_blocks, stats.kv_waste) == (0, 8, 0.0)
+    assert stats.num_cached_blocks == len(pool.cached) == 5  # a: 0, 1, 2; b: 3, 4
+
+
+def test_a_preempted_request_resumes_from_its_cached_blocks():
+    # 6 blocks of 4: b (the later arrival) is preempted when a needs a 4th block.
+    a, b = make_request("a", 8, 8, arrival=0), make_request("b", 8, 8, arrival=1)
+    h = Harness(num_blocks=6, block_size=BS)
+    h.add(a, b)
+    while h.sched.num_preemptions == 0:
+        h.step()
+    state = h.sched.get_request("b")
+    assert h.sched.cached_prefix_tokens(state.token_ids) == 8
+    hashes = list(state.block_hashes)
+    h.run()
+    assert state.block_hashes[:len(hashes)] == hashes  # kept across the preemption
+    resumed = [r for s in h.steps for r in s.new_requests if r.request_id == "b"][1]
+    assert resumed.num_computed_tokens == 8
+    assert h.outputs() == reference_outputs(a, b)
+    stats = h.sched.stats()
+    assert stats.num_preemptions == 1 and stats.prefix_cache_hits == 8
+    assert stats.prefix_cache_queries == 8 + 8 + len(resumed.token_ids)
+
+
+def test_stats_travel_as_worker_stats():
+    from dataclasses import asdict
+
+    from proto.messages import WorkerStats, stats_decoder, stream_encoder
+
+    h = Harness(num_blocks=8, block_size=BS)
+    h.add(request("a", P[:10], 3, arrival=0), request("b", P[:10], 3, arrival=1))
+    h.step()  # both prefill from scratch: b was admitted before a's blocks were cached
+    h.run()
+    h.add(request("c", P[:10], 3, arrival=2))
+    h.run()
+    stats = h.sched.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (30, 8)
+    assert stats.prefix_cache_hit_rate == pytest.approx(8 / 30)
+    wire = WorkerStats(worker_id="w", **asdict(stats))
+    assert stats_decoder.decode(stream_encoder.encode(wire)) == wire
+    assert (wire.num_cached_blocks, wire.num_free_blocks, wire.num_used_blocks) == (3, 8, 0)
+
+
+def test_prefix_caching_off_computes_everything():
+    h = Harness(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    h.add(request("a", P[:10], 3, arrival=0))
+    h.run()
+    assert h.sched.cached_prefix_tokens(P[:10]) == 0
+    h.add(request("b", P[:10], 3, arrival=1))
+    assert h.step().new_requests[0].num_computed_tokens == 0
+    h.run()
+    assert h.sched.stats().prefix_cache_queries == 0
+
+
+def test_re_routed_request_forgets_hashes_of_its_old_worker():
+    h1 = Harness(block_size=BS)
+    h1.add(request("a", P, 4, arrival=0))
+    h1.step()
+    (state,) = h1.sched.drain()
+    assert state.block_hashes
+    h2 = Harness(block_size=8)
+    h2.sched.add_state(state)
+    assert state.block_hashes == []
+    h2.run()
+    assert h2.outputs() == reference_outputs(request("a", P, 4, arrival=0))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    # (shared prefix, suffix length, max_tokens, arrival step)
+    workload=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6), st.integers(1, 12),
+                                st.integers(0, 8)), min_size=2, max_size=8),
+    num_blocks=st.integers(8, 14),
+    budget=st.integers(2, 24),
+)
+def test_outputs_with_prefix_caching_equal_outputs_without(workload, num_blocks, budget):
+    """Shared prefixes arriving over time, small pools (preemption, eviction), chunked
+    prefill: every request's greedy output equals the reference without caching."""
+    prefixes = [P[:3], P[:9], [9] * 8]
+    reqs = {f"r{i}": (request(f"r{i}", prefixes[p] + [i] * n, m, arrival=float(i)), at)
+            for i, (p, n, m, at) in enumerate(workload)}
+    h = Harness(num_blocks=num_blocks, block_size=BS, max_num_batched_tokens=budget)
+    for t in range(1000):
+        for req, at in reqs.values():
+            if at == t:
+                h.add(req)
+        if t > 8 and not h.sched.has_work():
+            break
+        h.step()
+    h.assert_done()
+    assert h.outputs() == reference_outputs(*(req for req, _ in reqs.values()))
+
+
+# -- a real model ------------------------------------------------------------------------
+
+
+def run_engine(model_dir, arrivals: dict, caching: bool):
+    """BatchScheduler + ModelRunner in one process (the in-process engine)."""
+    from scheduler_svc.batching import BatchScheduler
+    from scheduler_svc.config import SchedulerConfig
+    from worker_svc.config import RunnerConfig
+    from worker_svc.model_runner import ModelRunner
+
+    runner = ModelRunner(RunnerConfig(model=str(model_dir), block_size=BS, num_blocks=24))
+    sched = BatchScheduler(SchedulerConfig(max_num_batched_tokens=16, enable_prefix_caching=caching),
+                           24, BS, runner.max_model_len)
+    outputs = {}
+    for t in range(400):
+        for req in arrivals.get(t, []):
+            assert sched.add_request(req) is None
+        if t > max(arrivals) and not sched.has_work():
+            break
+        step = sched.schedule()
+        if step is not None:
+            for req in sched.update(step, runner.step(step).result):
+                outputs[req.request_id] = req.output_token_ids
+        sched.check_integrity()
+    return outputs, sched.stats()
+
+
+def test_greedy_outputs_identical_with_prefix_hits_mid_run(tiny_model_dir):
+    system = [(37 * i) % 1500 + 3 for i in range(13)]
+    arrivals = {0: [request("a", system + [11, 12], 10, 0)],
+                3: [request("b", system + [21], 8, 1), request("c", system + [11, 12], 6, 2)],
+                9: [request("d", system + [31, 32, 33, 34, 35], 9, 3)],
+                14: [request("e", [5, 6, 7, 8, 9], 12, 4), request("f", system[:8], 7, 5)]}
+    on, stats = run_engine(tiny_model_dir, arrivals, caching=True)
+    off, _ = run_engine(tiny_model_dir, arrivals, caching=False)
+    assert on == off and len(on) == 6
+    # b, c and d find a's first three blocks; f (8 tokens) its first one only.
+    assert stats.prefix_cache_hits == 12 + 12 + 12 + 4
