@@ -1,0 +1,108 @@
+"""The in-process engine: BatchScheduler + ModelRunner driven in one process.
+
+No Redis and no gRPC: requests go straight into the scheduler core, steps straight into
+the runner, events straight back to the caller. Tests use it to check scheduling against a
+real model quickly, and `bench/` uses it as the yardstick for what the service split
+costs (the same cores, minus the transport).
+
+The engine runs its loop on one background thread (so the caller's asyncio loop stays free
+for HTTP); submissions and aborts cross over through a lock-protected inbox, events go out
+through a callback the caller supplies (`on_events`, called on the engine thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from proto.messages import NewRequest, TokenEvent
+from scheduler_svc.batching import BatchScheduler
+from scheduler_svc.config import SchedulerConfig
+from worker_svc.config import RunnerConfig
+from worker_svc.model_runner import ModelRunner
+
+log = logging.getLogger("pagedserve.engine")
+
+EventSink = Callable[[dict[str, list[TokenEvent]]], None]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    runner: RunnerConfig
+    batching: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+class InProcessEngine:
+    def __init__(self, config: EngineConfig, on_events: EventSink):
+        self.runner = ModelRunner(config.runner, worker_id="in-process")
+        info = self.runner.describe()
+        self.info = info
+        self.scheduler = BatchScheduler(config.batching, num_blocks=info.num_blocks,
+                                        block_size=info.block_size, max_model_len=info.max_model_len)
+        self._on_events = on_events
+        self._inbox: list[NewRequest | str] = []  # NewRequest to add, str = request id to abort
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # ---- called from any thread ------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def submit(self, request: NewRequest) -> None:
+        with self._lock:
+            self._inbox.append(request)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(request_id)
+        self._wake.set()
+
+    # ---- the engine thread -----------------------------------------------------------
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            self._wake.clear()
+        for item in inbox:
+            if isinstance(item, str):
+                self.scheduler.abort_request(item)
+                continue
+            error = self.scheduler.add_request(item)
+            if error is not None:
+                self._on_events({item.reply_channel: [error]})
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            step = self.scheduler.schedule()
+            if step is None:
+                self._wake.wait(timeout=1.0)
+                continue
+            try:
+                output = self.runner.step(step)
+            except Exception:  # fail what ran, keep serving the rest
+                log.exception("step %d failed", step.step_id)
+                self._fail(self.scheduler.drain(), "the model step failed; see the server log")
+                continue
+            if output.events:
+                self._on_events(output.events)
+            self.scheduler.update(step, output.result)
+
+    def _fail(self, states, message: str) -> None:
+        events: dict[str, list[TokenEvent]] = {}
+        for state in states:
+            events.setdefault(state.reply_channel, []).append(TokenEvent(
+                state.request_id, index=state.num_output_tokens, finish_reason="error", error=message))
+        if events:
+            self._on_events(events)
