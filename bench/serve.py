@@ -1,13 +1,15 @@
 """Serving benchmark against any OpenAI-compatible base URL.
 
     python bench/serve.py --base-url http://127.0.0.1:8000/v1 --model small \
-        --num-requests 96 --concurrency 32 --input-mean 256 --output-mean 128
+        --dataset random --num-requests 96 --concurrency 32 --input-mean 256 --output-mean 128
 
-Requests carry prompts of random token ids (lengths drawn around --input-mean ± --spread)
-and `ignore_eos` with a fixed max_tokens drawn around --output-mean, so every server
-generates exactly the same number of tokens. Streams every request to measure, as vLLM's
-serving benchmark defines them: TTFT, TPOT (per request, after the first token), ITL and
-end-to-end latency; request and output token throughput. Prints a table, writes JSON.
+Arrivals: a Poisson process at --request-rate requests/s (default: all at once), with at
+most --concurrency in flight. Every request streams, so the client measures, as vLLM's
+serving benchmark defines them: TTFT (first token), TPOT ((latency − TTFT) / (tokens − 1)
+per request), ITL (every gap between streamed chunks), end-to-end latency; request, output
+and total token throughput; goodput (requests/s meeting every --slo). Prompts go as token
+ids by default; `--prompt-mode text` decodes them with --tokenizer first (for servers that
+take only text). `--ignore-eos` makes output lengths exact on servers that support it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import openai
+from tqdm import tqdm
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from workloads import KINDS, WorkloadSpec, make_workload  # noqa: E402  (bench/ is not a package)
 
 
 @dataclass
@@ -34,24 +40,14 @@ class RequestResult:
     error: str | None = None
 
 
-def make_workload(args) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
-
-    def around(mean: int) -> int:
-        return max(1, int(rng.uniform(mean * (1 - args.spread), mean * (1 + args.spread))))
-
-    low, high = args.token_range
-    return [([rng.randrange(low, high) for _ in range(around(args.input_mean))], around(args.output_mean))
-            for _ in range(args.num_requests)]
-
-
-async def one(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
-    result = RequestResult(prompt_tokens=len(prompt))
+async def one(client: openai.AsyncOpenAI, args, prompt, num_prompt_tokens: int, max_tokens: int) -> RequestResult:
+    result = RequestResult(prompt_tokens=num_prompt_tokens)
+    extra = {"ignore_eos": True} if args.ignore_eos else {}
     start = last = time.perf_counter()
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=args.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body=extra)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].text:
@@ -62,8 +58,9 @@ async def one(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tok
                 last = now
             if chunk.usage is not None:
                 result.output_tokens = chunk.usage.completion_tokens
+                result.prompt_tokens = chunk.usage.prompt_tokens or num_prompt_tokens
     except Exception as exc:  # a failed request is reported, not fatal
-        result.error = f"{type(exc).__name__}: {exc}"
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
     result.latency_s = time.perf_counter() - start
     return result
 
@@ -77,33 +74,67 @@ def percentiles(values: list[float]) -> dict[str, float]:
             "p90": pick(0.90), "p99": pick(0.99)}
 
 
-async def run(args) -> dict:
-    client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=3600)
-    workload = make_workload(args)
-    gate = asyncio.Semaphore(args.concurrency)
-    done = 0
+def parse_slos(items: list[str]) -> dict[str, float]:
+    """['ttft:500', 'tpot:100'] → {'ttft_s': 0.5, 'tpot_s': 0.1} (milliseconds in)."""
+    slos = {}
+    for item in items:
+        name, _, ms = item.partition(":")
+        if name not in ("ttft", "tpot", "e2e_latency"):
+            raise SystemExit(f"--slo {item!r}: the metric is one of ttft, tpot, e2e_latency")
+        slos[f"{name}_s"] = float(ms) / 1000
+    return slos
 
-    async def gated(prompt, max_tokens):
-        nonlocal done
+
+def meets(r: RequestResult, slos: dict[str, float]) -> bool:
+    tpot = (r.latency_s - r.ttft_s) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+    values = {"ttft_s": r.ttft_s, "tpot_s": tpot, "e2e_latency_s": r.latency_s}
+    return all(values[k] <= limit for k, limit in slos.items())
+
+
+async def run(args) -> dict:
+    spec = WorkloadSpec(kind=args.dataset, num_requests=args.num_requests, input_mean=args.input_mean,
+                        output_mean=args.output_mean, spread=args.spread, max_model_len=args.max_model_len,
+                        token_high=args.vocab_high, seed=args.seed)
+    workload = make_workload(spec)
+    prompts: list = [ids for ids, _ in workload]
+    if args.prompt_mode == "text":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        prompts = [tokenizer.decode(ids) for ids in prompts]
+    client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=3600)
+    gate = asyncio.Semaphore(args.concurrency)
+    rng = random.Random(args.seed + 1)
+    bar = tqdm(total=len(workload), desc="requests", unit="req", file=sys.stderr, disable=args.quiet)
+
+    async def gated(prompt, ids, max_tokens):
         async with gate:
-            r = await one(client, args.model, prompt, max_tokens)
-        done += 1
-        print(f"\r{done}/{len(workload)} requests", end="", file=sys.stderr, flush=True)
+            r = await one(client, args, prompt, len(ids), max_tokens)
+        bar.update(1)
         return r
 
     start = time.perf_counter()
-    results = await asyncio.gather(*(gated(p, m) for p, m in workload))
+    tasks = []
+    for prompt, (ids, max_tokens) in zip(prompts, workload):
+        tasks.append(asyncio.create_task(gated(prompt, ids, max_tokens)))
+        if args.request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(args.request_rate))
+    results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
-    print(file=sys.stderr)
+    bar.close()
     ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    slos = parse_slos(args.slo)
     return {
-        "base_url": args.base_url, "model": args.model, "num_requests": len(results),
-        "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if r.error})[:5],
-        "concurrency": args.concurrency, "duration_s": duration,
+        "label": args.label or args.base_url, "base_url": args.base_url, "model": args.model,
+        "dataset": args.dataset, "num_requests": len(results), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "concurrency": args.concurrency, "request_rate": args.request_rate, "duration_s": duration,
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
+        "total_output_tokens": out_tokens,
+        "goodput": (sum(meets(r, slos) for r in ok) / duration) if slos else None, "slos": slos,
         "ttft_s": percentiles([r.ttft_s for r in ok]), "tpot_s": percentiles(tpot),
         "itl_s": percentiles([x for r in ok for x in r.itl_s]),
         "e2e_latency_s": percentiles([r.latency_s for r in ok]),
@@ -111,31 +142,48 @@ async def run(args) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def report(result: dict) -> str:
+    lines = [f"{result['label']}: {result['num_requests']} requests ({result['failed']} failed), "
+             f"{result['dataset']}, concurrency {result['concurrency']}, {result['duration_s']:.1f}s — "
+             f"{result['output_throughput']:.1f} output tok/s, {result['total_token_throughput']:.1f} total tok/s, "
+             f"{result['request_throughput']:.2f} req/s"
+             + (f", goodput {result['goodput']:.2f} req/s" if result["goodput"] is not None else "")]
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_latency_s"):
+        if result[name]:
+            lines.append(f"  {name:14s} " + "  ".join(f"{k} {v * 1000:9.1f}ms" for k, v in result[name].items()))
+    lines += [f"  error: {e}" for e in result["errors"]]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    p.add_argument("--model", default="small")
+    p.add_argument("--model", default="small", help="the `model` field sent")
     p.add_argument("--api-key", default="unused")
+    p.add_argument("--label", help="name of this run in reports and plots")
+    p.add_argument("--dataset", default="random", choices=KINDS)
     p.add_argument("--num-requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals, req/s")
     p.add_argument("--input-mean", type=int, default=256)
     p.add_argument("--output-mean", type=int, default=128)
     p.add_argument("--spread", type=float, default=0.5, help="lengths uniform in mean·(1±spread)")
-    p.add_argument("--token-range", type=int, nargs=2, default=(300, 30000),
-                   help="prompt token ids are drawn from [low, high)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--vocab-high", type=int, default=30000, help="prompt ids are drawn below this")
+    p.add_argument("--prompt-mode", choices=["ids", "text"], default="ids")
+    p.add_argument("--tokenizer", help="checkpoint folder, for --prompt-mode text")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--slo", action="append", default=[], help="goodput SLO, e.g. ttft:500 or tpot:100 (ms)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--out", help="write the JSON result here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     result = asyncio.run(run(args))
-    print(f"{result['num_requests']} requests ({result['failed']} failed) in {result['duration_s']:.1f}s at "
-          f"concurrency {args.concurrency}: {result['output_throughput']:.1f} output tok/s, "
-          f"{result['request_throughput']:.2f} req/s")
-    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_latency_s"):
-        row = result[name]
-        if row:
-            print(f"  {name:14s} " + "  ".join(f"{k} {v * 1000:8.1f}ms" for k, v in row.items()))
-    if result["errors"]:
-        print("  errors:", *result["errors"], sep="\n    ")
+    print(report(result))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
