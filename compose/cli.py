@@ -67,6 +67,9 @@ def _scheduler_parser(sub) -> None:
     p = sub.add_parser("scheduler", help="the scheduler (continuous batching, block tables)")
     _add(p, "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     _add(p, "--max-num-seqs", type=int, default=256, help="requests in one step at most")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   default=_env("--no-prefix-caching", "").lower() in ("1", "true", "yes"),
+                   help="compute every prompt in full (env PAGEDSERVE_NO_PREFIX_CACHING=1)")
     _add(p, "--consumer-name", help="stream consumer name (default: scheduler-<hostname>)")
     _add_common(p)
 

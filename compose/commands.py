@@ -35,7 +35,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
 
     batching = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                               max_num_seqs=args.max_num_seqs)
+                               max_num_seqs=args.max_num_seqs,
+                               enable_prefix_caching=not args.no_prefix_caching)
     extra = {"consumer_name": args.consumer_name} if args.consumer_name else {}
     config = SchedulerServiceConfig(batching=batching, redis_url=args.redis_url,
                                     key_prefix=args.key_prefix, **extra)

@@ -2,7 +2,8 @@
 
 Three kinds of task share one asyncio loop:
   * `_read_requests` — XREADGROUP on the requests stream; routes NewRequest to a worker
-    (least loaded live one) and AbortRequest to whichever worker holds the request;
+    (prefix-aware: `scheduler_svc.routing`) and AbortRequest to whichever worker holds
+    the request;
   * `_discover_workers` — polls the registry; a new registration gets a WorkerHandle and
     its own step loop, a vanished one is retired and its requests re-routed;
   * `_step_loop` (one per worker) — schedule() → gRPC Step → update(), XACKing finished
@@ -16,7 +17,7 @@ import logging
 import socket
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import grpc
 import msgspec
@@ -30,6 +31,7 @@ from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistra
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import RequestState
+from scheduler_svc.routing import pick_worker
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -155,12 +157,14 @@ class SchedulerService:
         await self._finish(request_id)
 
     async def _route(self, item: NewRequest | RequestState) -> None:
-        """Least-loaded live worker first (prefix-aware routing comes with prefix caching)."""
+        """The live worker holding the longest cached prefix of the request's tokens,
+        unless it is much more loaded than another (the score: scheduler_svc.routing)."""
         live = [h for h in self.workers.values() if not h.retiring]
         if not live:
             self.unassigned.append(item)
             return
-        handle = min(live, key=lambda h: h.scheduler.load)
+        tokens = item.prompt_token_ids if isinstance(item, NewRequest) else item.token_ids
+        handle = pick_worker(live, tokens, lambda h: h.scheduler)
         add = handle.scheduler.add_request if isinstance(item, NewRequest) else handle.scheduler.add_state
         error = add(item)
         if error is not None:  # it can never fit on that worker: tell the client, drop it
@@ -280,11 +284,8 @@ class SchedulerService:
         except AssertionError as exc:
             problem = str(exc) or "check_integrity failed"
             log.error("worker %s: block pool integrity: %s", handle.worker_id, problem)
-        stats = WorkerStats(
-            worker_id=handle.worker_id, num_blocks=scheduler.kv.num_blocks,
-            num_free_blocks=scheduler.kv.num_free_blocks, num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting, num_preemptions=scheduler.num_preemptions,
-            num_steps=scheduler.num_steps, integrity_error=problem, updated_at=time.time())
+        stats = WorkerStats(worker_id=handle.worker_id, integrity_error=problem,
+                            updated_at=time.time(), **asdict(scheduler.stats()))
         try:
             await self.redis.set(self.keys.worker_stats(handle.worker_id), stream_encoder.encode(stats),
                                  ex=3600)
