@@ -49,6 +49,7 @@ class SchedulerServiceConfig:
     read_batch: int = 256
     max_early_aborts: int = 10_000
     idle_stats_interval_s: float = 1.0
+    retired_retry_s: float = 30.0  # a retired worker that still looks registered is redialled after this
 
 
 @dataclass
@@ -76,6 +77,9 @@ class SchedulerService:
         self.entry_ids: dict[str, bytes] = {}  # request id → its stream entry, acked when done
         self.unassigned: list[NewRequest | RequestState] = []  # waiting for a live worker
         self.reroutes: dict[str, int] = {}
+        # Retired registrations (worker id, started_at) → when to try them again: a killed
+        # worker's registration lingers until its TTL runs out; don't redial it meanwhile.
+        self.retired: dict[tuple[str, float], float] = {}
         # Aborts that overtook their NewRequest (the gateway's XADD was cancelled midway):
         # remembered, boundedly, so the request is dropped when it does arrive.
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
@@ -201,8 +205,10 @@ class SchedulerService:
         for worker_id, handle in list(self.workers.items()):
             if worker_id not in live or live[worker_id].started_at != handle.registration.started_at:
                 self._retire(handle, "its registration is gone")
+        now = time.monotonic()
+        self.retired = {k: t for k, t in self.retired.items() if t > now}
         for worker_id, reg in live.items():
-            if worker_id not in self.workers:
+            if worker_id not in self.workers and (worker_id, reg.started_at) not in self.retired:
                 await self._add_worker(reg)
 
     async def _add_worker(self, reg: WorkerRegistration) -> None:
@@ -262,6 +268,8 @@ class SchedulerService:
     async def _evacuate(self, handle: WorkerHandle) -> None:
         """Move a retired worker's unfinished requests to live workers (they recompute)."""
         self.workers.pop(handle.worker_id, None)
+        self.retired[(handle.worker_id, handle.registration.started_at)] = (
+            time.monotonic() + self.config.retired_retry_s)
         await handle.channel.close()
         for state in handle.scheduler.drain():
             self.owner.pop(state.request_id, None)
