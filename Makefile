@@ -35,8 +35,11 @@ up: install
 test: install docker-compose
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Every contender (full stack, in-process engine, transformers serve, static generate()),
+# medians of 3 interleaved runs; see docs/benchmarks.md.
 bench: install
-	$(PY) bench/serve.py $(BENCH_ARGS)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
+	$(PY) bench/compare.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .run models

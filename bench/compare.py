@@ -1,0 +1,177 @@
+"""One benchmark run of every contender, on the same checkpoint and the same prompts.
+
+    python bench/compare.py --model-dir models/small --runs 3 --concurrency 32 \
+        --num-requests 96 --input-mean 256 --output-mean 128 --out-dir bench/results/small
+
+Contenders, each started here, measured with bench/serve.py (or bench/static_generate.py
+for the offline one), then stopped before the next starts — one at a time, so none steals
+the other's cores:
+  stack          the full pagedserve stack (`pagedserve up`: Redis, worker, scheduler, gateway)
+  engine         the in-process engine behind the same gateway (`pagedserve engine`): no
+                 Redis, no gRPC — what the service split costs is stack / engine
+  hf-serve       `transformers serve --continuous-batching` (Hugging Face's own server)
+  hf-static      `transformers` generate() with static padded batches, offline
+Rounds interleave the contenders (A B C D, A B C D, …) so slow drifts of a shared machine
+hit all of them alike. Writes every run's JSON, a summary JSON with medians, and prints a
+Markdown table with ratios against the stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONTENDERS = ("stack", "engine", "hf-serve", "hf-static")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Popen, str, list[str]]:
+    """Returns (process, base_url, extra bench/serve.py args)."""
+    model = str(Path(args.model_dir).resolve())
+    served = Path(model).name
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    if name == "stack":
+        cmd = [sys.executable, "-m", "compose.cli", "up", "--model", model, "--port", str(port),
+               "--run-dir", str(log.parent / f"run-{name}"),
+               *(f"--worker-arg={a}" for a in threads)]
+        extra = ["--model", served]
+    elif name == "engine":
+        cmd = [sys.executable, "-m", "compose.cli", "engine", "--model", model, "--port", str(port), *threads]
+        extra = ["--model", served]
+    elif name == "hf-serve":
+        cmd = ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--port", str(port), model]
+        # It takes text only and has no ignore_eos: text prompts, EOS left on (a random model
+        # rarely emits it; output throughput counts the tokens actually produced).
+        extra = ["--model", model, "--prompt-mode", "text", "--tokenizer", model, "--no-ignore-eos"]
+    else:
+        raise ValueError(name)
+    env = {**os.environ}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/v1/models" if name != "hf-serve" else f"{base}/health")
+    if name == "stack":  # the gateway answers before it sees workers: wait for the model too
+        deadline = time.monotonic() + 600
+        while served.encode() not in urllib.request.urlopen(f"{base}/v1/models").read():
+            if time.monotonic() > deadline:
+                raise TimeoutError("stack never listed the model")
+            time.sleep(0.5)
+    return proc, f"{base}/v1", extra
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM) if proc.pid else None
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def workload_args(args) -> list[str]:
+    return ["--dataset", args.dataset, "--num-requests", str(args.num_requests),
+            "--input-mean", str(args.input_mean), "--output-mean", str(args.output_mean),
+            "--spread", str(args.spread), "--seed", str(args.seed)]
+
+
+def run_one(name: str, args, round_no: int, out_dir: Path) -> dict:
+    out = out_dir / f"{name}-{round_no}.json"
+    log = out_dir / f"{name}.log"
+    if name == "hf-static":
+        cmd = [sys.executable, str(HERE / "static_generate.py"), "--model-dir", args.model_dir,
+               "--batch-size", str(args.concurrency), *workload_args(args), "--out", str(out)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        subprocess.run(cmd, check=True)
+    else:
+        proc, base_url, extra = start_server(name, args, free_port(), log)
+        try:
+            # A short warm-up (allocators, lazy imports, first compiles) that is not measured.
+            subprocess.run([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
+                            "--num-requests", "4", "--concurrency", "4", "--output-mean", "8", "--quiet"],
+                           check=False, stdout=subprocess.DEVNULL)
+            subprocess.run([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
+                            "--label", name, "--concurrency", str(args.concurrency), *workload_args(args),
+                            "--out", str(out)], check=True)
+        finally:
+            stop(proc)
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default="models/small")
+    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--dataset", default="random")
+    p.add_argument("--num-requests", type=int, default=96)
+    p.add_argument("--input-mean", type=int, default=256)
+    p.add_argument("--output-mean", type=int, default=128)
+    p.add_argument("--spread", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch threads of every contender")
+    p.add_argument("--out-dir", default="bench/results/compare")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {c: [] for c in args.contenders}
+    for round_no in range(args.runs):
+        for name in args.contenders:
+            print(f"== round {round_no + 1}/{args.runs}: {name}", file=sys.stderr, flush=True)
+            runs[name].append(run_one(name, args, round_no, out_dir))
+    summary = {"args": vars(args), "contenders": {}}
+    for name, results in runs.items():
+        thr = [r["output_throughput"] for r in results]
+        row = {"output_throughput_runs": thr, "output_throughput_median": statistics.median(thr)}
+        for metric in ("ttft_s", "tpot_s", "e2e_latency_s"):
+            vals = [r[metric]["p50"] for r in results if r.get(metric)]
+            if vals:
+                row[f"{metric}_p50_median"] = statistics.median(vals)
+        summary["contenders"][name] = row
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    base = summary["contenders"].get("stack", {}).get("output_throughput_median")
+    print(f"\n{args.dataset}, {args.num_requests} requests, concurrency {args.concurrency}, "
+          f"input mean {args.input_mean}, output mean {args.output_mean}; medians of {args.runs} runs\n")
+    print("| contender | output tok/s (median) | runs | stack ÷ this | TTFT p50 | TPOT p50 |")
+    print("|---|---|---|---|---|---|")
+    for name, row in summary["contenders"].items():
+        ratio = f"{base / row['output_throughput_median']:.2f}×" if base else "—"
+        ttft = f"{row['ttft_s_p50_median'] * 1000:.0f} ms" if "ttft_s_p50_median" in row else "—"
+        tpot = f"{row['tpot_s_p50_median'] * 1000:.0f} ms" if "tpot_s_p50_median" in row else "—"
+        runs_txt = ", ".join(f"{x:.0f}" for x in row["output_throughput_runs"])
+        print(f"| {name} | {row['output_throughput_median']:.1f} | {runs_txt} | {ratio} | {ttft} | {tpot} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The gateway's backend interface served by the in-process engine instead of Redis.
+
+`pagedserve engine` runs the gateway with this backend: the same HTTP, validation,
+detokenizing and SSE code, the same scheduler and model cores — only Redis and gRPC are
+gone. Benchmarks compare it with the full stack to price the service split.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from compose.engine import EngineConfig, InProcessEngine
+from proto.messages import NewRequest, TokenEvent, WorkerRegistration
+
+REPLY_CHANNEL = "in-process"
+
+
+class InProcessBackend:
+    """Implements what gateway.generation / preflight / app use of gateway.backend.RedisBackend."""
+
+    def __init__(self, config: EngineConfig):
+        self._config = config
+        self.reply_channel = REPLY_CHANNEL
+        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine: InProcessEngine | None = None
+        self._registration: WorkerRegistration | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        # Loading the model takes seconds: off the event loop.
+        self._engine = await asyncio.to_thread(InProcessEngine, self._config, self._on_events)
+        self._engine.start()
+        info = self._engine.info
+        self._registration = WorkerRegistration(
+            worker_id=info.worker_id, address="in-process", model=info.model, block_size=info.block_size,
+            num_blocks=info.num_blocks, max_model_len=info.max_model_len, started_at=time.time())
+
+    async def stop(self) -> None:
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.stop)
+
+    def _on_events(self, events: dict[str, list[TokenEvent]]) -> None:
+        """Engine thread → event loop."""
+        batch = [e for group in events.values() for e in group]
+        self._loop.call_soon_threadsafe(self._route, batch)
+
+    def _route(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            queue = self._queues.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+
+    def open(self, request_id: str) -> asyncio.Queue[TokenEvent]:
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def submit(self, request: NewRequest) -> None:
+        self._engine.submit(request)
+
+    async def abort(self, request_id: str) -> None:
+        self._engine.abort(request_id)
+
+    def abort_soon(self, request_id: str) -> None:
+        self._engine.abort(request_id)
+
+    async def live_workers(self) -> list[WorkerRegistration]:
+        return [self._registration] if self._registration else []
+
+    async def ping(self) -> bool:
+        return self._engine is not None
