@@ -16,7 +16,16 @@ import msgspec
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+class Grammar(msgspec.Struct, frozen=True):
+    """A constraint on the output (worker.proto `Grammar`)."""
+
+    kind: Literal["json_schema"]
+    spec: str  # for json_schema: the schema as JSON text
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What worker.proto's SamplingParams says, field by field (see the comments there)."""
+
     max_tokens: int
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -25,6 +34,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = {}
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's (after the first)
+    grammar: Grammar | None = None
 
 
 class NewRequest(msgspec.Struct, frozen=True, tag="new"):
@@ -43,15 +60,32 @@ class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
 StreamMessage = NewRequest | AbortRequest
 
 
+class Logprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One position's logprobs: the token's own, then the top alternatives (most likely
+    first; they may include the token itself)."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class TokenEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """Output tokens of one request. `index` is the output position of token_ids[0];
-    a finished request's last event carries finish_reason (and `error` for "error")."""
+    a finished request's last event carries finish_reason (and `error` for "error").
+
+    With `sampling.logprobs` set, `logprobs[i]` belongs to token_ids[i]. With
+    `sampling.prompt_logprobs` set, events also carry `prompt_logprobs` for the prompt
+    positions `prompt_index, prompt_index + 1, ...` (position 0 has none; a chunked prefill
+    sends them in pieces, and a recomputed request may send some again)."""
 
     request_id: str
     index: int
     token_ids: list[int] = []
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs] | None = None
+    prompt_index: int = 0
 
 
 class WorkerRegistration(msgspec.Struct, frozen=True):

@@ -91,7 +91,19 @@ def to_pb_sampling(params: SamplingParams) -> worker_pb2.SamplingParams:
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
+        logit_bias=params.logit_bias,
     )
     if params.seed is not None:  # proto3 optional: unset means "no per-request generator"
         pb.seed = params.seed
+    if params.logprobs is not None:  # proto3 optional: unset means "no logprobs"
+        pb.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        pb.prompt_logprobs = params.prompt_logprobs
+    if params.grammar is not None:
+        pb.grammar.kind = params.grammar.kind
+        pb.grammar.spec = params.grammar.spec
     return pb

@@ -9,8 +9,9 @@ No transport here (the gRPC server and Redis publishing wrap it). One step:
    (K/V written into the paged cache, paged attention), logits only for requests that
    catch up with their token list;
 4. sample one token for each of those, append it, apply the finish rule (worker_svc/stop.py);
-5. return a SampledToken per sampled token, and a TokenEvent per token grouped by the
-   request's reply channel.
+   logprobs of sampled tokens, and of prompt tokens for requests that ask (worker_svc/logprobs.py);
+5. return a SampledToken per sampled token, and a TokenEvent per token (or per prompt-logprobs
+   chunk) grouped by the request's reply channel.
 
 Requests that finished keep their state until the scheduler forgets them, but are never
 computed or sampled again (a scheduler that still lists them gets nothing for them).
@@ -18,16 +19,17 @@ computed or sampled again (a scheduler that still lists them gets nothing for th
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kernels.backend import get_attention_backend
 from kvstore.cache_tensors import KVCacheTensors, num_blocks_for_memory
 from proto import worker_pb2
-from proto.messages import TokenEvent
+from proto.messages import Logprobs, TokenEvent
 from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
+from worker_svc.logprobs import gather_logprobs
 from worker_svc.model.config import DecoderConfig
 from worker_svc.model.loader import load_model, resolve_dtype
 from worker_svc.request_state import RequestState
@@ -43,6 +45,17 @@ class StepConsistencyError(RuntimeError):
 class StepOutput:
     result: worker_pb2.StepResult
     events: dict[str, list[TokenEvent]]  # reply channel → that channel's events this step
+
+
+@dataclass
+class _Produced:
+    """What one request got from a step: a sampled token, and/or prompt logprobs."""
+
+    state: RequestState
+    token_id: int | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_index: int = 0  # prompt position of prompt_logprobs[0]
 
 
 class ModelRunner:
@@ -114,32 +127,82 @@ class ModelRunner:
         events: dict[str, list[TokenEvent]] = {}
         if scheduled:
             with torch.inference_mode():
-                sampled = self._execute(scheduled)
-            for state, token_id in sampled:
-                reason = self._append(state, token_id)
-                result.sampled.add(request_id=state.request_id, token_id=token_id,
-                                   finish_reason=reason or "")
+                produced = self._execute(scheduled)
+            for out in produced:
+                state, reason = out.state, None
+                if out.token_id is not None:
+                    reason = self._append(state, out.token_id)
+                    result.sampled.add(request_id=state.request_id, token_id=out.token_id,
+                                       finish_reason=reason or "")
+                sampled = [out.token_id] if out.token_id is not None else []
                 events.setdefault(state.reply_channel, []).append(TokenEvent(
-                    request_id=state.request_id, index=state.num_output_tokens - 1,
-                    token_ids=[token_id], finish_reason=reason))
+                    request_id=state.request_id, index=state.num_output_tokens - len(sampled),
+                    token_ids=sampled, finish_reason=reason,
+                    logprobs=[out.logprobs] if out.logprobs is not None else None,
+                    prompt_logprobs=out.prompt_logprobs or None, prompt_index=out.prompt_index))
         result.execute_seconds = time.perf_counter() - start
         return StepOutput(result=result, events=events)
 
-    def _execute(self, scheduled: list[tuple[RequestState, int]]) -> list[tuple[RequestState, int]]:
-        """Forward the flat batch, advance num_computed_tokens, sample; (request, token)."""
+    def _execute(self, scheduled: list[tuple[RequestState, int]]) -> list[_Produced]:
+        """Forward the flat batch, advance num_computed_tokens, sample, gather logprobs."""
         batch = build_flat_batch(scheduled, self.config.block_size, self.plan_attention,
                                  self.device)
+        prompt_rows, prompt_targets, prompt_ks, prompt_parts = self._prompt_logprob_rows(scheduled)
+        indices = batch.logits_indices
+        if prompt_rows:
+            indices = torch.cat([indices, torch.tensor(prompt_rows, device=self.device)])
         logits = self.model(batch.input_ids, batch.positions, batch.attn,
-                            (self.kv_cache.k_caches, self.kv_cache.v_caches), batch.logits_indices)
+                            (self.kv_cache.k_caches, self.kv_cache.v_caches), indices)
         for state, n in scheduled:
             state.num_computed_tokens += n
-        if not batch.sampling_requests:
-            return []
         reqs = batch.sampling_requests
-        sampling = SamplingBatch.build([r.sampling for r in reqs], [r.generator for r in reqs],
-                                       self.model_config.vocab_size, self.device)
-        token_ids = sample(logits, sampling, self.generator).tolist()
-        return list(zip(reqs, token_ids))
+        produced = {id(r): _Produced(r) for r in reqs}
+        if prompt_rows:
+            logprobs = gather_logprobs(logits[len(reqs):], torch.tensor(prompt_targets, device=self.device),
+                                       prompt_ks)
+            start = 0
+            for state, position, count in prompt_parts:
+                out = produced.setdefault(id(state), _Produced(state))
+                out.prompt_logprobs, out.prompt_index = logprobs[start:start + count], position
+                start += count
+        if reqs:
+            self._sample(logits[:len(reqs)], reqs, produced)
+        return list(produced.values())
+
+    def _sample(self, logits: torch.Tensor, reqs: tuple[RequestState, ...],
+                produced: dict[int, _Produced]) -> None:
+        sampling = SamplingBatch.build(
+            [r.sampling for r in reqs], [r.generator for r in reqs], self.model_config.vocab_size,
+            self.device, histories=reqs, eos_token_ids=self.model_config.eos_token_ids)
+        token_ids = sample(logits, sampling, self.generator)
+        rows = [i for i, r in enumerate(reqs) if r.sampling.HasField("logprobs")]
+        logprobs = gather_logprobs(logits[rows], token_ids[rows],
+                                   [reqs[i].sampling.logprobs for i in rows]) if rows else []
+        for req, token_id in zip(reqs, token_ids.tolist()):
+            produced[id(req)].token_id = token_id
+        for i, lp in zip(rows, logprobs):
+            produced[id(reqs[i])].logprobs = lp
+
+    @staticmethod
+    def _prompt_logprob_rows(scheduled: list[tuple[RequestState, int]]):
+        """Flat-batch rows whose logits give prompt logprobs: the row of prompt position p
+        predicts prompt token p + 1. Returns (rows, target token ids, top-k per row,
+        [(request, first prompt position, count)]); call before num_computed_tokens moves."""
+        rows: list[int] = []
+        targets: list[int] = []
+        ks: list[int] = []
+        parts: list[tuple[RequestState, int, int]] = []
+        row = 0
+        for state, n in scheduled:
+            start = state.num_computed_tokens
+            stop = min(start + n, state.num_prompt_tokens - 1)
+            if state.sampling.HasField("prompt_logprobs") and stop > start:
+                rows.extend(range(row, row + stop - start))
+                targets.extend(state.token_ids[start + 1:stop + 1])
+                ks.extend([state.sampling.prompt_logprobs] * (stop - start))
+                parts.append((state, start + 1, stop - start))
+            row += n
+        return rows, targets, ks, parts
 
     def _append(self, state: RequestState, token_id: int) -> str | None:
         state.token_ids.append(token_id)

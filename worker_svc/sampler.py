@@ -1,7 +1,9 @@
 """Batched sampling for one step: one token per logits row.
 
-    greedy rows (temperature ~ 0): argmax of the raw logits
-    other rows: logits / temperature → top-k mask → top-p mask → softmax → draw
+    logits → request-specific edits (grammar mask, logit_bias, min_tokens ban, penalties:
+             worker_svc/logits_processors.py)
+    greedy rows (temperature ~ 0): argmax of the edited logits
+    other rows: / temperature → min-p mask → top-k mask → top-p mask → softmax → draw
 
 Masks work on one ascending sort of the batch (no per-request Python over the vocabulary).
 The draw uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sample from
@@ -10,10 +12,13 @@ request, kept in its state), so a seeded request draws the same tokens whatever 
 the batch; the other rows share the runner's generator.
 """
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from worker_svc.logits_processors import (History, NoHistory, Penalties, SparseEdit,
+                                          build_logit_bias, build_min_tokens_ban, build_penalties)
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 
@@ -29,18 +34,34 @@ class SamplingBatch:
     top_ps: torch.Tensor | None  # float32 [S], 1.0 where off; None: no row uses it
     generators: tuple[torch.Generator | None, ...]  # per row; None = the shared generator
     all_greedy: bool
+    min_ps: torch.Tensor | None = None  # float32 [S], 0 where off; None: no row uses it
+    logit_bias: SparseEdit | None = None
+    min_tokens_ban: SparseEdit | None = None
+    penalties: Penalties | None = None
+    # bool [S, V], True where the row's grammar allows the token; None: no grammar row
+    allowed: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: Sequence, generators: Sequence[torch.Generator | None],
-              vocab_size: int, device: str | torch.device = "cpu") -> "SamplingBatch":
-        """`params`: objects with temperature, top_k, top_p (proto or msgspec SamplingParams)."""
+              vocab_size: int, device: str | torch.device = "cpu", *,
+              histories: Sequence[History] | None = None,
+              eos_token_ids: Collection[int] = (),
+              allowed: torch.Tensor | None = None) -> "SamplingBatch":
+        """`params`: proto or msgspec SamplingParams, one per row. `histories` (each row's
+        prompt and output ids) feed penalties and min_tokens; without them every row counts
+        as having no tokens yet."""
+        if histories is None:
+            histories = [NoHistory()] * len(params)
         greedy = [p.temperature < GREEDY_EPS for p in params]
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
         ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         ps = [p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]
+        min_ps = [float(getattr(p, "min_p", 0.0)) if 0.0 < getattr(p, "min_p", 0.0) <= 1.0 else 0.0
+                  for p in params]
         sampled_rows = [i for i, g in enumerate(greedy) if not g]
         use_k = any(ks[i] < vocab_size for i in sampled_rows)
         use_p = any(ps[i] < 1.0 for i in sampled_rows)
+        use_min_p = any(min_ps[i] > 0.0 for i in sampled_rows)
         return cls(
             temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -48,7 +69,31 @@ class SamplingBatch:
             top_ps=torch.tensor(ps, dtype=torch.float32, device=device) if use_p else None,
             generators=tuple(generators),
             all_greedy=all(greedy),
+            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device) if use_min_p else None,
+            logit_bias=build_logit_bias(params, vocab_size, device),
+            min_tokens_ban=build_min_tokens_ban(params, histories, eos_token_ids, vocab_size, device),
+            penalties=build_penalties(params, histories, vocab_size, device),
+            allowed=allowed,
         )
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The request-specific edits (module docstring), on a float32 copy of `logits`. A row
+        that every edit together leaves without a finite logit keeps its raw logits (only an
+        absurd request, e.g. every token a stop id under min_tokens, gets there)."""
+        raw = logits
+        logits = logits.to(torch.float32, copy=True)
+        if self.allowed is not None:
+            logits.masked_fill_(~self.allowed, float("-inf"))
+        if self.logit_bias is not None:
+            self.logit_bias.apply_(logits)
+        if self.min_tokens_ban is not None:
+            self.min_tokens_ban.apply_(logits)
+        if self.penalties is not None:
+            logits = self.penalties.apply(logits)
+        if self.allowed is not None or self.min_tokens_ban is not None:
+            dead = torch.isneginf(logits.amax(dim=-1))
+            logits = torch.where(dead[:, None], raw.float(), logits)
+        return logits
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
@@ -71,15 +116,25 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor | None) -> torch.Tensor:
+    """Set to -inf every logit whose probability is below min_p times the row's top one
+    (p_i < min_p * p_max  ⇔  logit_i < logit_max + log(min_p))."""
+    if min_ps is None:
+        return logits
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_ps)[:, None]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id per row of `logits` [S, V] (int64 [S]). `generator` serves rows
-    without their own generator."""
-    logits = logits.float()
+    """One token id per row of `logits` [S, V] (int64 [S]), after `batch.process`.
+    `generator` serves rows without their own generator."""
+    logits = batch.process(logits)
     greedy_ids = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_ids
-    scaled = apply_top_k_top_p(logits / batch.temperatures[:, None], batch.top_ks, batch.top_ps)
+    scaled = apply_min_p(logits / batch.temperatures[:, None], batch.min_ps)
+    scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
     probs = scaled.softmax(dim=-1)
     noise = torch.empty_like(probs)
     noise.exponential_(generator=generator)

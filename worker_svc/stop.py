@@ -22,8 +22,8 @@ def finish_reason(params: StopParams, num_output_tokens: int, new_token_id: int,
 
     num_output_tokens and num_tokens (prompt + outputs) both count the new token.
     - "stop": the new token is an EOS id (unless ignore_eos) or one of stop_token_ids,
-      and at least min_tokens outputs exist (vLLM's rule: before that they are ordinary
-      tokens). The stop token itself is part of the output.
+      and at least min_tokens outputs exist (before that the sampler bans them; should one
+      still come, it is an ordinary token). The stop token itself is part of the output.
     - "length": max_tokens outputs exist, or the sequence reached max_model_len (no room
       for another token's K/V). max_tokens <= 0 means no cap but max_model_len (proto3's
       unset value).
