@@ -54,6 +54,8 @@ def _worker_parser(sub) -> None:
     _add(p, "--block-size", type=int, default=16, help="tokens per KV block")
     _add(p, "--kv-cache-memory", type=parse_bytes, default="256MiB", help="memory for the KV cache")
     _add(p, "--num-blocks", type=int, help="KV blocks (overrides --kv-cache-memory)")
+    _add(p, "--swap-space", type=parse_bytes, default="256MiB",
+         help="CPU memory for blocks swapped out (--preemption-mode swap on the scheduler)")
     _add(p, "--max-model-len", type=int, help="default: the model's max_position_embeddings")
     _add(p, "--dtype", default="auto", help="auto|float32|bfloat16|float16")
     _add(p, "--device", default="cpu", help="cpu|cuda|cuda:N")
@@ -70,6 +72,8 @@ def _scheduler_parser(sub) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    default=_env("--no-prefix-caching", "").lower() in ("1", "true", "yes"),
                    help="compute every prompt in full (env PAGEDSERVE_NO_PREFIX_CACHING=1)")
+    _add(p, "--preemption-mode", default="recompute", choices=["recompute", "swap"],
+         help="free a preempted request's blocks (recompute) or move them to the worker's CPU swap space")
     _add(p, "--consumer-name", help="stream consumer name (default: scheduler-<hostname>)")
     _add_common(p)
 

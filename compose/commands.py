@@ -20,6 +20,7 @@ def run_worker(args: argparse.Namespace) -> int:
     runner = RunnerConfig(
         model=args.model, served_model_name=args.served_model_name, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory, num_blocks=args.num_blocks,
+        swap_space_bytes=args.swap_space,
         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
         attention_backend=args.attention_backend, seed=args.seed,
     )
@@ -36,7 +37,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
     batching = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                max_num_seqs=args.max_num_seqs,
-                               enable_prefix_caching=not args.no_prefix_caching)
+                               enable_prefix_caching=not args.no_prefix_caching,
+                               preemption_mode=args.preemption_mode)
     extra = {"consumer_name": args.consumer_name} if args.consumer_name else {}
     config = SchedulerServiceConfig(batching=batching, redis_url=args.redis_url,
                                     key_prefix=args.key_prefix, **extra)

@@ -40,7 +40,8 @@ class InProcessEngine:
         info = self.runner.describe()
         self.info = info
         self.scheduler = BatchScheduler(config.batching, num_blocks=info.num_blocks,
-                                        block_size=info.block_size, max_model_len=info.max_model_len)
+                                        block_size=info.block_size, max_model_len=info.max_model_len,
+                                        num_cpu_blocks=info.num_cpu_blocks)
         self._on_events = on_events
         self._inbox: list[NewRequest | str] = []  # NewRequest to add, str = request id to abort
         self._lock = threading.Lock()

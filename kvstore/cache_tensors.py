@@ -64,3 +64,15 @@ class KVCacheTensors:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.kv.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.kv.device)
         self.kv[:, :, dst] = self.kv[:, :, src]
+
+
+def swap_blocks(src: KVCacheTensors, dst: KVCacheTensors, pairs: list[tuple[int, int]]) -> None:
+    """Block d of `dst` := block s of `src` in every layer's K and V, for each (s, d) pair,
+    across devices (GPU -> CPU swap space, or back): one gather on the source device, one
+    transfer, one scatter on the destination device."""
+    if not pairs:
+        return
+    src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src.kv.device)
+    dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst.kv.device)
+    blocks = src.kv.index_select(2, src_ids).to(dst.kv.device, non_blocking=False)
+    dst.kv.index_copy_(2, dst_ids, blocks)

@@ -24,11 +24,23 @@ Invariants (checked by `check_integrity`):
 - a block table is never empty (a request without blocks has no entry), holds no block
   twice, and its chain state covers at most its blocks; the pool's own invariants hold.
 
-Seams for later issues:
-- copy-on-write / `n > 1`: `fork(parent_id, child_id)` copies the parent's table and
-  increments each ref_cnt; a request about to write into a block with ref_cnt > 1 gets a
-  fresh block plus a (src, dst) copy op for the worker;
-- swap: a preempted request's blocks map to CPU block ids instead of being freed.
+Swap (preemption without recompute), over a second pool of CPU block ids
+(kvstore/swap_pool.py, no prefix caching there):
+- `swap_out(request_id)` -- the request's GPU blocks are released (as `free` does) and
+  its table moves to fresh CPU blocks; returns the (gpu, cpu) pairs the worker copies;
+- `swap_in(request_id)` -- fresh GPU blocks, CPU blocks released; returns (cpu, gpu)
+  pairs. The new table is offered to the prefix cache again from its first block.
+
+Copy-on-write (parallel sampling, `n > 1`):
+- `fork(parent_id, child_id)` -- the child's table is the parent's, every block's
+  ref_cnt + 1 (the partly filled last block too);
+- `copy_on_write(request_id, num_computed_tokens)` -- before a request writes into its
+  last block: if that block is partly filled and shared, the request gets a fresh block
+  in its place and the worker copies the old one into it (the returned (src, dst) pair).
+
+Invariants (checked by `check_integrity`), in addition to those above:
+- a request holds GPU blocks or CPU blocks, never both; every CPU block is held by
+  exactly one swapped request's CPU table or free.
 """
 
 from collections import Counter
@@ -36,6 +48,7 @@ from collections.abc import Sequence
 
 from kvstore.block_hash import ROOT, BlockKey, HashFn, hash_block
 from kvstore.block_pool import BlockPool, KVBlock
+from kvstore.swap_pool import CpuBlockPool
 
 
 def cdiv(a: int, b: int) -> int:
@@ -47,7 +60,7 @@ class KVCacheManager:
     """Block tables for the requests of one worker, over `num_blocks` blocks of `block_size`."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = hash_block) -> None:
+                 hash_fn: HashFn = hash_block, num_cpu_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -58,6 +71,8 @@ class KVCacheManager:
         # request id -> [table blocks already offered to the cache, serial of the cached
         # block holding the same content as the last of them (0: none yet)]
         self._chains: dict[str, list[int]] = {}
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self._cpu_tables: dict[str, list[int]] = {}  # swapped-out request id -> CPU block ids
 
     @property
     def num_blocks(self) -> int:
@@ -161,8 +176,8 @@ class KVCacheManager:
         chain[0] = num_full
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks (a no-op for a request holding none). Cached
-        blocks stay in the cache until evicted.
+        """Release the request's blocks, GPU or CPU (a no-op for a request holding none).
+        Cached blocks stay in the cache until evicted.
 
         Tail blocks are freed first so they are evicted first (see BlockPool.free_blocks).
         """
@@ -170,6 +185,83 @@ class KVCacheManager:
         self._chains.pop(request_id, None)
         if table is not None:
             self.block_pool.free_blocks(reversed(table))
+        cpu_table = self._cpu_tables.pop(request_id, None)
+        if cpu_table is not None:
+            self.cpu_pool.free(cpu_table)
+
+    # -- swap --------------------------------------------------------------------------
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_blocks
+
+    def can_swap_out(self, request_id: str) -> bool:
+        """True iff the request holds GPU blocks and the CPU pool has room for all of them."""
+        table = self._tables.get(request_id)
+        return table is not None and len(table) <= self.cpu_pool.num_free_blocks
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+        """Move the request's table to CPU blocks; returns (gpu block, cpu block) pairs in
+        table order, for the worker to copy before those GPU blocks are written again.
+        The GPU blocks are released as by `free` (cached ones stay cached).
+        Check `can_swap_out` first."""
+        table = self._tables[request_id]
+        cpu_ids = self.cpu_pool.allocate(len(table))
+        pairs = [(block.block_id, cpu_id) for block, cpu_id in zip(table, cpu_ids)]
+        self.free(request_id)
+        self._cpu_tables[request_id] = cpu_ids
+        return pairs
+
+    def num_swapped_blocks(self, request_id: str) -> int:
+        """CPU blocks the request holds (0 unless it is swapped out)."""
+        return len(self._cpu_tables.get(request_id, ()))
+
+    def swap_in(self, request_id: str, num_tokens: int | None = None) -> list[tuple[int, int]] | None:
+        """Move a swapped-out request back to fresh GPU blocks; returns (cpu block, gpu
+        block) pairs in table order, or None (nothing changed) when too few GPU blocks are
+        free -- for its swapped blocks, or for `num_tokens` tokens in all when given (so
+        the caller can then `allocate_slots` its next tokens without failing)."""
+        cpu_ids = self._cpu_tables[request_id]
+        need = max(len(cpu_ids), cdiv(num_tokens, self.block_size) if num_tokens else 0)
+        if need > self.block_pool.num_free_blocks:
+            return None
+        table = self._tables[request_id] = self.block_pool.get_new_blocks(len(cpu_ids))
+        if self.enable_prefix_caching:  # offered to the cache again as they fill up
+            self._chains[request_id] = [0, 0]
+        del self._cpu_tables[request_id]
+        self.cpu_pool.free(cpu_ids)
+        return [(cpu_id, block.block_id) for cpu_id, block in zip(cpu_ids, table)]
+
+    # -- copy-on-write -------------------------------------------------------------------
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent's table (ref_cnt + 1 each), and
+        its prefix-cache chain state."""
+        assert child_id not in self._tables and child_id not in self._cpu_tables, (
+            f"request {child_id} already holds blocks")
+        table = self._tables[parent_id]
+        self.block_pool.touch(table)
+        self._tables[child_id] = list(table)
+        if parent_id in self._chains:
+            self._chains[child_id] = list(self._chains[parent_id])
+
+    def copy_on_write(self, request_id: str, num_computed_tokens: int) -> tuple[int, int] | None | bool:
+        """Make the request's last block its own before it writes past
+        `num_computed_tokens`: when that block is partly filled and shared, swap in a
+        fresh block and return the (src, dst) pair the worker must copy. Returns None
+        when nothing needs copying, False when no block is free (nothing changed)."""
+        table = self._tables.get(request_id)
+        if (table is None or num_computed_tokens % self.block_size == 0
+                or len(table) != cdiv(num_computed_tokens, self.block_size)
+                or table[-1].ref_cnt == 1):
+            return None
+        if self.block_pool.num_free_blocks < 1:
+            return False
+        old = table[-1]
+        (new,) = self.block_pool.get_new_blocks(1)
+        table[-1] = new
+        self.block_pool.free_blocks([old])
+        return old.block_id, new.block_id
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table as ids ([] for a request holding none)."""
@@ -204,6 +296,14 @@ class KVCacheManager:
             assert chain is None or chain[0] <= len(table), (
                 f"request {request_id}: {chain[0]} blocks offered to the cache, {len(table)} held")
         assert self._chains.keys() <= self._tables.keys(), "chain state for a request without blocks"
+        self.cpu_pool.check_integrity()
+        assert not self._cpu_tables.keys() & self._tables.keys(), (
+            f"requests holding GPU and CPU blocks: {self._cpu_tables.keys() & self._tables.keys()}")
+        cpu_held = [i for ids in self._cpu_tables.values() for i in ids]
+        assert len(cpu_held) == len(set(cpu_held)), "a CPU block is in two CPU tables"
+        assert len(cpu_held) + self.cpu_pool.num_free_blocks == self.cpu_pool.num_blocks, (
+            f"{len(cpu_held)} CPU blocks in tables + {self.cpu_pool.num_free_blocks} free "
+            f"!= {self.cpu_pool.num_blocks}")
         for block in self.block_pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (
                 f"{block!r} is held by {holders[block.block_id]} block tables "

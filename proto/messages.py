@@ -96,6 +96,7 @@ class WorkerRegistration(msgspec.Struct, frozen=True):
     num_blocks: int
     max_model_len: int
     started_at: float
+    num_cpu_blocks: int = 0  # CPU swap space in blocks (WorkerInfo.num_cpu_blocks)
 
 
 class WorkerStats(msgspec.Struct, frozen=True):
@@ -116,6 +117,12 @@ class WorkerStats(msgspec.Struct, frozen=True):
     prefix_cache_hits: int = 0  # tokens found cached (not computed again)
     num_evicted_blocks: int = 0  # cached blocks taken for other contents
     kv_waste: float = 0.0  # 1 - tokens held / slots of used blocks
+    num_swapped: int = 0  # requests swapped out to CPU blocks now
+    num_swapped_out: int = 0  # swap-outs (preemptions by swap)
+    num_cpu_blocks: int = 0  # the worker's swap space, in blocks
+    num_free_cpu_blocks: int = 0
+    num_forks: int = 0  # sequences forked for parallel sampling (n > 1)
+    num_cow_copies: int = 0  # shared, partly filled blocks copied on write
 
 
 stream_encoder = msgspec.msgpack.Encoder()

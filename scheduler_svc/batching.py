@@ -6,11 +6,19 @@ and a step computes as many as the token budget and `max_num_seqs` allow:
 
 1. Running requests first, in (priority, arrival) order. Each gets slots for its tokens;
    when blocks run out, the running request with the largest (priority, arrival) is
-   preempted by recompute (blocks freed, back to WAITING with num_computed_tokens = 0,
-   its id sent in finished_request_ids) and the allocation is retried. Running is kept
-   sorted, so that victim is always the last one and never one already scheduled this
-   step; when the victim is the request itself, nothing more fits and scheduling stops.
-2. If nobody was preempted, waiting requests are admitted in (priority, arrival) order,
+   preempted and the allocation is retried. By recompute (the default): blocks freed,
+   back to WAITING with num_computed_tokens = 0, its id sent in finished_request_ids.
+   By swap (preemption_mode "swap", when the worker's CPU swap space has room): its
+   blocks move to CPU blocks (the step's blocks_to_swap_out), it goes to SWAPPED keeping
+   num_computed_tokens, and the worker keeps its state (swapped_out_request_ids).
+   Running is kept sorted, so the victim is always the last one and never one already
+   scheduled this step; when the victim is the request itself, nothing more fits and
+   scheduling stops.
+2. If nobody was preempted, swapped requests resume first, in (priority, arrival) order
+   (fresh GPU blocks, blocks_to_swap_in, the full new block table sent with
+   replace_block_ids), until one does not fit.
+3. If nobody was preempted and nothing is swapped out, waiting requests are admitted in
+   (priority, arrival) order,
    their prefill chunked to the remaining budget, until one does not fit (no overtaking).
    With prefix caching, an admitted request starts from the longest cached prefix of its
    tokens (prompt + outputs, so a preempted request finds its own blocks again if they
@@ -26,8 +34,9 @@ Calls alternate: schedule() -> (worker runs the step) -> update(); requests may 
 or aborted at any time, also while a step is in flight.
 
 Invariants (checked by `check_integrity`):
-- every unfinished request is in exactly one of `waiting` and `running`, each sorted by
-  (priority, arrival, request id);
+- every unfinished request is in exactly one of `waiting`, `running` and `swapped`, each
+  sorted by (priority, arrival, request id);
+- a swapped request holds CPU blocks for exactly its computed tokens and no GPU blocks;
 - a waiting request holds no blocks and has num_computed_tokens == 0;
 - a running request's block table covers exactly its computed tokens
   (cdiv(num_computed_tokens, block_size) blocks), and it has tokens left to compute
@@ -63,12 +72,23 @@ class BatchScheduler:
     """Scheduling state for one worker with `num_blocks` KV blocks of `block_size` tokens."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, num_cpu_blocks: int = 0) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
+                                 num_cpu_blocks=num_cpu_blocks if config.preemption_mode == "swap" else 0)
         self.waiting: list[RequestState] = []  # sorted by sort_key; head is admitted first
         self.running: list[RequestState] = []  # sorted by sort_key; tail is preempted first
+        self.swapped: list[RequestState] = []  # sorted by sort_key; head resumes first
+        # Block copies for the next step: swap-outs by request (an abort before the step
+        # goes out drops its own), swap-ins, copy-on-write copies; swapped-out request ids.
+        self._swap_out: dict[str, list[tuple[int, int]]] = {}
+        self._swap_in: list[tuple[int, int]] = []
+        self._copies: list[tuple[int, int]] = []
+        self._replaced: set[str] = set()  # requests whose whole block table goes out again
+        self.num_swapped_out = 0
+        self.num_forks = 0
+        self.num_cow_copies = 0
         self._requests: dict[str, RequestState] = {}  # every unfinished request, by id
         self._load_tokens = 0  # sum of their num_tokens
         self._finished_ids: list[str] = []  # for the worker to forget in the next step
@@ -138,7 +158,10 @@ class BatchScheduler:
             num_preemptions=self.num_preemptions, num_steps=self.num_steps,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits, num_evicted_blocks=pool.num_evictions,
-            kv_waste=1.0 - held / slots if slots else 0.0)
+            kv_waste=1.0 - held / slots if slots else 0.0,
+            num_swapped=len(self.swapped), num_swapped_out=self.num_swapped_out,
+            num_cpu_blocks=kv.num_cpu_blocks, num_free_cpu_blocks=kv.cpu_pool.num_free_blocks,
+            num_forks=self.num_forks, num_cow_copies=self.num_cow_copies)
 
     # -- requests in -------------------------------------------------------------------
 
@@ -199,6 +222,11 @@ class BatchScheduler:
         self._load_tokens -= req.num_tokens
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status is RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+            self.kv.free(request_id)  # its CPU blocks, free for another swap-out now,
+            self._swap_out.pop(request_id, None)  # so its copy must not go out too
+            self._finished_ids.append(request_id)
         else:
             self.running.remove(req)
             self.kv.free(request_id)
@@ -243,9 +271,28 @@ class BatchScheduler:
             budget -= num_new
             i += 1
 
+        # After a preemption the pool is full: resuming or admitting now would only thrash.
+        swapped = self.swapped
+        while (not preempted and swapped and budget > 0
+               and len(running) < self.config.max_num_seqs):
+            req = swapped[0]
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            pairs = self.kv.swap_in(req.request_id, req.num_computed_tokens + num_new)
+            if pairs is None:
+                break  # resumes in order: later ones wait too
+            ids = allocate(req.request_id, req.num_computed_tokens + num_new)
+            assert ids is not None, "swap_in checked the room for the step's tokens"
+            swapped.pop(0)
+            self._swap_in.extend(pairs)
+            self._replaced.add(req.request_id)
+            req.status = _RUNNING
+            bisect.insort(running, req, key=_sort_key)
+            scheduled[req.request_id] = num_new
+            new_blocks[req.request_id] = ids
+            budget -= num_new
+
         admitted: list[RequestState] = []
-        # After a preemption the pool is full: admitting now would only thrash.
-        while (not preempted and self.waiting and budget > 0
+        while (not preempted and not swapped and self.waiting and budget > 0
                and len(running) < self.config.max_num_seqs):
             req = self.waiting[0]
             lookup = self.kv.enable_prefix_caching and _may_use_prefix_cache(req)
@@ -280,11 +327,20 @@ class BatchScheduler:
         return min(num_new, budget)
 
     def _preempt(self, req: RequestState) -> None:
-        """Recompute preemption of a request already removed from `running`."""
-        self.kv.free(req.request_id)
-        req.reset_for_recompute()
+        """Preempt a request already removed from `running`: by swap when that is the
+        mode and the CPU swap space has room for its blocks, else by recompute."""
         req.num_preemptions += 1
         self.num_preemptions += 1
+        rid = req.request_id
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(rid):
+            self._swap_out[rid] = self.kv.swap_out(rid)
+            self._replaced.discard(rid)
+            req.status = RequestStatus.SWAPPED
+            self.num_swapped_out += 1
+            bisect.insort(self.swapped, req, key=_sort_key)
+            return
+        self.kv.free(rid)
+        req.reset_for_recompute()
         # Back by (priority, arrival): the front of the queue unless a request of higher
         # priority waits, so it resumes before anything that arrived after it.
         bisect.insort(self.waiting, req, key=_sort_key)
@@ -296,14 +352,29 @@ class BatchScheduler:
         requests come first in `scheduled`, then the admitted ones."""
         step = worker_pb2.StepRequest(step_id=self._next_step_id,
                                       finished_request_ids=self._finished_ids)
+        if self._swap_out:
+            step.swapped_out_request_ids.extend(self._swap_out)
+            for pairs in self._swap_out.values():
+                step.blocks_to_swap_out.extend(worker_pb2.BlockPair(src=s, dst=d) for s, d in pairs)
+            self._swap_out = {}
+        if self._swap_in:
+            step.blocks_to_swap_in.extend(worker_pb2.BlockPair(src=s, dst=d) for s, d in self._swap_in)
+            self._swap_in = []
+        if self._copies:
+            step.blocks_to_copy.extend(worker_pb2.BlockPair(src=s, dst=d) for s, d in self._copies)
+            self._copies = []
+        replaced, self._replaced = self._replaced, set()
         requests, reqs = self._requests, []
         add_cached = step.cached_requests.add
         for request_id, num_new in scheduled.items():
             req = requests[request_id]
             if request_id not in new_blocks:
                 break  # the admitted ones: below
+            if request_id in replaced:  # swapped in (or copied on write): the whole table
+                add_cached(request_id=request_id, new_block_ids=self.kv.block_ids(request_id),
+                           num_computed_tokens=req.num_computed_tokens, replace_block_ids=True)
             # Every block allocated before this step went out in an earlier step.
-            if ids := new_blocks[request_id]:
+            elif ids := new_blocks[request_id]:
                 add_cached(request_id=request_id, new_block_ids=ids,
                            num_computed_tokens=req.num_computed_tokens)
             else:  # (an empty repeated field costs as much as a full one to pass)
@@ -395,13 +466,14 @@ class BatchScheduler:
 
         If this worker is used again, the next step tells it to forget the drained requests.
         """
-        states = sorted(self.waiting + self.running, key=_sort_key)
-        for req in self.running:
+        states = sorted(self.waiting + self.running + self.swapped, key=_sort_key)
+        for req in self.running + self.swapped:
             self.kv.free(req.request_id)
             self._finished_ids.append(req.request_id)
         for req in states:
             req.reset_for_recompute()
-        self.waiting, self.running = [], []
+        self.waiting, self.running, self.swapped = [], [], []
+        self._swap_out, self._swap_in, self._copies, self._replaced = {}, [], [], set()
         self._requests.clear()
         self._load_tokens = 0
         self._in_flight = None
@@ -416,10 +488,19 @@ class BatchScheduler:
         self.kv.check_integrity()
         waiting_ids = [req.request_id for req in self.waiting]
         running_ids = [req.request_id for req in self.running]
+        swapped_ids = [req.request_id for req in self.swapped]
         assert not set(waiting_ids) & set(running_ids), (
             f"requests both waiting and running: {set(waiting_ids) & set(running_ids)}")
-        assert sorted(waiting_ids + running_ids) == sorted(self._requests), (
-            "waiting + running differ from the unfinished requests")
+        assert sorted(waiting_ids + running_ids + swapped_ids) == sorted(self._requests), (
+            "waiting + running + swapped differ from the unfinished requests")
+        assert self.swapped == sorted(self.swapped, key=_sort_key), "swapped is out of order"
+        for req in self.swapped:
+            rid = req.request_id
+            assert req.status is RequestStatus.SWAPPED, f"swapped {rid} is {req.status}"
+            assert not self.kv.block_ids(rid), f"swapped {rid} holds GPU blocks"
+            assert self.kv.num_swapped_blocks(rid) == cdiv(req.num_computed_tokens, self.kv.block_size), (
+                f"swapped {rid} holds {self.kv.num_swapped_blocks(rid)} CPU blocks for "
+                f"{req.num_computed_tokens} computed tokens")
         total = sum(req.num_tokens for req in self._requests.values())
         assert self._load_tokens == total, f"load_tokens {self._load_tokens} != {total}"
         assert self.waiting == sorted(self.waiting, key=_sort_key), "waiting is out of order"

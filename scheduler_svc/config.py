@@ -18,6 +18,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # Reuse the K/V of full blocks whose token prefix was computed before (kvstore).
     enable_prefix_caching: bool = True
+    # How a running request gives up its blocks when the pool runs out: "recompute" frees
+    # them (it is recomputed from its tokens later); "swap" has the worker copy them into
+    # its CPU swap space (WorkerInfo.num_cpu_blocks) and back when it resumes, falling back
+    # to recompute when the swap space is full.
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -25,6 +30,9 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, "
                              f"got {self.long_prefill_token_threshold}")

@@ -4,6 +4,8 @@ Lifecycle: WAITING --admitted--> RUNNING --finish / abort--> FINISHED
                       ^-- preempted (recompute) --'
 A preempted or re-routed request keeps every token it generated; it goes back to
 WAITING with num_computed_tokens = 0 and is recomputed from prompt + outputs.
+With preemption_mode "swap": RUNNING --swapped out--> SWAPPED --swapped in--> RUNNING;
+a swapped request keeps num_computed_tokens (its K/V sit in the worker's CPU blocks).
 """
 
 import enum
@@ -16,6 +18,7 @@ from proto.messages import FinishReason, NewRequest, SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued (new, preempted or re-routed); holds no blocks
     RUNNING = "running"  # admitted: holds blocks, the worker holds its state
+    SWAPPED = "swapped"  # preempted by swap: holds CPU blocks, the worker keeps its state
     FINISHED = "finished"  # done; finish_reason says why
 
 

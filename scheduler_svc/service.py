@@ -222,7 +222,8 @@ class SchedulerService:
             await channel.close()
             return
         scheduler = BatchScheduler(self.config.batching, num_blocks=info.num_blocks,
-                                   block_size=info.block_size, max_model_len=info.max_model_len)
+                                   block_size=info.block_size, max_model_len=info.max_model_len,
+                                   num_cpu_blocks=info.num_cpu_blocks)
         handle = WorkerHandle(reg, scheduler, channel, stub)
         self.workers[reg.worker_id] = handle
         handle.task = asyncio.create_task(self._step_loop(handle), name=f"steps-{reg.worker_id}")

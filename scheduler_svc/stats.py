@@ -22,6 +22,12 @@ class SchedulerStats:
     # 1 - tokens whose K/V the used blocks hold / their slots: the partly filled last block
     # of each running request (shared blocks are full and counted once).
     kv_waste: float
+    num_swapped: int = 0  # requests swapped out to CPU blocks now
+    num_swapped_out: int = 0  # swap-outs since the scheduler started (preemptions by swap)
+    num_cpu_blocks: int = 0  # the worker's swap space
+    num_free_cpu_blocks: int = 0
+    num_forks: int = 0  # children forked for parallel sampling (n > 1)
+    num_cow_copies: int = 0  # partly filled shared blocks copied on write
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -9,6 +9,12 @@ depend on the whole prefix; so a request recomputed after preemption, or started
 prefix-cache hit, yields the same tokens only if the scheduler sent the right tokens and
 the blocks it named hold exactly that prefix.
 
+Swap and copy-on-write are modelled too: `cpu_cache` holds the swap space's slots, and
+the step's block copies move (position, checksum) entries between the two in the order
+proto/worker.proto gives (swap-out, forget/add/diff, swap-in, copies). A swapped-out
+request keeps its tokens but no block table; on swap-out the fake records the checksums
+its blocks held and on swap-in checks the blocks it gets back hold exactly those.
+
 It asserts that every step is consistent with the contract in proto/worker.proto, and that
 no step writes into a block another live request holds (shared blocks are read-only).
 """
@@ -27,11 +33,13 @@ class _WorkerRequest:
     num_computed_tokens: int
     sampling: worker_pb2.SamplingParams
     finished: bool = False
+    swapped: list | None = None  # while swapped out: its blocks' slot entries, in table order
 
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, max_num_batched_tokens: int,
-                 vocab_size: int = 1000, eos_token_id: int | None = None) -> None:
+                 vocab_size: int = 1000, eos_token_id: int | None = None,
+                 num_cpu_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -40,6 +48,9 @@ class FakeWorker:
         self.requests: dict[str, _WorkerRequest] = {}
         # slot -> (position, checksum of the tokens up to it) last written there
         self.cache: dict[int, tuple[int, int]] = {}
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_cache: dict[int, tuple[int, int]] = {}  # CPU slot -> entry, as `cache`
+        self.num_swapped_out = self.num_swapped_in = self.num_copies = 0
         self.last_step_id = 0
         self.steps: list[worker_pb2.StepRequest] = []  # every step applied, for assertions
 
@@ -54,6 +65,17 @@ class FakeWorker:
             f"step {step.step_id} after {self.last_step_id}")
         self.last_step_id = step.step_id
         self.steps.append(step)
+        out_pairs = [(p.src, p.dst) for p in step.blocks_to_swap_out]
+        self._check_pairs(out_pairs, self.num_blocks, self.num_cpu_blocks, "swap-out")
+        self._copy(self.cache, self.cpu_cache, out_pairs)
+        self.num_swapped_out += len(out_pairs)
+        for request_id in step.swapped_out_request_ids:
+            req = self.requests[request_id]
+            assert req.swapped is None and not req.finished, f"{request_id} swapped out twice"
+            sources = {s for s, _ in out_pairs}
+            assert set(req.block_ids) <= sources, f"{request_id} swapped out without its blocks"
+            req.swapped = self._block_entries(self.cache, req.block_ids)
+            req.block_ids = []
         for request_id in step.finished_request_ids:  # forgotten before anything runs
             self.requests.pop(request_id, None)
         for new in step.new_requests:
@@ -67,7 +89,27 @@ class FakeWorker:
             assert cached.num_computed_tokens == req.num_computed_tokens, (
                 f"{cached.request_id}: scheduler counts {cached.num_computed_tokens} computed "
                 f"tokens, worker {req.num_computed_tokens}")
-            req.block_ids.extend(cached.new_block_ids)
+            if cached.replace_block_ids:
+                req.block_ids = list(cached.new_block_ids)
+            else:
+                assert req.swapped is None, f"{cached.request_id} resumed without a new table"
+                req.block_ids.extend(cached.new_block_ids)
+        in_pairs = [(p.src, p.dst) for p in step.blocks_to_swap_in]
+        self._check_pairs(in_pairs, self.num_cpu_blocks, self.num_blocks, "swap-in")
+        self._copy(self.cpu_cache, self.cache, in_pairs)
+        self.num_swapped_in += len(in_pairs)
+        copies = [(p.src, p.dst) for p in step.blocks_to_copy]
+        self._check_pairs(copies, self.num_blocks, self.num_blocks, "copy")
+        assert not {s for s, _ in copies} & {d for _, d in copies}, "copies chain"
+        self._copy(self.cache, self.cache, copies)
+        self.num_copies += len(copies)
+        for request_id, req in self.requests.items():
+            if req.swapped is not None and req.block_ids:  # swapped in this step
+                # (the table may end in blocks allocated for this step's tokens)
+                entries = self._block_entries(self.cache, req.block_ids[:len(req.swapped)])
+                assert entries == req.swapped, (
+                    f"{request_id}: blocks swapped in hold {entries}, swapped out {req.swapped}")
+                req.swapped = None
 
         order = ([r.request_id for r in step.new_requests]
                  + [r.request_id for r in step.cached_requests])
@@ -108,6 +150,28 @@ class FakeWorker:
             sampled.append(worker_pb2.SampledToken(
                 request_id=request_id, token_id=token, finish_reason=reason))
         return worker_pb2.StepResult(step_id=step.step_id, sampled=sampled)
+
+    def _check_pairs(self, pairs, num_src: int, num_dst: int, what: str) -> None:
+        for src, dst in pairs:
+            assert 0 <= src < num_src and 0 <= dst < num_dst, f"{what} ({src}, {dst}) out of range"
+        assert len({d for _, d in pairs}) == len(pairs), f"{what}: a destination twice: {pairs}"
+
+    def _copy(self, src_cache: dict, dst_cache: dict, pairs) -> None:
+        """Copy every slot of each block (all sources read before any destination is written)."""
+        bs = self.block_size
+        moved = {}
+        for src, dst in pairs:
+            for offset in range(bs):
+                moved[dst * bs + offset] = src_cache.get(src * bs + offset)
+        for slot, entry in moved.items():
+            if entry is None:
+                dst_cache.pop(slot, None)
+            else:
+                dst_cache[slot] = entry
+
+    def _block_entries(self, cache: dict, block_ids: list[int]) -> list:
+        bs = self.block_size
+        return [[cache.get(b * bs + o) for o in range(bs)] for b in block_ids]
 
     def _read_context(self, request_id: str, req: _WorkerRequest) -> list[int]:
         sums = _prefix_checksums(req.token_ids)

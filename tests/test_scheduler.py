@@ -25,11 +25,13 @@ class Harness:
     """One scheduler and its fake worker, driven step by step."""
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
-                 vocab_size: int = 1000, eos_token_id: int | None = None, **config) -> None:
+                 vocab_size: int = 1000, eos_token_id: int | None = None,
+                 num_cpu_blocks: int = 0, **config) -> None:
         self.config = SchedulerConfig(**config)
-        self.sched = BatchScheduler(self.config, num_blocks, block_size, max_model_len)
+        self.sched = BatchScheduler(self.config, num_blocks, block_size, max_model_len,
+                                    num_cpu_blocks=num_cpu_blocks)
         self.worker = FakeWorker(num_blocks, block_size, self.config.max_num_batched_tokens,
-                                 vocab_size, eos_token_id)
+                                 vocab_size, eos_token_id, num_cpu_blocks=num_cpu_blocks)
         self.finished: dict[str, object] = {}
         self.steps: list[worker_pb2.StepRequest] = []
 
@@ -58,6 +60,7 @@ class Harness:
     def assert_done(self) -> None:
         assert not self.sched.has_work()
         assert self.sched.kv.num_free_blocks == self.sched.kv.num_blocks
+        assert self.sched.kv.cpu_pool.num_free_blocks == self.sched.kv.num_cpu_blocks
         self.sched.check_integrity()
 
     def outputs(self) -> dict[str, list[int]]:
@@ -365,12 +368,16 @@ def test_load_counts_tokens_against_capacity():
     num_blocks=st.integers(9, 14),  # a request holds up to 35 tokens = 9 blocks
     budget=st.integers(1, 32),
     max_num_seqs=st.integers(1, 6),
+    num_cpu_blocks=st.sampled_from([0, 3, 40]),  # > 0: swap preemption (3: often full)
 )
-def test_random_workloads_finish_with_reference_outputs(workload, num_blocks, budget, max_num_seqs):
+def test_random_workloads_finish_with_reference_outputs(workload, num_blocks, budget, max_num_seqs,
+                                                        num_cpu_blocks):
     """Arrivals spread over time, random priorities, some aborts; small pools force
-    preemptions. Unaborted requests must produce the reference outputs."""
+    preemptions (by recompute, or by swap with a recompute fallback). Unaborted requests
+    must produce the reference outputs."""
     h = Harness(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
-                max_num_seqs=max_num_seqs)
+                max_num_seqs=max_num_seqs, num_cpu_blocks=num_cpu_blocks,
+                preemption_mode="swap" if num_cpu_blocks else "recompute")
     reqs = {f"r{i}": (make_request(f"r{i}", p, m, arrival=float(i), priority=prio), at, abort)
             for i, (p, m, prio, at, abort) in enumerate(workload)}
     aborted = set()

@@ -12,6 +12,8 @@ class RunnerConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int = 256 * 2**20  # K + V of every layer
     num_blocks: int | None = None  # overrides the memory sizing (tests force preemption)
+    swap_space_bytes: int = 256 * 2**20  # CPU memory for swapped-out blocks (K + V)
+    num_cpu_blocks: int | None = None  # overrides the swap space sizing
     max_model_len: int | None = None  # default: config max_position_embeddings
     dtype: str = "auto"  # "auto" = the checkpoint's dtype; or float32 / bfloat16 / float16
     device: str = "cpu"

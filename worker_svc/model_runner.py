@@ -2,9 +2,13 @@
 
 No transport here (the gRPC server and Redis publishing wrap it). One step:
 
+0. swap out `blocks_to_swap_out` (GPU -> the CPU swap space) and drop the block tables of
+   `swapped_out_request_ids` (their state stays: they resume where they stopped);
 1. forget `finished_request_ids` (finished, aborted, preempted requests);
-2. add `new_requests` (full state) and apply `cached_requests` (new block ids; the
-   scheduler's num_computed_tokens must equal ours, else the two disagree about the cache);
+2. add `new_requests` (full state) and apply `cached_requests` (new block ids, or a whole
+   new table with replace_block_ids; the scheduler's num_computed_tokens must equal ours,
+   else the two disagree about the cache); then swap in `blocks_to_swap_in` (CPU -> GPU)
+   and copy `blocks_to_copy` (copy-on-write), in that order (proto/worker.proto);
 3. build the flat batch of `num_scheduled_tokens` (worker_svc/batch.py), run the model
    (K/V written into the paged cache, paged attention), logits only for requests that
    catch up with their token list;
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.backend import get_attention_backend
-from kvstore.cache_tensors import KVCacheTensors, num_blocks_for_memory
+from kvstore.cache_tensors import KVCacheTensors, num_blocks_for_memory, swap_blocks
 from proto import worker_pb2
 from proto.messages import Logprobs, TokenEvent
 from worker_svc.batch import build_flat_batch
@@ -78,6 +82,15 @@ class ModelRunner:
             cfg.num_kv_heads, cfg.head_dim, self.dtype)
         self.kv_cache = KVCacheTensors(cfg.num_layers, num_blocks, config.block_size,
                                        cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        num_cpu_blocks = config.num_cpu_blocks
+        if num_cpu_blocks is None:
+            num_cpu_blocks = num_blocks_for_memory(
+                config.swap_space_bytes, cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                cfg.head_dim, self.dtype)
+        # The swap space: same layout, in CPU memory (None without swap space).
+        self.cpu_cache = KVCacheTensors(
+            cfg.num_layers, num_cpu_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+            self.dtype, "cpu") if num_cpu_blocks > 0 else None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.requests: dict[str, RequestState] = {}
@@ -92,7 +105,28 @@ class ModelRunner:
             block_size=self.config.block_size, num_blocks=self.kv_cache.num_blocks,
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
+            num_cpu_blocks=self.cpu_cache.num_blocks if self.cpu_cache is not None else 0,
         )
+
+    def _swap_out(self, request: worker_pb2.StepRequest) -> None:
+        if request.blocks_to_swap_out:
+            if self.cpu_cache is None:
+                raise StepConsistencyError(f"step {request.step_id}: swap-out without swap space")
+            swap_blocks(self.kv_cache, self.cpu_cache,
+                        [(p.src, p.dst) for p in request.blocks_to_swap_out])
+        for request_id in request.swapped_out_request_ids:
+            state = self.requests.get(request_id)
+            if state is not None:  # not scheduled until a replace_block_ids brings it back
+                state.block_ids = []
+
+    def _copy_in(self, request: worker_pb2.StepRequest) -> None:
+        if request.blocks_to_swap_in:
+            if self.cpu_cache is None:
+                raise StepConsistencyError(f"step {request.step_id}: swap-in without swap space")
+            swap_blocks(self.cpu_cache, self.kv_cache,
+                        [(p.src, p.dst) for p in request.blocks_to_swap_in])
+        if request.blocks_to_copy:
+            self.kv_cache.copy_blocks([(p.src, p.dst) for p in request.blocks_to_copy])
 
     def _update_states(self, request: worker_pb2.StepRequest) -> None:
         for request_id in request.finished_request_ids:
@@ -110,11 +144,18 @@ class ModelRunner:
                     f"step {request.step_id}: request {cached.request_id!r} has "
                     f"num_computed_tokens={state.num_computed_tokens} on the worker, "
                     f"the scheduler says {cached.num_computed_tokens}")
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.replace_block_ids:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
 
     def step(self, request: worker_pb2.StepRequest) -> StepOutput:
         start = time.perf_counter()
+        with torch.inference_mode():
+            self._swap_out(request)
         self._update_states(request)
+        with torch.inference_mode():
+            self._copy_in(request)
         scheduled = []
         for request_id, n in request.num_scheduled_tokens.items():
             state = self.requests.get(request_id)

@@ -132,7 +132,7 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
     reg = WorkerRegistration(
         worker_id=config.worker_id, address=f"{advertise}:{port}", model=info.model,
         block_size=info.block_size, num_blocks=info.num_blocks, max_model_len=info.max_model_len,
-        started_at=time.time(),
+        started_at=time.time(), num_cpu_blocks=info.num_cpu_blocks,
     )
     registration = Registration(client, RedisKeys(config.key_prefix), reg,
                                 config.heartbeat_interval_s, config.registration_ttl_s)
