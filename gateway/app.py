@@ -6,17 +6,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.backend import RedisBackend
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, install_error_handlers
 from gateway.generation import Generation
-from gateway.preflight import Admitted, Preflight, check_api_key, parse, read_body
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from gateway.responses import ChatFormat, CompletionFormat, ResponseFormat
+from gateway.auth import APIKeyMiddleware, APIKeys
+from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.preflight import Admitted, Preflight, parse, read_body
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.response_models import ModelCard, ModelList
+from gateway.responses import ChatFormat, CompletionFormat, Echo, ResponseFormat
 from gateway.serving import collect, stream_sse
+from gateway.token_text import TokenTexts
 from gateway.tokenizer import PromptTokenizer
 from proto.keys import RedisKeys
 
@@ -26,6 +30,7 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def create_app(config: GatewayConfig) -> FastAPI:
     """The gateway app. Loads the tokenizer now; connects to Redis in the lifespan."""
     tokenizer = PromptTokenizer(config.model)
+    token_texts = TokenTexts(tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -42,11 +47,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.config = config
     app.state.tokenizer = tokenizer
     install_error_handlers(app)
-
-    def authorized(request: Request) -> None:
-        check_api_key(config, request)
-
-    v1 = [Depends(authorized)]
+    app.add_middleware(APIKeyMiddleware, keys=APIKeys(config.api_keys),
+                       protect_metrics=config.protect_metrics)
+    metrics = GatewayMetrics()
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees 401s too
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -54,7 +58,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return OpenAIError(503, "Redis does not answer.", code="redis_unavailable").response()
 
-    @app.get("/v1/models", dependencies=v1)
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return metrics.response()
+
+    @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         """The served model, listed while at least one live worker serves it."""
         preflight: Preflight = request.app.state.preflight
@@ -67,33 +75,37 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return ModelList(data=[ModelCard(id=config.model_name, root=config.model,
                                          max_model_len=max_model_len)])
 
-    @app.post("/v1/completions", dependencies=v1)
+    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await read_body(request, config.max_body_bytes))
         admitted = await request.app.state.preflight.admit_completion(body)
-        fmt = CompletionFormat(admitted.request.request_id, config.model_name,
-                               admitted.request.prompt_token_ids, bool(body.return_token_ids))
+        echo = None
+        if body.echo:
+            text, offsets = tokenizer.text_with_offsets(admitted.prompt_token_ids)
+            echo = Echo(body.prompt if isinstance(body.prompt, str) else text, offsets)
+        fmt = CompletionFormat(admitted.request_id, config.model_name, admitted.prompt_token_ids,
+                               bool(body.return_token_ids), token_texts, body.logprobs, echo=echo)
         return await _answer(request, admitted, fmt, stream=bool(body.stream),
                              include_usage=body.include_usage)
 
-    @app.post("/v1/chat/completions", dependencies=v1)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await read_body(request, config.max_body_bytes))
         admitted = await request.app.state.preflight.admit_chat(body)
-        fmt = ChatFormat(admitted.request.request_id, config.model_name,
-                         admitted.request.prompt_token_ids, bool(body.return_token_ids))
+        fmt = ChatFormat(admitted.request_id, config.model_name, admitted.prompt_token_ids,
+                         bool(body.return_token_ids), token_texts, body.num_logprobs)
         return await _answer(request, admitted, fmt, stream=bool(body.stream),
                              include_usage=body.include_usage)
 
     async def _answer(request: Request, admitted: Admitted, fmt: ResponseFormat, *, stream: bool,
                       include_usage: bool) -> Response:
-        generation = Generation(request.app.state.backend, tokenizer, admitted.request,
-                                stop=admitted.stop, timeout_s=config.request_timeout_s)
+        generations = [Generation(request.app.state.backend, tokenizer, r, stop=admitted.stop,
+                                  timeout_s=config.request_timeout_s) for r in admitted.requests]
         if stream:
-            events = stream_sse(generation, fmt, include_usage=include_usage,
+            events = stream_sse(generations, fmt, include_usage=include_usage,
                                 num_prompt_tokens=admitted.num_prompt_tokens)
             return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-        return await collect(generation, fmt, num_prompt_tokens=admitted.num_prompt_tokens,
+        return await collect(generations, fmt, num_prompt_tokens=admitted.num_prompt_tokens,
                              request=request)
 
     return app

@@ -19,7 +19,9 @@ class GatewayConfig:
     key_prefix: str = "pagedserve"
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # when set, every /v1 route wants `Authorization: Bearer <key>`
+    # When any is set, every /v1 route wants `Authorization: Bearer <one of them>`.
+    api_keys: tuple[str, ...] = ()
+    protect_metrics: bool = False  # /metrics (and /health) want a key too
     max_body_bytes: int = 8 * 2**20  # larger bodies get 413 before they are parsed
     # /v1/completions without max_tokens gets 16, like OpenAI's legacy endpoint; chat without
     # it may use the whole context left after the prompt.
@@ -42,7 +44,6 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--key-prefix": ("key_prefix", str, "prefix of every Redis key"),
     "--host": ("host", str, "HTTP bind address"),
     "--port": ("port", int, "HTTP port"),
-    "--api-key": ("api_key", str, "require this bearer token on /v1 routes"),
     "--max-body-bytes": ("max_body_bytes", int, "largest accepted request body"),
     "--default-max-tokens": ("default_max_tokens", int, "max_tokens of /v1/completions when absent"),
     "--request-timeout-s": ("request_timeout_s", float, "longest wait for the next token event"),
@@ -70,10 +71,30 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         required = field == "model" and default is None
         parser.add_argument(flag, type=kind, default=default, required=required,
                             help=f"{help_text} (env {_env_name(flag)})")
+    if "--api-key" not in existing:
+        # Flags add to the keys from the environment: any of them is accepted.
+        parser.add_argument("--api-key", action="append", default=_keys_from_env(),
+                            help="require `Authorization: Bearer <key>` on /v1 routes; repeat for "
+                                 "several keys (env PAGEDSERVE_API_KEY, or PAGEDSERVE_API_KEYS=k1,k2)")
+    if "--protect-metrics" not in existing:
+        parser.add_argument("--protect-metrics", action="store_true",
+                            default=os.environ.get(ENV_PREFIX + "PROTECT_METRICS", "").lower() in ("1", "true", "yes"),
+                            help="with API keys, /metrics and /health want a key too "
+                                 "(env PAGEDSERVE_PROTECT_METRICS=1)")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """GatewayConfig from parsed args; fields the namespace lacks keep their defaults."""
     values = {field: getattr(args, field) for field, _, _ in _FLAGS.values()
               if getattr(args, field, None) is not None}
+    keys = tuple(getattr(args, "api_key", None) or ())
+    values["api_keys"] = tuple(dict.fromkeys(k for k in keys if k))  # no duplicates, order kept
+    values["protect_metrics"] = bool(getattr(args, "protect_metrics", False))
     return GatewayConfig(**values)
+
+
+def _keys_from_env() -> list[str]:
+    """PAGEDSERVE_API_KEY (one key) and PAGEDSERVE_API_KEYS (several, comma-separated)."""
+    keys = [os.environ.get(ENV_PREFIX + "API_KEY", "")]
+    keys += os.environ.get(ENV_PREFIX + "API_KEYS", "").split(",")
+    return [k.strip() for k in keys if k.strip()]

@@ -27,7 +27,7 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import OpenAIError
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import PromptTokenizer
-from proto.messages import NewRequest, TokenEvent
+from proto.messages import Logprobs, NewRequest, TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,13 @@ class GenerationOutput:
     token_ids: list[int]  # the output ids that arrived since the previous output
     num_tokens: int  # completion tokens so far
     finish_reason: str | None  # "stop" or "length" in the last output, else None
+    # With sampling.logprobs: one per token_ids entry. text_offsets: where each token's text
+    # starts in the whole output text (before any stop-string cut).
+    logprobs: list[Logprobs] | None = None
+    text_offsets: list[int] | None = None
+    # With sampling.prompt_logprobs, in the first output only: prompt position → logprobs
+    # (positions 1 .. len(prompt) - 1).
+    prompt_logprobs: dict[int, Logprobs] | None = None
 
 
 class Generation:
@@ -50,6 +57,9 @@ class Generation:
         self._timeout_s = timeout_s
         self._submitted = False
         self._finished = False  # the scheduler is done with it, or we already aborted it
+        self._text_length = 0  # characters the detokenizer produced so far
+        self._prompt_logprobs: dict[int, Logprobs] = {}
+        self._sent_prompt_logprobs = False
 
     @property
     def request_id(self) -> str:
@@ -92,35 +102,53 @@ class Generation:
                 raise OpenAIError(503, "The request was aborted by the server.", code="aborted")
             raise OpenAIError(500, f"The model failed on this request: {event.error or 'unknown error'}",
                               type="server_error", code="generation_error")
+        for i, logprobs in enumerate(event.prompt_logprobs or ()):  # a recompute may resend
+            self._prompt_logprobs.setdefault(event.prompt_index + i, logprobs)
         pieces: list[str] = []
         taken: list[int] = []
-        for token_id in self._new_tokens(event):
+        offsets: list[int] = []
+        new_ids, new_logprobs = self._new_tokens(event)
+        for token_id in new_ids:
             taken.append(token_id)
-            check = self._stop.feed(self._detokenizer.step(token_id), check=self._stops_active())
+            offsets.append(self._text_length)
+            piece = self._detokenizer.step(token_id)
+            self._text_length += len(piece)
+            check = self._stop.feed(piece, check=self._stops_active())
             pieces.append(check.text)
             if check.stopped:
                 await self._stop_string_hit(event)
-                return self._output(pieces, taken, "stop")
+                return self._output(pieces, taken, "stop", new_logprobs, offsets)
         if event.finish_reason is None:
-            return self._output(pieces, taken, None) if taken else None
+            return self._output(pieces, taken, None, new_logprobs, offsets) if taken else None
         # The scheduler finished it ("stop": EOS / stop token, "length": max_tokens).
         self._finished = True
         check = self._stop.feed(self._detokenizer.flush(), check=self._stops_active())
         pieces.append(check.text)
         pieces.append(self._stop.flush())
-        return self._output(pieces, taken, "stop" if check.stopped else event.finish_reason)
+        return self._output(pieces, taken, "stop" if check.stopped else event.finish_reason,
+                            new_logprobs, offsets)
 
-    def _output(self, pieces: list[str], token_ids: list[int], finish_reason: str | None) -> GenerationOutput:
-        return GenerationOutput("".join(pieces), token_ids, self._detokenizer.num_tokens, finish_reason)
+    def _output(self, pieces: list[str], token_ids: list[int], finish_reason: str | None,
+                logprobs: list[Logprobs] | None, offsets: list[int]) -> GenerationOutput:
+        prompt_logprobs = None
+        if self.request.sampling.prompt_logprobs is not None and not self._sent_prompt_logprobs:
+            prompt_logprobs, self._sent_prompt_logprobs = self._prompt_logprobs, True
+        if logprobs is not None:
+            logprobs = logprobs[:len(token_ids)]  # a stop string may end the output early
+        return GenerationOutput("".join(pieces), token_ids, self._detokenizer.num_tokens, finish_reason,
+                                logprobs=logprobs, text_offsets=offsets, prompt_logprobs=prompt_logprobs)
 
-    def _new_tokens(self, event: TokenEvent) -> list[int]:
-        """The event's tokens we do not have yet. Events of one request arrive in order, but
-        after a re-route the new worker may resend positions we already hold."""
+    def _new_tokens(self, event: TokenEvent) -> tuple[list[int], list[Logprobs] | None]:
+        """The event's tokens we do not have yet, and their logprobs. Events of one request
+        arrive in order, but after a re-route the new worker may resend positions we have."""
         have = self._detokenizer.num_tokens
         if event.index > have:
             logger.warning("request %s: tokens %d..%d never arrived; continuing at %d",
                            self.request_id, have, event.index - 1, event.index)
-        return event.token_ids[max(0, have - event.index):]
+        skip = max(0, have - event.index)
+        wanted = self.request.sampling.logprobs is not None
+        logprobs = list(event.logprobs or [])[skip:] if wanted else None
+        return event.token_ids[skip:], logprobs
 
     def _stops_active(self) -> bool:
         # Like vLLM: stop strings count only once more than min_tokens tokens exist.

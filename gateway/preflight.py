@@ -1,16 +1,17 @@
 """Everything a request must pass before it is queued (DESIGN.md step 1): body size, JSON and
-schema, API key, model name, a live worker, tokenization, vocabulary and context length.
+schema, model name, a live worker, tokenization, vocabulary and context length (the API key
+is checked before routing, by `gateway.auth`).
 Each failure is an `OpenAIError` with the status OpenAI would use."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from dataclasses import dataclass
 from typing import TypeVar
 
+import msgspec
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
@@ -22,28 +23,36 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import PromptTokenizer
 from proto.messages import NewRequest, SamplingParams
 
+_U64 = 2**64
+
 Body = TypeVar("Body", bound=BaseModel)
 
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request that passed every check, ready for `Generation`."""
+    """A request that passed every check, ready for `Generation`s: one NewRequest per
+    choice (n > 1 fans out into children `<id>-0`, `<id>-1`, ... with derived seeds)."""
 
-    request: NewRequest
+    request_id: str  # the response's id
+    requests: list[NewRequest]
     stop: list[str] | None
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.requests[0].prompt_token_ids
+
+    @property
     def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
+        return len(self.requests[0].prompt_token_ids)
 
 
-def check_api_key(config: GatewayConfig, request: Request) -> None:
-    if config.api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-        raise OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                          code="invalid_api_key")
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index`: seed + index, wrapped into int64 (so choice 0 equals the
+    n=1 answer; the same rule parallel sampling inside the scheduler uses)."""
+    if seed is None or index == 0:
+        return seed
+    value = (seed + index) % _U64
+    return value - _U64 if value >= 2**63 else value
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -101,19 +110,28 @@ class Preflight:
             self.tokenizer.check_ids(body.prompt, "prompt")
             prompt_ids = list(body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else self.config.default_max_tokens
-        return self._admit(body, "cmpl", prompt_ids, max_tokens, max_model_len, where="prompt")
+        prompt_logprobs = body.logprobs if body.echo else None
+        return self._admit(body, "cmpl", prompt_ids, max_tokens, max_model_len, where="prompt",
+                           logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
 
     async def admit_chat(self, body: ChatCompletionRequest) -> Admitted:
         max_model_len = await self.max_model_len(body.model)
         messages = [m.template_dict() for m in body.messages]
-        prompt_ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        prompt_ids = await asyncio.to_thread(
+            self.tokenizer.encode_chat, messages, tools=tools,
+            add_generation_prompt=bool(body.add_generation_prompt),
+            continue_final_message=bool(body.continue_final_message),
+            template_kwargs=body.chat_template_kwargs or {})
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # as much as the context leaves (at least 1, checked below)
             max_tokens = max(1, max_model_len - len(prompt_ids))
-        return self._admit(body, "chatcmpl", prompt_ids, max_tokens, max_model_len, where="messages")
+        return self._admit(body, "chatcmpl", prompt_ids, max_tokens, max_model_len, where="messages",
+                           logprobs=body.num_logprobs, prompt_logprobs=None)
 
     def _admit(self, body: CompletionRequest | ChatCompletionRequest, id_prefix: str,
-               prompt_ids: list[int], max_tokens: int, max_model_len: int, where: str) -> Admitted:
+               prompt_ids: list[int], max_tokens: int, max_model_len: int, where: str, *,
+               logprobs: int | None, prompt_logprobs: int | None) -> Admitted:
         if not prompt_ids:
             raise invalid("The prompt is empty after tokenization.", param=where)
         total = len(prompt_ids) + max_tokens
@@ -123,13 +141,20 @@ class Preflight:
                 f"requested {total} tokens ({len(prompt_ids)} in the {where}, {max_tokens} in the "
                 f"completion). Please reduce the length of the {where} or completion.",
                 param=where, code="context_length_exceeded")
-        sampling = self._sampling(body, max_tokens)
-        request = NewRequest(request_id=f"{id_prefix}-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
-                             sampling=sampling, reply_channel=self.backend.reply_channel,
-                             arrival_time=time.time(), priority=0)
-        return Admitted(request, body.stop)
+        sampling = self._sampling(body, max_tokens, logprobs, prompt_logprobs)
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        n = body.n or 1
+        arrival = time.time()
+        requests = [
+            NewRequest(request_id=request_id if n == 1 else f"{request_id}-{i}",
+                       prompt_token_ids=prompt_ids,
+                       sampling=msgspec.structs.replace(sampling, seed=child_seed(sampling.seed, i)),
+                       reply_channel=self.backend.reply_channel, arrival_time=arrival, priority=0)
+            for i in range(n)]
+        return Admitted(request_id, requests, body.stop)
 
-    def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                  logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         # EOS is not added to stop_token_ids: the worker knows the model's EOS ids (from
         # generation_config.json) and applies ignore_eos and min_tokens to them itself.
         stop_token_ids = list(body.stop_token_ids or [])
@@ -138,6 +163,8 @@ class Preflight:
         if min_tokens > max_tokens:
             raise invalid(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).",
                           param="min_tokens", code="invalid_value")
+        logit_bias = body.token_logit_bias
+        self.tokenizer.check_ids(list(logit_bias), "logit_bias")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -145,4 +172,11 @@ class Preflight:
             top_k=0 if body.top_k in (None, -1) else body.top_k,
             seed=body.seed, stop_token_ids=stop_token_ids, ignore_eos=bool(body.ignore_eos),
             min_tokens=min_tokens,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=body.min_p or 0.0,
+            logit_bias=logit_bias,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

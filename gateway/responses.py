@@ -1,37 +1,36 @@
 """The two response shapes, behind one interface so streaming and collecting code is shared.
 
-Streams follow OpenAI: chat sends a first chunk with `delta.role`, then content deltas, then a
-chunk with an empty delta and the finish_reason; completions send text chunks, then one with
-the finish_reason. With `stream_options.include_usage` every chunk carries `"usage": null`
-and one more chunk with empty `choices` and the usage goes last.
+Streams follow OpenAI: chat sends a first chunk per choice with `delta.role`, then content
+deltas, then a chunk with an empty delta and the finish_reason; completions send text
+chunks, then one with the finish_reason. With `stream_options.include_usage` every chunk
+carries `"usage": null` and one more chunk with empty `choices` and the usage goes last.
+With n > 1 the choices' chunks interleave, each naming its `index`.
+
+Logprobs ride on the chunk (or choice) of the tokens they belong to. Completions with
+`echo` prepend the prompt to the first chunk of each choice (and, with logprobs, the
+prompt's logprobs: null for its first token, which nothing predicts).
 
 With `return_token_ids` (vLLM's extension) choices also carry `token_ids` (in a stream: the
-chunk's new ids) and the prompt's ids come once: on the completion choice, or at the top of a
-chat response (in a stream: in the first chunk).
+chunk's new ids) and the prompt's ids come once: on each completion choice's first chunk,
+or at the top of a chat response (in a stream: in the first chunk).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pydantic import BaseModel
 
-from gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                              ChatCompletionResponse, CompletionChoice, CompletionChunk,
-                              CompletionResponse, Delta, Usage, now)
+from gateway.generation import GenerationOutput
+from gateway.response_models import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                     ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
+                                     CompletionChoice, CompletionChunk, CompletionLogprobs,
+                                     CompletionResponse, Delta, TopLogprob, Usage, now)
+from gateway.token_text import TokenTexts
+from proto.messages import Logprobs
 
-
-class ResponseFormat(Protocol):
-    return_token_ids: bool
-
-    def first_chunk(self) -> BaseModel | None: ...
-
-    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int]) -> BaseModel: ...
-
-    def usage_chunk(self, usage: Usage) -> BaseModel: ...
-
-    def response(self, text: str, finish_reason: str | None, usage: Usage,
-                 token_ids: list[int]) -> BaseModel: ...
+MIN_LOGPROB = -9999.0  # what OpenAI reports for impossible tokens (JSON has no -Infinity)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -39,51 +38,170 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
                  total_tokens=prompt_tokens + completion_tokens)
 
 
+def _clamp(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # also maps NaN to the floor
+
+
+@dataclass
+class ChoiceResult:
+    """One choice of a non-streamed response: its outputs put together."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] | None = None
+    text_offsets: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_logprobs: dict[int, Logprobs] | None = None
+
+    def add(self, output: GenerationOutput) -> None:
+        self.text += output.text
+        self.token_ids += output.token_ids
+        self.text_offsets += output.text_offsets or []
+        if output.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + output.logprobs
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        self.finish_reason = output.finish_reason or self.finish_reason
+
+    def as_output(self) -> GenerationOutput:
+        return GenerationOutput(self.text, self.token_ids, len(self.token_ids), self.finish_reason,
+                                logprobs=self.logprobs, text_offsets=self.text_offsets,
+                                prompt_logprobs=self.prompt_logprobs)
+
+
+class ResponseFormat(Protocol):
+    return_token_ids: bool
+
+    def first_chunks(self, n: int) -> list[BaseModel]: ...
+
+    def worth_a_chunk(self, output: GenerationOutput, first: bool) -> bool: ...
+
+    def chunk(self, index: int, output: GenerationOutput, first: bool) -> BaseModel: ...
+
+    def finish_chunk(self, index: int, finish_reason: str) -> BaseModel: ...
+
+    def usage_chunk(self, usage: Usage) -> BaseModel: ...
+
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> BaseModel: ...
+
+
 class _Format:
-    def __init__(self, request_id: str, model: str, prompt_token_ids: list[int], return_token_ids: bool):
+    def __init__(self, request_id: str, model: str, prompt_token_ids: list[int], return_token_ids: bool,
+                 token_texts: TokenTexts, num_logprobs: int | None):
         self.request_id, self.model, self.created = request_id, model, now()
         self.return_token_ids = return_token_ids
-        self._prompt_ids = prompt_token_ids if return_token_ids else None  # sent once
+        self.prompt_ids = prompt_token_ids
+        self.texts = token_texts
+        self.num_logprobs = num_logprobs  # None: no logprobs asked for
 
     def _ids(self, token_ids: list[int]) -> list[int] | None:
         return list(token_ids) if self.return_token_ids else None
 
-    def _take_prompt_ids(self) -> list[int] | None:
-        ids, self._prompt_ids = self._prompt_ids, None
-        return ids
+    def worth_a_chunk(self, output: GenerationOutput, first: bool) -> bool:
+        """Whether a stream sends `output` as a chunk: text, or ids / logprobs the client
+        asked for (text may lag behind ids mid-character or before a stop string)."""
+        asked_ids = self.return_token_ids or self.num_logprobs is not None
+        return bool(output.text or (asked_ids and output.token_ids))
+
+
+@dataclass(frozen=True)
+class Echo:
+    """The prompt as echoed by /v1/completions."""
+
+    text: str
+    token_offsets: list[int]  # where each prompt token's text starts in `text`
 
 
 class CompletionFormat(_Format):
-    def first_chunk(self) -> None:
-        return None
+    def __init__(self, *args, echo: Echo | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.echo = echo
 
-    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int]) -> CompletionChunk:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason, token_ids=self._ids(token_ids),
-                                  prompt_token_ids=self._take_prompt_ids())
+    def first_chunks(self, n: int) -> list[BaseModel]:
+        return []
+
+    def worth_a_chunk(self, output: GenerationOutput, first: bool) -> bool:
+        return (first and self.echo is not None) or super().worth_a_chunk(output, first)
+
+    def chunk(self, index: int, output: GenerationOutput, first: bool) -> CompletionChunk:
+        return CompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                               choices=[self._choice(index, output, first, None)])
+
+    def finish_chunk(self, index: int, finish_reason: str) -> CompletionChunk:
+        choice = CompletionChoice(index=index, text="", finish_reason=finish_reason,
+                                  token_ids=self._ids([]))
         return CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> CompletionChunk:
         return CompletionChunk(id=self.request_id, created=self.created, model=self.model,
                                choices=[], usage=usage)
 
-    def response(self, text: str, finish_reason: str | None, usage: Usage,
-                 token_ids: list[int]) -> CompletionResponse:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason, token_ids=self._ids(token_ids),
-                                  prompt_token_ids=self._take_prompt_ids())
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=[choice], usage=usage)
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, usage=usage,
+            choices=[self._choice(i, c.as_output(), True, c.finish_reason) for i, c in enumerate(choices)])
+
+    def _choice(self, index: int, output: GenerationOutput, first: bool,
+                finish_reason: str | None) -> CompletionChoice:
+        """A choice carrying `output`; the first one of an index also carries the echo."""
+        echo = self.echo if first else None
+        text = (echo.text if echo else "") + output.text
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if echo is not None:
+                self._add_prompt_logprobs(logprobs, echo, output.prompt_logprobs or {})
+            shift = len(self.echo.text) if self.echo else 0
+            for token_id, lp, offset in zip(output.token_ids, output.logprobs or [], output.text_offsets or []):
+                self._add_token(logprobs, token_id, lp, offset + shift)
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+            token_ids=self._ids(output.token_ids),
+            prompt_token_ids=list(self.prompt_ids) if self.return_token_ids and first else None)
+
+    def _add_prompt_logprobs(self, logprobs: CompletionLogprobs, echo: Echo,
+                             prompt_logprobs: dict[int, Logprobs]) -> None:
+        for position, (token_id, offset) in enumerate(zip(self.prompt_ids, echo.token_offsets)):
+            lp = prompt_logprobs.get(position)
+            if lp is None:  # position 0: nothing predicts the first token
+                logprobs.tokens.append(self.texts.text(token_id))
+                logprobs.token_logprobs.append(None)
+                logprobs.top_logprobs.append(None)
+                logprobs.text_offset.append(offset)
+            else:
+                self._add_token(logprobs, token_id, lp, offset)
+
+    def _add_token(self, logprobs: CompletionLogprobs, token_id: int, lp: Logprobs, offset: int) -> None:
+        logprobs.tokens.append(self.texts.text(token_id))
+        logprobs.token_logprobs.append(_clamp(lp.logprob))
+        # OpenAI: "the API will always return the logprob of the sampled token, so there
+        # may be up to logprobs+1 elements".
+        top = {self.texts.text(i): _clamp(v) for i, v in zip(lp.top_ids, lp.top_logprobs)}
+        top.setdefault(self.texts.text(token_id), _clamp(lp.logprob))
+        logprobs.top_logprobs.append(top)
+        logprobs.text_offset.append(offset)
 
 
 class ChatFormat(_Format):
-    def first_chunk(self) -> ChatCompletionChunk:
-        chunk = self.chunk("", None, [])
-        chunk.choices[0].delta = Delta(role="assistant", content="")
-        chunk.prompt_token_ids = self._take_prompt_ids()
-        return chunk
+    def first_chunks(self, n: int) -> list[BaseModel]:
+        chunks = []
+        for index in range(n):
+            choice = ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""),
+                                     token_ids=self._ids([]))
+            chunks.append(ChatCompletionChunk(
+                id=self.request_id, created=self.created, model=self.model, choices=[choice],
+                prompt_token_ids=list(self.prompt_ids) if self.return_token_ids and index == 0 else None))
+        return chunks
 
-    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int]) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(delta=Delta(content=text) if text else Delta(),
-                                 finish_reason=finish_reason, token_ids=self._ids(token_ids))
+    def chunk(self, index: int, output: GenerationOutput, first: bool) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=index, delta=Delta(content=output.text) if output.text else Delta(),
+                                 logprobs=self._logprobs(output), token_ids=self._ids(output.token_ids))
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                   choices=[choice])
+
+    def finish_chunk(self, index: int, finish_reason: str) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish_reason,
+                                 token_ids=self._ids([]))
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
                                    choices=[choice])
 
@@ -91,9 +209,22 @@ class ChatFormat(_Format):
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
                                    choices=[], usage=usage)
 
-    def response(self, text: str, finish_reason: str | None, usage: Usage,
-                 token_ids: list[int]) -> ChatCompletionResponse:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason,
-                            token_ids=self._ids(token_ids))
-        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                      choices=[choice], usage=usage, prompt_token_ids=self._take_prompt_ids())
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, usage=usage,
+            prompt_token_ids=list(self.prompt_ids) if self.return_token_ids else None,
+            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
+                                logprobs=self._logprobs(c.as_output()), finish_reason=c.finish_reason,
+                                token_ids=self._ids(c.token_ids))
+                     for i, c in enumerate(choices)])
+
+    def _logprobs(self, output: GenerationOutput) -> ChatLogprobs | None:
+        if self.num_logprobs is None:
+            return None
+        content = []
+        for token_id, lp in zip(output.token_ids, output.logprobs or []):
+            top = [TopLogprob(token=self.texts.text(i), logprob=_clamp(v), bytes=list(self.texts.bytes(i)))
+                   for i, v in zip(lp.top_ids, lp.top_logprobs)]
+            content.append(ChatTokenLogprob(token=self.texts.text(token_id), logprob=_clamp(lp.logprob),
+                                            bytes=list(self.texts.bytes(token_id)), top_logprobs=top))
+        return ChatLogprobs(content=content)

@@ -1,6 +1,7 @@
 """Cutting streamed text at the first stop string.
 
-The stop string itself is not part of the output (OpenAI's behaviour). While streaming, the
+The stop string itself is not part of the output (OpenAI's behaviour). When stop strings
+overlap, the one that is complete first wins ("DaD" with stops "a" and "DaD" gives "D"). While streaming, the
 longest tail of the text that could still grow into a stop string is held back: once text is
 sent it cannot be taken back, so "…END" must not go out as "…EN" before the "D" arrives.
 
@@ -35,7 +36,10 @@ class StopStringMatcher:
         if not self._stops or not check:
             self._held = ""
             return StopCheck(buffer, False)
-        cut = min((i for i in (buffer.find(s) for s in self._stops) if i >= 0), default=-1)
+        # The stop string that is complete first wins (then the longer one): what a token-by-
+        # token check sees, however the text is chunked.
+        hits = [(i + len(s), i) for s, i in ((s, buffer.find(s)) for s in self._stops) if i >= 0]
+        cut = min(hits)[1] if hits else -1
         if cut >= 0:
             self._held = ""
             self.stopped = True

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from jinja2 import TemplateError
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
 
 from gateway.errors import invalid
@@ -28,16 +30,46 @@ class PromptTokenizer:
         """A /v1/completions prompt: special tokens (BOS) added the way the model expects."""
         return list(self.hf.encode(text, add_special_tokens=True))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Render the chat template with the assistant's generation prompt, then tokenize.
-        The template already writes any BOS, so no special tokens are added again."""
+    @property
+    def template_supports_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (how tool definitions reach the
+        prompt); a template without it would drop them silently."""
+        template = self.hf.chat_template
+        if isinstance(template, dict):  # several named templates
+            template = template.get("tool_use") or template.get("default") or ""
+        return bool(template) and "tools" in template
+
+    def encode_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Render the chat template (by default with the assistant's generation prompt), then
+        tokenize. The template already writes any BOS, so no special tokens are added again."""
         if not self.hf.chat_template:
             raise invalid("This model has no chat template; use /v1/completions.", param="messages")
+        if tools and not self.template_supports_tools:
+            raise invalid("'tools' is not supported: this model's chat template has no tool support.",
+                          param="tools", code="unsupported_parameter")
         try:
-            text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except TemplateError as exc:  # e.g. a template that insists roles alternate
+            text = self.hf.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}))
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # e.g. a template that insists roles alternate, or chat_template_kwargs it trips on
             raise invalid(f"The chat template rejected the messages: {exc}", param="messages") from exc
+        if not isinstance(text, str):
+            raise invalid("The chat template did not render to text.", param="messages")
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    def text_with_offsets(self, ids: list[int]) -> tuple[str, list[int]]:
+        """`ids` decoded (special tokens skipped) and where each token's text starts in it."""
+        stream = DecodeStream(skip_special_tokens=True)
+        pieces, offsets, length = [], [], 0
+        for token_id in ids:
+            offsets.append(length)
+            piece = stream.step(self.backend, token_id) or ""
+            pieces.append(piece)
+            length += len(piece)
+        return "".join(pieces), offsets
 
     def check_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

@@ -101,17 +101,46 @@ async def test_out_of_range_chat(config):
 
 
 @pytest.mark.parametrize("path,field,value", [
-    (COMPLETIONS, "logprobs", 1), (COMPLETIONS, "logprobs", 0), (COMPLETIONS, "echo", True),
-    (COMPLETIONS, "best_of", 2), (COMPLETIONS, "suffix", "end"), (COMPLETIONS, "logit_bias", {"5": 10}),
-    (COMPLETIONS, "presence_penalty", 0.5), (COMPLETIONS, "frequency_penalty", -1.0), (COMPLETIONS, "n", 2),
-    (CHAT, "logprobs", True), (CHAT, "top_logprobs", 3), (CHAT, "response_format", {"type": "json_object"}),
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]), (CHAT, "tool_choice", "required"),
-    (CHAT, "n", 3),
+    (COMPLETIONS, "best_of", 2), (COMPLETIONS, "suffix", "end"),
+    (CHAT, "tool_choice", "required"), (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    (CHAT, "functions", [{"name": "f"}]), (CHAT, "function_call", {"name": "f"}),
+    (CHAT, "response_format", {"type": "json_object"}),
 ])
 async def test_unsupported_params(config, path, field, value):
     body = {"model": MODEL, field: value, **({"prompt": "hi"} if path == COMPLETIONS else {"messages": USER_HI})}
     error = assert_error(await post(config, path, json=body), 400, param=field)
     assert "not supported" in error["message"]
+
+
+async def test_tools_need_a_template_that_reads_them(live_config):
+    body = {"model": MODEL, "messages": USER_HI, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    error = assert_error(await post(live_config, CHAT, json=body), 400, param="tools",
+                         code="unsupported_parameter")
+    assert "not supported" in error["message"] and "template" in error["message"]
+
+
+@pytest.mark.parametrize("path,field,value", [
+    (COMPLETIONS, "logprobs", 21), (COMPLETIONS, "logprobs", -1), (CHAT, "top_logprobs", 21),
+    (COMPLETIONS, "logit_bias", {"5": 101}), (COMPLETIONS, "logit_bias", {"x": 1}),
+    (COMPLETIONS, "repetition_penalty", 0), (COMPLETIONS, "min_p", 1.5), (COMPLETIONS, "n", 129),
+    (COMPLETIONS, "frequency_penalty", -2.5),
+])
+async def test_out_of_range_new_params(config, path, field, value):
+    body = {"model": MODEL, field: value, **({"prompt": "hi"} if path == COMPLETIONS else {"messages": USER_HI})}
+    if field == "top_logprobs":
+        body["logprobs"] = True
+    assert_error(await post(config, path, json=body), 400, param=field)
+
+
+async def test_top_logprobs_need_logprobs(config):
+    body = {"model": MODEL, "messages": USER_HI, "top_logprobs": 2}
+    error = assert_error(await post(config, CHAT, json=body), 400, param="top_logprobs")
+    assert "logprobs" in error["message"]
+
+
+async def test_logit_bias_token_out_of_vocab(live_config):
+    body = {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 5}}
+    assert_error(await post(live_config, COMPLETIONS, json=body), 400, param="logit_bias", code="invalid_token_id")
 
 
 async def test_unknown_param_is_not_ignored(config):
@@ -123,7 +152,7 @@ async def test_unknown_param_is_not_ignored(config):
 async def test_neutral_values_of_unsupported_params_pass_validation(config):
     # No worker is registered: passing validation means getting as far as the 503.
     body = {"model": MODEL, "prompt": "hi", "logprobs": None, "echo": False, "best_of": 1, "n": 1,
-            "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "suffix": None, "user": "u"}
+            "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "suffix": "", "user": "u"}
     assert_error(await post(config, COMPLETIONS, json=body), 503, code="no_live_worker",
                  type_="service_unavailable")
     chat = {"model": MODEL, "messages": USER_HI, "logprobs": False, "tools": [], "tool_choice": "none",
@@ -132,11 +161,13 @@ async def test_neutral_values_of_unsupported_params_pass_validation(config):
 
 
 @pytest.mark.parametrize("message,param", [
-    ({"role": "tool", "content": "x"}, "messages[0].role"),
+    ({"role": "function", "content": "x", "name": "f"}, "messages[0].role"),
     ({"role": "wizard", "content": "x"}, "messages[0].role"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]},
      "messages[0].content"),
-    ({"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls"),
+    ({"role": "tool", "content": "x"}, "messages[0]"),  # no tool_call_id
+    ({"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}, "messages[0]"),
+    ({"role": "user"}, "messages[0]"),  # no content
 ])
 async def test_unsupported_messages(config, message, param):
     assert_error(await post(config, CHAT, json={"model": MODEL, "messages": [message]}), 400, param=param)
@@ -229,17 +260,39 @@ async def test_unknown_route_and_method(config):
         assert_error(await client.get(COMPLETIONS), 405)
 
 
-async def test_api_key(tiny_model_dir, redis_url):
-    config = make_config(tiny_model_dir, redis_url, api_key="sekrit")
+async def test_api_keys(tiny_model_dir, redis_url):
+    config = make_config(tiny_model_dir, redis_url, api_keys=("sekrit", "other-key"))
     register_worker(config)
     async with gateway_client(config) as client:
-        assert_error(await client.get("/v1/models"), 401, code="invalid_api_key", type_="authentication_error")
+        error = assert_error(await client.get("/v1/models"), 401, code="invalid_api_key",
+                             type_="authentication_error")
+        assert "Missing" in error["message"]
         wrong = {"authorization": "Bearer nope"}
-        assert_error(await client.post(COMPLETIONS, json={"prompt": "hi"}, headers=wrong), 401,
+        response = await client.post(COMPLETIONS, json={"prompt": "hi"}, headers=wrong)
+        assert_error(response, 401, type_="authentication_error")
+        assert response.headers["www-authenticate"] == "Bearer"
+        # Before routing and parsing: unknown /v1 paths and broken bodies are 401s too.
+        assert_error(await client.get("/v1/nothing"), 401, type_="authentication_error")
+        assert_error(await client.post(COMPLETIONS, content=b"{", headers=wrong), 401,
                      type_="authentication_error")
-        ok = await client.get("/v1/models", headers={"authorization": "Bearer sekrit"})
-        assert ok.status_code == 200
+        assert_error(await client.get("/v1/models", headers={"authorization": "Basic sekrit"}), 401,
+                     type_="authentication_error")
+        for key in ("sekrit", "other-key"):
+            ok = await client.get("/v1/models", headers={"authorization": f"Bearer {key}"})
+            assert ok.status_code == 200
         assert (await client.get("/health")).status_code == 200  # probes need no key
+        metrics = await client.get("/metrics")
+        assert metrics.status_code == 200
+        assert 'pagedserve_gateway_requests_total{route="/v1/models",status="401"}' in metrics.text
+
+
+async def test_protect_metrics(tiny_model_dir, redis_url):
+    config = make_config(tiny_model_dir, redis_url, api_keys=("k",), protect_metrics=True)
+    async with gateway_client(config) as client:
+        assert_error(await client.get("/metrics"), 401, type_="authentication_error")
+        assert_error(await client.get("/health"), 401, type_="authentication_error")
+        ok = await client.get("/metrics", headers={"authorization": "Bearer k"})
+        assert ok.status_code == 200
 
 
 async def test_health_and_models(config):

@@ -105,6 +105,12 @@ def test_stops_inactive_before_min_tokens():
     assert stopped and "".join(out) == "STOP early then "
 
 
+def test_overlapping_stops_first_complete_wins():
+    for chunks in (["DaD"], ["Da", "D"], ["D", "a", "D"]):
+        out, stopped = feed_all(["a", "DaD"], chunks)
+        assert stopped and "".join(out) == "D"
+
+
 def test_no_stops_passes_everything():
     out, stopped = feed_all([], ["a", "b"])
     assert not stopped and out == ["a", "b", ""]
@@ -114,10 +120,11 @@ def test_no_stops_passes_everything():
 @given(text=st.text(alphabet="abE ND", max_size=30), stops=st.lists(st.text(alphabet="abEND", min_size=1,
        max_size=4), min_size=1, max_size=3), cuts=st.lists(st.integers(0, 30), max_size=8))
 def test_streamed_equals_one_shot(text, stops, cuts):
-    """However the text is chunked, the output is the text before the first stop string."""
+    """However the text is chunked, the output is the text before the stop string that is
+    complete first."""
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     out, stopped = feed_all(stops, chunks)
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    expected = text[:min(hits)] if hits else text
+    hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
+    expected = text[:min(hits)[1]] if hits else text
     assert "".join(out) == expected and stopped == bool(hits)

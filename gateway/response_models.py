@@ -1,0 +1,168 @@
+"""Pydantic models of the OpenAI response shapes: completions, chat completions, their
+stream chunks, logprobs, usage, /v1/models."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_serializer
+
+FinishReason = Literal["stop", "length"]
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _TokenIdsWhenAsked(BaseModel):
+    """`token_ids` / `prompt_token_ids` (vLLM's `return_token_ids` extension) appear only
+    when they were asked for; every other null field stays in the JSON, as OpenAI sends it."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unrequested_ids(self, handler):
+        data = handler(self)
+        for key in ("token_ids", "prompt_token_ids"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
+# ---- logprobs -----------------------------------------------------------------------------
+
+class CompletionLogprobs(BaseModel):
+    """The legacy shape: parallel lists, one entry per token (the first prompt token of an
+    echoed prompt has null logprobs: nothing predicts it)."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+# ---- completions ----------------------------------------------------------------------------
+
+class CompletionChoice(_TokenIdsWhenAsked):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # sent (as null until the last chunk) only with include_usage
+    system_fingerprint: str | None = None
+
+
+# ---- chat -----------------------------------------------------------------------------------
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class ChatChoice(_TokenIdsWhenAsked):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(_TokenIdsWhenAsked):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class Delta(BaseModel):
+    """A chat stream delta: only the keys that are set (`{}` in the final chunk)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _set_keys_only(self) -> dict[str, str]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(_TokenIdsWhenAsked):
+    index: int = 0
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(_TokenIdsWhenAsked):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # sent (as null until the last chunk) only with include_usage
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # first chunk only
+
+
+# ---- models ---------------------------------------------------------------------------------
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "pagedserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
