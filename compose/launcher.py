@@ -23,6 +23,16 @@ import redis
 from proto.keys import RedisKeys
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the launcher dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux/glibc: children then outlive a killed launcher
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -115,8 +125,10 @@ class Stack:
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.config.run_dir / f"{name}.log", "ab")
         env = {**os.environ, **self.config.env}
+        # A new session: Ctrl-C reaches us only, and we stop them in order. The parent-death
+        # signal: if we are killed outright, they still go (no orphaned servers).
         self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)  # Ctrl-C reaches us only; we stop them in order
+                                            start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
 
     # ---- readiness -------------------------------------------------------------------------
