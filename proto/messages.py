@@ -51,6 +51,11 @@ class NewRequest(msgspec.Struct, frozen=True, tag="new"):
     reply_channel: str
     arrival_time: float  # time.time() at the gateway
     priority: int = 0  # lower runs first; ties go to the earlier arrival
+    # Parallel sampling: n > 1 computes the prompt once, then n sequences sharing its
+    # blocks (copy-on-write). Their TokenEvents carry the ids f"{request_id}/{i}",
+    # i = 0..n-1 (never request_id itself); sequence i samples with seed + i when a seed
+    # is set. Aborting request_id aborts them all.
+    n: int = 1
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

@@ -18,7 +18,7 @@ and a step computes as many as the token budget and `max_num_seqs` allow:
    (fresh GPU blocks, blocks_to_swap_in, the full new block table sent with
    replace_block_ids), until one does not fit.
 3. If nobody was preempted and nothing is swapped out, waiting requests are admitted in
-   (priority, arrival) order,
+   (priority, arrival) order (a parent of n > 1 counts as n sequences),
    their prefill chunked to the remaining budget, until one does not fit (no overtaking).
    With prefix caching, an admitted request starts from the longest cached prefix of its
    tokens (prompt + outputs, so a preempted request finds its own blocks again if they
@@ -29,6 +29,15 @@ running ones as diffs (the block ids allocated this step). num_computed_tokens a
 when the step is built: the worker computes exactly what was scheduled. `update` then
 offers the blocks the step filled to the prefix cache, appends the sampled tokens and
 finishes requests the worker finished.
+
+Parallel sampling (`NewRequest.n > 1`): the parent computes its prompt but the last token,
+then (in `update`, once it has) forks into n children `f"{request_id}/{i}"` that share
+every block (`KVCacheManager.fork`); the parent is forgotten (finished_request_ids) and
+each child goes to the worker as a new request holding the shared table, with seed + i when
+the parent had a seed. A child's first step computes the last prompt token into its last
+block: when that block is partly filled and still shared, the child gets a fresh block
+and the step carries the copy (`blocks_to_copy`) -- all but the last child to get there
+copy; the last one keeps the original. Aborting the parent's id aborts its children.
 
 Calls alternate: schedule() -> (worker runs the step) -> update(); requests may be added
 or aborted at any time, also while a step is in flight.
@@ -48,6 +57,8 @@ Invariants (checked by `check_integrity`):
 import bisect
 from collections.abc import Sequence
 
+import msgspec
+
 from kvstore.kv_cache_manager import KVCacheManager, cdiv
 from proto import worker_pb2
 from proto.messages import NewRequest, TokenEvent
@@ -60,6 +71,13 @@ _RUNNING = RequestStatus.RUNNING
 
 def _sort_key(req: RequestState) -> tuple[int, float, str]:
     return req.sort_key
+
+
+def _target_tokens(req: RequestState) -> int:
+    """Tokens the request computes before it samples: all it holds, but for a parent of
+    n > 1, which stops one short of its prompt and forks (the children compute the last
+    prompt token, each sampling its own first output)."""
+    return req.num_prompt_tokens - 1 if req.n > 1 else len(req.token_ids)
 
 
 def _may_use_prefix_cache(req: RequestState) -> bool:
@@ -84,8 +102,10 @@ class BatchScheduler:
         # goes out drops its own), swap-ins, copy-on-write copies; swapped-out request ids.
         self._swap_out: dict[str, list[tuple[int, int]]] = {}
         self._swap_in: list[tuple[int, int]] = []
-        self._copies: list[tuple[int, int]] = []
         self._replaced: set[str] = set()  # requests whose whole block table goes out again
+        self._copies: dict[str, tuple[int, int]] = {}  # by request (a preemption drops its own)
+        self._unsent: set[str] = set()  # forked children the worker has not seen yet
+        self._children: dict[str, set[str]] = {}  # parent id -> its unfinished children
         self.num_swapped_out = 0
         self.num_forks = 0
         self.num_cow_copies = 0
@@ -190,6 +210,14 @@ class BatchScheduler:
                               finish_reason="error", error=error)
         self._requests[state.request_id] = state
         self._load_tokens += state.num_tokens
+        if state.parent_id is not None:
+            self._children.setdefault(state.parent_id, set()).add(state.request_id)
+        if state.n > 1 and state.num_prompt_tokens == 1:  # nothing to share: n requests now
+            self._requests.pop(state.request_id)
+            self._load_tokens -= state.num_tokens
+            for child in self._make_children(state):
+                self.add_state(child)
+            return None
         bisect.insort(self.waiting, state, key=_sort_key)
         return None
 
@@ -200,6 +228,8 @@ class BatchScheduler:
             return f"request {rid} has an empty prompt"
         if max_tokens < 1:
             return f"request {rid} has max_tokens {max_tokens}; it must be >= 1"
+        if not 1 <= req.n <= self.config.max_num_seqs:
+            return f"request {rid} has n {req.n}; it must be in [1, max_num_seqs {self.config.max_num_seqs}]"
         if num_prompt + max_tokens > self.max_model_len:
             return (f"request {rid} needs {num_prompt} prompt + {max_tokens} max_tokens = "
                     f"{num_prompt + max_tokens} tokens, "
@@ -216,9 +246,17 @@ class BatchScheduler:
         A running one's blocks are freed now and the worker forgets it in the next step;
         tokens it samples in a step already in flight are ignored by `update`.
         """
+        children = self._children.get(request_id)
+        if children:  # a forked parent: abort its children
+            for child_id in sorted(children):
+                self.abort_request(child_id)
+            return True
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self._forget_child(req)
+        self._copies.pop(request_id, None)
+        self._unsent.discard(request_id)
         self._load_tokens -= req.num_tokens
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
@@ -248,17 +286,29 @@ class BatchScheduler:
         new_blocks: dict[str, list[int]] = {}  # request id -> block ids allocated now
         preempted = False
 
-        running, allocate = self.running, self.kv.allocate_slots
+        running, allocate, unsent = self.running, self.kv.allocate_slots, self._unsent
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = len(req.token_ids) - req.num_computed_tokens
+            num_new = _target_tokens(req) - req.num_computed_tokens
             assert num_new > 0, f"request {req.request_id} has nothing to compute"
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
-            while (ids := allocate(req.request_id, req.num_computed_tokens + num_new)) is None:
+            while True:
+                # A forked child about to write into its shared, partly filled last block
+                # gets its own copy first.
+                cow = (self.kv.copy_on_write(req.request_id, req.num_computed_tokens)
+                       if req.request_id in unsent else None)
+                if cow:
+                    self._copies[req.request_id] = cow
+                    self.num_cow_copies += 1
+                if cow is not False:
+                    ids = allocate(req.request_id, req.num_computed_tokens + num_new)
+                    if ids is not None:
+                        break
+                ids = None
                 victim = running.pop()  # largest key; index >= i, so not scheduled yet
                 self._preempt(victim)
                 preempted = True
@@ -272,9 +322,9 @@ class BatchScheduler:
             i += 1
 
         # After a preemption the pool is full: resuming or admitting now would only thrash.
-        swapped = self.swapped
-        while (not preempted and swapped and budget > 0
-               and len(running) < self.config.max_num_seqs):
+        swapped, max_seqs = self.swapped, self.config.max_num_seqs
+        num_seqs = self._num_seqs()
+        while not preempted and swapped and budget > 0 and num_seqs + swapped[0].n <= max_seqs:
             req = swapped[0]
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
             pairs = self.kv.swap_in(req.request_id, req.num_computed_tokens + num_new)
@@ -287,16 +337,19 @@ class BatchScheduler:
             self._replaced.add(req.request_id)
             req.status = _RUNNING
             bisect.insort(running, req, key=_sort_key)
+            num_seqs += req.n
             scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = ids
             budget -= num_new
 
         admitted: list[RequestState] = []
         while (not preempted and not swapped and self.waiting and budget > 0
-               and len(running) < self.config.max_num_seqs):
+               and num_seqs + self.waiting[0].n <= max_seqs):
             req = self.waiting[0]
             lookup = self.kv.enable_prefix_caching and _may_use_prefix_cache(req)
             cached = self.kv.find_cached_prefix(req.token_ids, req.block_hashes) if lookup else []
+            if req.n > 1:  # a parent computes at least one token before it forks
+                cached = cached[:(req.num_prompt_tokens - 2) // self.kv.block_size]
             num_cached = len(cached) * self.kv.block_size
             num_new = self._num_new_tokens(req, num_cached, budget)
             ids = allocate(req.request_id, num_cached + num_new, cached)
@@ -309,6 +362,7 @@ class BatchScheduler:
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += num_cached
             bisect.insort(running, req, key=_sort_key)
+            num_seqs += req.n
             admitted.append(req)
             scheduled[req.request_id] = num_new
             budget -= num_new
@@ -320,19 +374,27 @@ class BatchScheduler:
     def _num_new_tokens(self, req: RequestState, num_computed: int, budget: int) -> int:
         """Tokens a request with `num_computed` tokens computed computes this step: all it
         lacks, capped by the per-request threshold and by the budget left."""
-        num_new = req.num_tokens - num_computed
+        num_new = _target_tokens(req) - num_computed
         assert num_new > 0, f"request {req.request_id} has nothing to compute"
         if self.config.long_prefill_token_threshold:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
 
+    def _num_seqs(self) -> int:
+        """Sequences running: a parent not forked yet counts as its n children."""
+        return sum(req.n for req in self.running)
+
     def _preempt(self, req: RequestState) -> None:
         """Preempt a request already removed from `running`: by swap when that is the
-        mode and the CPU swap space has room for its blocks, else by recompute."""
+        mode and the CPU swap space has room for its blocks, else by recompute (always for
+        a forked child the worker has not seen yet)."""
         req.num_preemptions += 1
         self.num_preemptions += 1
         rid = req.request_id
-        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(rid):
+        self._copies.pop(rid, None)  # its copy-on-write target goes back to the pool
+        if rid in self._unsent:
+            self._unsent.discard(rid)
+        elif self.config.preemption_mode == "swap" and self.kv.can_swap_out(rid):
             self._swap_out[rid] = self.kv.swap_out(rid)
             self._replaced.discard(rid)
             req.status = RequestStatus.SWAPPED
@@ -361,15 +423,21 @@ class BatchScheduler:
             step.blocks_to_swap_in.extend(worker_pb2.BlockPair(src=s, dst=d) for s, d in self._swap_in)
             self._swap_in = []
         if self._copies:
-            step.blocks_to_copy.extend(worker_pb2.BlockPair(src=s, dst=d) for s, d in self._copies)
-            self._copies = []
+            step.blocks_to_copy.extend(worker_pb2.BlockPair(src=s, dst=d)
+                                       for s, d in self._copies.values())
+            self._copies = {}
         replaced, self._replaced = self._replaced, set()
         requests, reqs = self._requests, []
         add_cached = step.cached_requests.add
+        unsent = self._unsent
         for request_id, num_new in scheduled.items():
             req = requests[request_id]
             if request_id not in new_blocks:
                 break  # the admitted ones: below
+            if request_id in unsent:  # a forked child: in full, with its (shared) table
+                unsent.discard(request_id)
+                admitted.append(req)
+                continue
             if request_id in replaced:  # swapped in (or copied on write): the whole table
                 add_cached(request_id=request_id, new_block_ids=self.kv.block_ids(request_id),
                            num_computed_tokens=req.num_computed_tokens, replace_block_ids=True)
@@ -439,6 +507,8 @@ class BatchScheduler:
                 self.kv.cache_full_blocks(req.request_id, req.token_ids, req.block_hashes, computed)
             token = sampled.get(req.request_id)
             if token is None:
+                if req.n > 1 and computed == req.num_prompt_tokens - 1:
+                    self._fork(req)
                 continue
             req.token_ids.append(token.token_id)
             self._load_tokens += 1
@@ -447,7 +517,49 @@ class BatchScheduler:
                 finished.append(req)
         return finished
 
+    def _make_children(self, parent: RequestState) -> list[RequestState]:
+        seed = parent.sampling.seed
+        return [RequestState(
+            request_id=f"{parent.request_id}/{i}", token_ids=list(parent.token_ids),
+            num_prompt_tokens=parent.num_prompt_tokens,
+            sampling=(parent.sampling if seed is None
+                      else msgspec.structs.replace(parent.sampling, seed=seed + i)),
+            reply_channel=parent.reply_channel, arrival_time=parent.arrival_time,
+            priority=parent.priority, num_computed_tokens=parent.num_computed_tokens,
+            status=parent.status, block_hashes=list(parent.block_hashes),
+            parent_id=parent.request_id) for i in range(parent.n)]
+
+    def _fork(self, parent: RequestState) -> None:
+        """Replace a running parent that computed all of its prompt but the last token by
+        its n children, sharing its blocks; the worker forgets the parent."""
+        pid = parent.request_id
+        children = self._make_children(parent)
+        self.running.remove(parent)
+        del self._requests[pid]
+        for child in children:
+            self.kv.fork(pid, child.request_id)
+            self._requests[child.request_id] = child
+            self._unsent.add(child.request_id)
+            bisect.insort(self.running, child, key=_sort_key)
+        self.kv.free(pid)
+        self._children[pid] = {child.request_id for child in children}
+        self._load_tokens += (len(children) - 1) * parent.num_tokens
+        parent.status = RequestStatus.FINISHED
+        self._finished_ids.append(pid)
+        self.num_forks += len(children)
+
+    def _forget_child(self, req: RequestState) -> None:
+        if req.parent_id is not None and (siblings := self._children.get(req.parent_id)):
+            siblings.discard(req.request_id)
+            if not siblings:
+                del self._children[req.parent_id]
+
+    def has_children(self, parent_id: str) -> bool:
+        """True while some child forked from `parent_id` is unfinished here."""
+        return bool(self._children.get(parent_id))
+
     def _finish(self, req: RequestState, reason: str) -> None:
+        self._forget_child(req)
         self.running.remove(req)
         del self._requests[req.request_id]
         self._load_tokens -= req.num_tokens
@@ -473,7 +585,8 @@ class BatchScheduler:
         for req in states:
             req.reset_for_recompute()
         self.waiting, self.running, self.swapped = [], [], []
-        self._swap_out, self._swap_in, self._copies, self._replaced = {}, [], [], set()
+        self._swap_out, self._swap_in, self._copies, self._replaced = {}, [], {}, set()
+        self._unsent, self._children = set(), {}  # children re-route as n == 1 requests
         self._requests.clear()
         self._load_tokens = 0
         self._in_flight = None
@@ -505,8 +618,13 @@ class BatchScheduler:
         assert self._load_tokens == total, f"load_tokens {self._load_tokens} != {total}"
         assert self.waiting == sorted(self.waiting, key=_sort_key), "waiting is out of order"
         assert self.running == sorted(self.running, key=_sort_key), "running is out of order"
-        assert len(self.running) <= self.config.max_num_seqs, (
-            f"{len(self.running)} running > max_num_seqs {self.config.max_num_seqs}")
+        assert self._num_seqs() <= self.config.max_num_seqs, (
+            f"{self._num_seqs()} sequences running > max_num_seqs {self.config.max_num_seqs}")
+        assert self._unsent <= set(running_ids), f"unsent children not running: {self._unsent}"
+        assert self._copies.keys() <= self._unsent, "a copy-on-write for a request already sent"
+        for parent_id, children in self._children.items():
+            assert children and children <= self._requests.keys(), (
+                f"parent {parent_id}: children {children} not all unfinished here")
         for req in self.waiting:
             assert req.status is RequestStatus.WAITING, f"waiting {req.request_id} is {req.status}"
             assert req.num_computed_tokens == 0, f"waiting {req.request_id} has computed tokens"

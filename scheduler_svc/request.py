@@ -41,6 +41,11 @@ class RequestState:
     # Prefix-cache hashes of the first full blocks of token_ids on this worker's block
     # size, filled in by its KVCacheManager; kept across preemptions, cleared on re-routing.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # Parallel sampling: n > 1 on a parent that computes its prompt but its last token,
+    # then forks into n children (ids f"{request_id}/{i}") sharing its blocks; a child
+    # has n == 1 and names its parent here.
+    n: int = 1
+    parent_id: str | None = None
 
     @classmethod
     def from_new_request(cls, req: NewRequest) -> "RequestState":
@@ -52,6 +57,7 @@ class RequestState:
             reply_channel=req.reply_channel,
             arrival_time=req.arrival_time,
             priority=req.priority,
+            n=req.n,
         )
 
     @property

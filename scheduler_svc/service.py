@@ -264,6 +264,9 @@ class SchedulerService:
                 break
             for state in finished:
                 await self._finish(state.request_id)
+                # n > 1: the stream entry is the parent's, done with its last child.
+                if state.parent_id is not None and not scheduler.has_children(state.parent_id):
+                    await self._finish(state.parent_id)
         await self._evacuate(handle)
 
     async def _evacuate(self, handle: WorkerHandle) -> None:

@@ -369,9 +369,10 @@ def test_load_counts_tokens_against_capacity():
     budget=st.integers(1, 32),
     max_num_seqs=st.integers(1, 6),
     num_cpu_blocks=st.sampled_from([0, 3, 40]),  # > 0: swap preemption (3: often full)
+    ns=st.lists(st.sampled_from([1, 1, 2, 3]), min_size=10, max_size=10),  # parallel sampling
 )
 def test_random_workloads_finish_with_reference_outputs(workload, num_blocks, budget, max_num_seqs,
-                                                        num_cpu_blocks):
+                                                        num_cpu_blocks, ns):
     """Arrivals spread over time, random priorities, some aborts; small pools force
     preemptions (by recompute, or by swap with a recompute fallback). Unaborted requests
     must produce the reference outputs."""
@@ -380,6 +381,10 @@ def test_random_workloads_finish_with_reference_outputs(workload, num_blocks, bu
                 preemption_mode="swap" if num_cpu_blocks else "recompute")
     reqs = {f"r{i}": (make_request(f"r{i}", p, m, arrival=float(i), priority=prio), at, abort)
             for i, (p, m, prio, at, abort) in enumerate(workload)}
+    n_of = {rid: min(ns[i], max_num_seqs) for i, rid in enumerate(reqs)}
+    reqs = {rid: (NewRequest(r.request_id, r.prompt_token_ids, r.sampling, r.reply_channel,
+                             r.arrival_time, r.priority, n=n_of[rid]), at, abort)
+            for rid, (r, at, abort) in reqs.items()}
     aborted = set()
     for t in range(2000):
         for rid, (req, at, abort) in reqs.items():
@@ -391,6 +396,11 @@ def test_random_workloads_finish_with_reference_outputs(workload, num_blocks, bu
             break
         h.step()
     h.assert_done()
-    assert set(h.finished) | aborted == set(reqs)
-    expected = reference_outputs(*(req for rid, (req, _, _) in reqs.items() if rid not in aborted))
-    assert h.outputs() == {rid: out for rid, out in expected.items()}
+    names = {rid: [rid] if n_of[rid] == 1 else [f"{rid}/{i}" for i in range(n_of[rid])] for rid in reqs}
+    assert set(h.finished) | {c for rid in aborted for c in names[rid]} >= {c for v in names.values() for c in v}
+    expected = reference_outputs(*(NewRequest(r.request_id, r.prompt_token_ids, r.sampling, r.reply_channel,
+                                              r.arrival_time, r.priority)
+                                   for rid, (r, _, _) in reqs.items() if rid not in aborted))
+    # n > 1: every child produces what the request alone would (the fake ignores seeds).
+    got = {c: out for c, out in h.outputs().items() if c.split("/")[0] not in aborted}
+    assert got == {c: out for rid, out in expected.items() for c in names[rid]}
