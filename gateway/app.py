@@ -7,7 +7,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pydantic import BaseModel
 
 from gateway.backend import RedisBackend
 from gateway.config import GatewayConfig
@@ -108,4 +111,28 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return await collect(generations, fmt, num_prompt_tokens=admitted.num_prompt_tokens,
                              request=request)
 
+    install_openapi_bodies(app, {"/v1/completions": CompletionRequest,
+                                 "/v1/chat/completions": ChatCompletionRequest})
     return app
+
+
+def install_openapi_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Publish the request body schemas in /openapi.json. The routes read and validate the
+    raw body themselves (size limit first, OpenAI-shaped errors), so FastAPI cannot infer
+    them; clients and the fuzz test read them here."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

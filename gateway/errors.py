@@ -71,7 +71,8 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> OpenAIError:
         return invalid("We could not parse the JSON body of your request: "
                        f"{error.get('ctx', {}).get('error', 'invalid JSON')}.", code="invalid_json")
     if kind == "extra_forbidden":
-        return invalid(f"Unrecognized request argument supplied: {param}", param=param,
+        name = param if param is not None else repr(str(error.get("loc", ("",))[-1]))
+        return invalid(f"Unrecognized request argument supplied: {name}", param=param if param else name,
                        code="unrecognized_argument")
     if kind == "missing":
         return invalid(f"Missing required parameter: '{param}'.", param=param,

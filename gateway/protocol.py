@@ -39,12 +39,17 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_STOP_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
-                          {"type": "null"}]}
+_STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
+                          {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}]}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _PROMPT_SCHEMA = {"anyOf": [
-    {"type": "string"}, {"type": "array", "items": {"type": "integer"}},
-    {"type": "array", "items": {"type": "string"}, "maxItems": 1},
-    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "maxItems": 1}]}
+    {"type": "string", "minLength": 1}, _TOKEN_IDS,
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}]}
+_LOGIT_BIAS_SCHEMA = {"anyOf": [
+    {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": 1024,
+     "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+    {"type": "null"}]}
 _CONTENT_SCHEMA = {"anyOf": [
     {"type": "string"}, {"type": "null"},
     {"type": "array", "items": {"type": "object", "properties": {
@@ -80,7 +85,8 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, le=2)
-    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
+    # token id (a string) -> bias in [-100, 100]
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(_LOGIT_BIAS_SCHEMA)] = None
     return_token_ids: bool | None = False  # prompt and output token ids too
 
     @field_validator("stop", mode="before")
@@ -169,7 +175,7 @@ class ChatMessage(BaseModel):
     refusal: str | None = None  # assistant turns copied back from a response carry it
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, for the template
     tool_call_id: str | None = None  # a tool turn answers this call
-    function_call: Any = None  # deprecated; must be empty
+    function_call: None = None  # deprecated; refused
 
     @field_validator("role", mode="before")
     @classmethod
@@ -197,7 +203,7 @@ class ChatMessage(BaseModel):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    @field_validator("function_call")
+    @field_validator("function_call", mode="before")
     @classmethod
     def _no_function_call(cls, value: Any) -> Any:
         if value is not None:
