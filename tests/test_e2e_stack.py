@@ -200,3 +200,38 @@ def test_requests_survive_a_worker_killed_mid_generation(tiny_model_dir, redis_u
             cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
             assert ids[:cut] == expected[:cut]
         wait_until_idle(stack, ["worker-1"])
+
+
+def test_swap_preemption_through_the_stack(tiny_model_dir, redis_url, tmp_path_factory, hf_model, tokenizer):
+    """--preemption-mode swap on the scheduler, --swap-space on the worker: greedy outputs
+    still equal transformers, requests were swapped out and back, every block comes back."""
+    rng = random.Random(5)
+    special = set(tokenizer.all_special_ids)
+    cases = []
+    for _ in range(16):
+        prompt = [t for t in (rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(3, 80)))
+                  if t not in special]
+        cases.append((prompt, rng.randint(10, 40)))
+    with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("swap"),
+                       worker_args=("--num-blocks", "24", "--swap-space", "8MiB"),
+                       scheduler_args=("--max-num-batched-tokens", "48", "--preemption-mode", "swap")) as stack:
+        client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300)
+
+        async def one(prompt, max_tokens):
+            resp = await client.completions.create(model=stack.served_model_name, prompt=prompt,
+                                                   max_tokens=max_tokens, temperature=0,
+                                                   extra_body={"return_token_ids": True})
+            return resp.choices[0]
+
+        async def all_of_them():
+            return await asyncio.gather(*(one(p, m) for p, m in cases))
+
+        choices = asyncio.run(all_of_them())
+        stats = wait_until_idle(stack)
+    for (prompt, max_tokens), choice in zip(cases, choices):
+        assert choice.token_ids == hf_greedy(hf_model, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
+    (only,) = stats.values()
+    assert only.integrity_error is None
+    assert only.num_swapped_out >= 1, "the pool was meant to be small enough to swap"
+    assert only.num_cpu_blocks > 0 and only.num_free_cpu_blocks == only.num_cpu_blocks
+    assert only.num_free_blocks == only.num_blocks == 24 and only.num_swapped == 0
