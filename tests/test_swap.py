@@ -258,3 +258,33 @@ def test_engine_greedy_equals_transformers_with_swaps(tiny_model_dir):
         expected = out[0, len(prompt):].tolist()
         got = [sink.tokens[f"r{i}"][k] for k in sorted(sink.tokens[f"r{i}"])]
         assert got == expected, f"request {i}"
+
+
+def test_engine_seeded_sampling_unchanged_by_swaps(tiny_model_dir):
+    """A swapped request keeps its generator on the worker, so seeded sampling gives the
+    same tokens as a run with room for everything (recompute would restart the stream)."""
+    from compose.engine import EngineConfig, InProcessEngine
+    from proto.messages import NewRequest, SamplingParams
+    from test_engine import Collector
+    from test_fork import run_engine
+    from worker_svc.config import RunnerConfig
+
+    rng = random.Random(3)
+    cases = [([rng.randrange(3, 900) for _ in range(rng.randint(2, 40))], rng.randint(10, 30))
+             for _ in range(8)]
+
+    def outputs(num_blocks, mode):
+        sink = Collector(len(cases))
+        engine = InProcessEngine(EngineConfig(
+            runner=RunnerConfig(model=str(tiny_model_dir), num_blocks=num_blocks, num_cpu_blocks=64),
+            batching=SchedulerConfig(max_num_batched_tokens=48, preemption_mode=mode)), sink)
+        run_engine(engine, sink, [
+            NewRequest(f"r{i}", prompt, SamplingParams(max_tokens=m, temperature=1.0, seed=i, ignore_eos=True),
+                       "c", time.time() + i) for i, (prompt, m) in enumerate(cases)])
+        return {rid: [t[k] for k in sorted(t)] for rid, t in sink.tokens.items()}, engine.scheduler
+
+    roomy, sched = outputs(256, "swap")
+    assert sched.num_preemptions == 0
+    swapped, sched = outputs(12, "swap")
+    assert sched.num_swapped_out >= 1
+    assert swapped == roomy
