@@ -43,3 +43,16 @@ def test_commands_are_the_launchers(config, service, monkeypatch):
     assert args.redis_url == "redis://redis:6379/0"
     if service != "scheduler":
         assert args.model.startswith("/models/")
+
+
+def test_preemption_and_swap_flags_parse():
+    from compose.cli import build_parser
+
+    args = build_parser().parse_args(["scheduler", "--preemption-mode", "swap"])
+    assert args.preemption_mode == "swap"
+    assert build_parser().parse_args(["scheduler"]).preemption_mode == "recompute"
+    args = build_parser().parse_args(["worker", "--model", "m", "--swap-space", "1GiB"])
+    assert args.swap_space == 2**30
+    assert build_parser().parse_args(["worker", "--model", "m"]).swap_space == 256 * 2**20
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["scheduler", "--preemption-mode", "never"])
