@@ -43,14 +43,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--log-level", default="info", help="debug|info|warning")
 
 
-def _worker_parser(sub) -> None:
-    p = sub.add_parser("worker", help="a model worker (gRPC server; registers itself in Redis)")
+def _add_runner_flags(p: argparse.ArgumentParser) -> None:
+    """The model runner's flags: shared by `worker` and `engine`."""
     _add(p, "--model", required=_env("--model") is None, help="Hugging Face checkpoint folder")
     _add(p, "--served-model-name", help="name clients use (default: the folder's name)")
-    _add(p, "--host", default="127.0.0.1", help="gRPC bind address")
-    _add(p, "--port", type=int, default=50051, help="gRPC port (0 = any free one)")
-    _add(p, "--advertise-host", help="address schedulers dial (default: --host)")
-    _add(p, "--worker-id", help="default: random")
     _add(p, "--block-size", type=int, default=16, help="tokens per KV block")
     _add(p, "--kv-cache-memory", type=parse_bytes, default="256MiB", help="memory for the KV cache")
     _add(p, "--num-blocks", type=int, help="KV blocks (overrides --kv-cache-memory)")
@@ -62,11 +58,10 @@ def _worker_parser(sub) -> None:
     _add(p, "--attention-backend", default="auto", help="auto|torch|triton")
     _add(p, "--threads", type=int, help="torch CPU threads (default: torch's choice)")
     _add(p, "--seed", type=int, default=0)
-    _add_common(p)
 
 
-def _scheduler_parser(sub) -> None:
-    p = sub.add_parser("scheduler", help="the scheduler (continuous batching, block tables)")
+def _add_batching_flags(p: argparse.ArgumentParser) -> None:
+    """The batching core's flags: shared by `scheduler` and `engine`."""
     _add(p, "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     _add(p, "--max-num-seqs", type=int, default=256, help="requests in one step at most")
     p.add_argument("--no-prefix-caching", action="store_true",
@@ -74,6 +69,21 @@ def _scheduler_parser(sub) -> None:
                    help="compute every prompt in full (env PAGEDSERVE_NO_PREFIX_CACHING=1)")
     _add(p, "--preemption-mode", default="recompute", choices=["recompute", "swap"],
          help="free a preempted request's blocks (recompute) or move them to the worker's CPU swap space")
+
+
+def _worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="a model worker (gRPC server; registers itself in Redis)")
+    _add_runner_flags(p)
+    _add(p, "--host", default="127.0.0.1", help="gRPC bind address")
+    _add(p, "--port", type=int, default=50051, help="gRPC port (0 = any free one)")
+    _add(p, "--advertise-host", help="address schedulers dial (default: --host)")
+    _add(p, "--worker-id", help="default: random")
+    _add_common(p)
+
+
+def _scheduler_parser(sub) -> None:
+    p = sub.add_parser("scheduler", help="the scheduler (continuous batching, block tables)")
+    _add_batching_flags(p)
     _add(p, "--consumer-name", help="stream consumer name (default: scheduler-<hostname>)")
     _add_common(p)
 
@@ -84,6 +94,17 @@ def _gateway_parser(sub) -> None:
     p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     _add_common(p)
     add_cli_args(p)
+
+
+def _engine_parser(sub) -> None:
+    from gateway.config import add_cli_args
+
+    p = sub.add_parser("engine", help="gateway + scheduler core + model in ONE process (no Redis, "
+                                      "no gRPC): the yardstick for what the service split costs")
+    _add_runner_flags(p)
+    _add_batching_flags(p)
+    _add_common(p)
+    add_cli_args(p)  # skips the flags already there (--model, --served-model-name, ...)
 
 
 def _up_parser(sub) -> None:
@@ -112,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_up_parser, _gateway_parser, _scheduler_parser, _worker_parser, _make_model_parser):
+    for add in (_up_parser, _gateway_parser, _scheduler_parser, _worker_parser, _engine_parser,
+                _make_model_parser):
         add(sub)
     return parser
 

@@ -9,38 +9,45 @@ import signal
 from pathlib import Path
 
 
-def run_worker(args: argparse.Namespace) -> int:
+def _runner_config(args: argparse.Namespace):
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     from worker_svc.config import RunnerConfig
-    from worker_svc.server import WorkerServiceConfig, serve
 
-    runner = RunnerConfig(
+    return RunnerConfig(
         model=args.model, served_model_name=args.served_model_name, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory, num_blocks=args.num_blocks,
-        swap_space_bytes=args.swap_space,
-        max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-        attention_backend=args.attention_backend, seed=args.seed,
+        swap_space_bytes=args.swap_space, max_model_len=args.max_model_len, dtype=args.dtype,
+        device=args.device, attention_backend=args.attention_backend, seed=args.seed,
     )
+
+
+def _batching_config(args: argparse.Namespace):
+    from scheduler_svc.config import SchedulerConfig
+
+    return SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                           max_num_seqs=args.max_num_seqs,
+                           enable_prefix_caching=not args.no_prefix_caching,
+                           preemption_mode=args.preemption_mode)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from worker_svc.server import WorkerServiceConfig, serve
+
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
-    serve(WorkerServiceConfig(runner=runner, host=args.host, port=args.port,
+    serve(WorkerServiceConfig(runner=_runner_config(args), host=args.host, port=args.port,
                               advertise_host=args.advertise_host, redis_url=args.redis_url,
                               key_prefix=args.key_prefix, **extra))
     return 0
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    from scheduler_svc.config import SchedulerConfig
     from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
 
-    batching = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                               max_num_seqs=args.max_num_seqs,
-                               enable_prefix_caching=not args.no_prefix_caching,
-                               preemption_mode=args.preemption_mode)
     extra = {"consumer_name": args.consumer_name} if args.consumer_name else {}
-    config = SchedulerServiceConfig(batching=batching, redis_url=args.redis_url,
+    config = SchedulerServiceConfig(batching=_batching_config(args), redis_url=args.redis_url,
                                     key_prefix=args.key_prefix, **extra)
 
     async def main() -> None:
@@ -51,6 +58,21 @@ def run_scheduler(args: argparse.Namespace) -> int:
         await SchedulerService(config).run(stop)
 
     asyncio.run(main())
+    return 0
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from compose.engine import EngineConfig
+    from compose.inprocess_backend import InProcessBackend
+    from gateway.app import create_app
+    from gateway.config import config_from_args
+
+    engine = EngineConfig(runner=_runner_config(args), batching=_batching_config(args))
+    app = create_app(config_from_args(args), backend_factory=lambda: InProcessBackend(engine))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=5)
     return 0
 
 

@@ -3,7 +3,7 @@ serving (SSE or JSON). Everything stateful lives on `app.state`, made by `create
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -30,14 +30,17 @@ from proto.keys import RedisKeys
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend] | None = None) -> FastAPI:
     """The gateway app. Loads the tokenizer now; connects to Redis in the lifespan."""
     tokenizer = PromptTokenizer(config.model)
     token_texts = TokenTexts(tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        backend = RedisBackend(config.redis_url, RedisKeys(config.key_prefix), config.worker_cache_ttl_s)
+        # Redis by default; `pagedserve engine` passes the in-process engine's backend,
+        # which has the same methods (compose/inprocess_backend.py).
+        backend = backend_factory() if backend_factory else RedisBackend(
+            config.redis_url, RedisKeys(config.key_prefix), config.worker_cache_ttl_s)
         await backend.start()
         app.state.backend = backend
         app.state.preflight = Preflight(config, backend, tokenizer)

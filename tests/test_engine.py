@@ -85,3 +85,43 @@ def test_engine_abort_frees_blocks(tiny_model_dir):
     assert not engine.scheduler.has_work()
     assert engine.scheduler.kv.num_free_blocks == 64
     assert len(sink.tokens["long"]) < 500
+
+
+def test_engine_serves_the_openai_api(tiny_model_dir, tmp_path):
+    """`pagedserve engine`: the same gateway over the in-process engine, under uvicorn."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    import openai
+
+    from compose.launcher import free_port
+
+    port = free_port()
+    log = open(tmp_path / "engine.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "compose.cli", "engine", "--model", str(tiny_model_dir),
+                             "--port", str(port), "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "engine.log").read_text()
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        prompt = [11, 22, 33, 44, 55]
+        resp = client.completions.create(model=tiny_model_dir.name, prompt=prompt, max_tokens=12, temperature=0,
+                                         extra_body={"return_token_ids": True})
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=tiny_model_dir.name, prompt=prompt, max_tokens=12, temperature=0, stream=True) if c.choices)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert resp.choices[0].token_ids == out[0, len(prompt):].tolist()
+    assert streamed == resp.choices[0].text
