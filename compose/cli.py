@@ -5,6 +5,7 @@
     pagedserve scheduler   ...
     pagedserve worker      --model DIR ...
     pagedserve make-model  DIR --preset tiny|small|1b
+    pagedserve bench       --base-url URL ...                        the serving benchmark
 
 Every flag `--some-flag` also reads `PAGEDSERVE_SOME_FLAG` from the environment (the flag wins).
 """
@@ -121,6 +122,12 @@ def _up_parser(sub) -> None:
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flag for the gateway")
 
 
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="the serving benchmark (bench/serve.py) against any OpenAI URL",
+                       add_help=False)  # its own --help lists its flags
+    p.add_argument("bench_args", nargs="*", help="bench/serve.py's flags (see `pagedserve bench --help`)")
+
+
 def _make_model_parser(sub) -> None:
     p = sub.add_parser("make-model", help="write a random-weight HF checkpoint with a local tokenizer")
     p.add_argument("dir")
@@ -134,12 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_up_parser, _gateway_parser, _scheduler_parser, _worker_parser, _engine_parser,
-                _make_model_parser):
+                _bench_parser, _make_model_parser):
         add(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # every flag after it is bench/serve.py's, --help included
+        from compose.commands import run_bench
+
+        return run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

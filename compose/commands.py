@@ -118,3 +118,17 @@ def run_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench(bench_args: list[str]) -> int:
+    import runpy
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "serve.py"
+    if not script.exists():
+        print("bench/serve.py ships with the source checkout; run this from a clone", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *bench_args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
