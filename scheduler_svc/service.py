@@ -149,6 +149,13 @@ class SchedulerService:
         await self._route(message)
 
     async def _abort(self, request_id: str) -> None:
+        # n > 1: children a worker loss re-routed one by one are owned each on its own.
+        prefix = request_id + "/"
+        for child_id in [rid for rid in self.owner if rid.startswith(prefix)]:
+            handle = self.owner[child_id]
+            if handle.scheduler.abort_request(child_id):
+                handle.wake.set()
+            await self._finish(child_id)
         if request_id not in self.entry_ids:
             self.early_aborts[request_id] = None
             while len(self.early_aborts) > self.config.max_early_aborts:
@@ -265,7 +272,8 @@ class SchedulerService:
             for state in finished:
                 await self._finish(state.request_id)
                 # n > 1: the stream entry is the parent's, done with its last child.
-                if state.parent_id is not None and not scheduler.has_children(state.parent_id):
+                if state.parent_id is not None and not any(
+                        h.scheduler.has_children(state.parent_id) for h in self.workers.values()):
                     await self._finish(state.parent_id)
         await self._evacuate(handle)
 

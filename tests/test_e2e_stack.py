@@ -77,6 +77,18 @@ def test_greedy_equals_transformers_with_chunking_and_preemption(stack, hf_model
     assert only.num_free_blocks == only.num_blocks == NUM_BLOCKS
     assert only.num_preemptions >= 1, "the pool was meant to be small enough to preempt"
 
+    # The same accounting, as Prometheus metrics at the gateway.
+    import urllib.request
+
+    text = urllib.request.urlopen(stack.base_url.removesuffix("/v1") + "/metrics").read().decode()
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+               if line.startswith("pagedserve:")}
+    assert samples['pagedserve:num_preemptions_total{worker="worker-0"}'] >= 1
+    assert samples['pagedserve:kv_blocks_total{worker="worker-0"}'] == NUM_BLOCKS
+    assert samples['pagedserve:kv_cache_usage_perc{worker="worker-0"}'] == 0.0
+    assert samples['pagedserve:kv_integrity_ok{worker="worker-0"}'] == 1.0
+    assert samples['pagedserve:prefix_cache_queries_total{worker="worker-0"}'] > 0
+
 
 def test_streaming_equals_non_streaming_completions(stack):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
@@ -235,3 +247,62 @@ def test_swap_preemption_through_the_stack(tiny_model_dir, redis_url, tmp_path_f
     assert only.num_swapped_out >= 1, "the pool was meant to be small enough to swap"
     assert only.num_cpu_blocks > 0 and only.num_free_cpu_blocks == only.num_cpu_blocks
     assert only.num_free_blocks == only.num_blocks == 24 and only.num_swapped == 0
+
+
+def test_parallel_sampling_through_the_scheduler_and_worker(tiny_model_dir, redis_url, tmp_path_factory, hf_model):
+    """NewRequest.n = 3 put on the stream as a gateway would: the prompt is computed once,
+    the three children's events arrive under f"{id}/{i}", greedy children equal transformers;
+    aborting the parent's id aborts the children; the stream entry is acknowledged."""
+    import time
+
+    import redis as sync_redis
+
+    from proto.keys import STREAM_FIELD, RedisKeys
+    from proto.messages import AbortRequest, NewRequest, SamplingParams, events_decoder, stream_encoder
+
+    prompt = [(11 * i + 7) % 900 + 3 for i in range(37)]
+    with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("n")) as stack:
+        client = sync_redis.Redis.from_url(stack.redis_url)
+        keys = RedisKeys(stack.config.key_prefix)
+        channel = keys.reply_channel("test-gw")
+        sub = client.pubsub()
+        sub.subscribe(channel)
+        sub.get_message(timeout=5)  # the subscribe confirmation
+
+        def events_until(done, timeout=60.0):
+            tokens, reasons = {}, {}
+            deadline = time.monotonic() + timeout
+            while not done(tokens, reasons):
+                assert time.monotonic() < deadline, (tokens, reasons)
+                message = sub.get_message(timeout=1.0)
+                if message is None or message["type"] != "message":
+                    continue
+                for event in events_decoder.decode(message["data"]):
+                    for k, t in enumerate(event.token_ids):
+                        tokens.setdefault(event.request_id, {})[event.index + k] = t
+                    if event.finish_reason:
+                        reasons[event.request_id] = event.finish_reason
+            return tokens, reasons
+
+        greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        client.xadd(keys.requests, {STREAM_FIELD: stream_encoder.encode(
+            NewRequest("par", prompt, greedy, channel, time.time(), n=3))})
+        tokens, reasons = events_until(lambda t, r: len(r) == 3)
+        assert sorted(reasons) == ["par/0", "par/1", "par/2"]
+        expected = hf_greedy(hf_model, prompt, 10)
+        for rid in reasons:
+            assert [tokens[rid][k] for k in sorted(tokens[rid])] == expected, rid
+
+        long = SamplingParams(max_tokens=400, temperature=1.0, seed=5, ignore_eos=True)
+        client.xadd(keys.requests, {STREAM_FIELD: stream_encoder.encode(
+            NewRequest("big", prompt, long, channel, time.time(), n=3))})
+        events_until(lambda t, r: len(t) == 3 and all(len(v) >= 2 for v in t.values()))
+        client.xadd(keys.requests, {STREAM_FIELD: stream_encoder.encode(AbortRequest("big"))})
+        stats = wait_until_idle(stack)
+        (only,) = stats.values()
+        assert only.integrity_error is None and only.num_forks == 6 and only.num_cow_copies == 4
+        deadline = time.monotonic() + 10
+        while client.xlen(keys.requests) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.xlen(keys.requests) == 0, "stream entries left unacknowledged"
+        sub.close()
