@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from proto.messages import NewRequest, TokenEvent
+from proto.messages import NewRequest, TokenEvent, WorkerStats
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
 
 log = logging.getLogger("pagedserve.engine")
+
+STATS_INTERVAL_S = 1.0
 
 EventSink = Callable[[dict[str, list[TokenEvent]]], None]
 
@@ -48,6 +51,8 @@ class InProcessEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.stats: WorkerStats | None = None  # refreshed on the engine thread, read anywhere
+        self._stats_at = 0.0
 
     # ---- called from any thread ------------------------------------------------------
 
@@ -83,13 +88,30 @@ class InProcessEngine:
             if error is not None:
                 self._on_events({item.reply_channel: [error]})
 
+    def _refresh_stats(self, idle: bool) -> None:
+        """The same WorkerStats the scheduler service writes to Redis, about once a second."""
+        now = time.monotonic()
+        if not idle and now - self._stats_at < STATS_INTERVAL_S:
+            return
+        self._stats_at = now
+        problem = None
+        if idle:  # integrity is O(blocks): checked when there is time
+            try:
+                self.scheduler.check_integrity()
+            except AssertionError as exc:
+                problem = str(exc) or "check_integrity failed"
+        self.stats = WorkerStats(worker_id=self.info.worker_id, integrity_error=problem, updated_at=time.time(),
+                                 **asdict(self.scheduler.stats()))
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
             step = self.scheduler.schedule()
             if step is None:
-                self._wake.wait(timeout=1.0)
+                self._refresh_stats(idle=True)
+                self._wake.wait(timeout=STATS_INTERVAL_S)
                 continue
+            self._refresh_stats(idle=False)
             try:
                 output = self.runner.step(step)
             except Exception:  # fail what ran, keep serving the rest

@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from compose.engine import EngineConfig, InProcessEngine
-from proto.messages import NewRequest, TokenEvent, WorkerRegistration
+from proto.messages import NewRequest, TokenEvent, WorkerRegistration, WorkerStats
 
 REPLY_CHANNEL = "in-process"
 
@@ -71,6 +71,10 @@ class InProcessBackend:
 
     async def live_workers(self) -> list[WorkerRegistration]:
         return [self._registration] if self._registration else []
+
+    async def worker_stats(self) -> list[WorkerStats]:
+        stats = self._engine.stats if self._engine is not None else None
+        return [stats] if stats is not None else []
 
     async def ping(self) -> bool:
         return self._engine is not None

@@ -3,6 +3,7 @@ serving (SSE or JSON). Everything stateful lives on `app.state`, made by `create
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -18,6 +19,7 @@ from gateway.errors import OpenAIError, install_error_handlers
 from gateway.generation import Generation
 from gateway.auth import APIKeyMiddleware, APIKeys
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.worker_metrics import WorkerStatsCollector
 from gateway.preflight import Admitted, Preflight, parse, read_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.response_models import ModelCard, ModelList
@@ -27,6 +29,7 @@ from gateway.token_text import TokenTexts
 from gateway.tokenizer import PromptTokenizer
 from proto.keys import RedisKeys
 
+logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -64,8 +67,15 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
             return JSONResponse({"status": "ok"})
         return OpenAIError(503, "Redis does not answer.", code="redis_unavailable").response()
 
+    worker_stats = WorkerStatsCollector()
+    metrics.registry.register(worker_stats)
+
     @app.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
+        try:  # the scheduler's accounting of every live worker, fresh for this scrape
+            worker_stats.snapshot = await request.app.state.backend.worker_stats()
+        except Exception as exc:  # a scrape must not fail because Redis blinked: serve the last one
+            logger.warning("could not read worker stats: %s", exc)
         return metrics.response()
 
     @app.get("/v1/models")

@@ -20,8 +20,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from proto.keys import STREAM_FIELD, RedisKeys
-from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistration,
-                            events_decoder, registration_decoder, stream_encoder)
+from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistration, WorkerStats,
+                            events_decoder, registration_decoder, stats_decoder, stream_encoder)
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,14 @@ class RedisBackend:
         self._workers = list(_decode_registrations(ids, values))
         self._workers_at = time.monotonic()
         return self._workers
+
+    async def worker_stats(self) -> list[WorkerStats]:
+        """The scheduler's latest WorkerStats of every live worker."""
+        workers = await self.live_workers()
+        if not workers:
+            return []
+        values = await self._client.mget([self.keys.worker_stats(w.worker_id) for w in workers])
+        return [stats_decoder.decode(v) for v in values if v is not None]
 
     async def ping(self) -> bool:
         try:
