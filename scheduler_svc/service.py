@@ -60,6 +60,7 @@ class WorkerHandle:
     stub: worker_pb2_grpc.WorkerStub
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     retiring: bool = False
+    stats_at: float = 0.0  # time.monotonic() of the last WorkerStats written
     task: asyncio.Task | None = None
 
     @property
@@ -275,6 +276,8 @@ class SchedulerService:
                 if state.parent_id is not None and not any(
                         h.scheduler.has_children(state.parent_id) for h in self.workers.values()):
                     await self._finish(state.parent_id)
+            if time.monotonic() - handle.stats_at >= self.config.idle_stats_interval_s:
+                await self._write_stats(handle, check=False)  # under load too, about once a second
         await self._evacuate(handle)
 
     async def _evacuate(self, handle: WorkerHandle) -> None:
@@ -296,11 +299,14 @@ class SchedulerService:
             else:
                 await self._route(state)
 
-    async def _write_stats(self, handle: WorkerHandle) -> None:
+    async def _write_stats(self, handle: WorkerHandle, check: bool = True) -> None:
+        """WorkerStats to Redis; with `check`, after check_integrity() (O(blocks): when idle)."""
         scheduler = handle.scheduler
+        handle.stats_at = time.monotonic()
+        problem = None
         try:
-            scheduler.check_integrity()
-            problem = None
+            if check:
+                scheduler.check_integrity()
         except AssertionError as exc:
             problem = str(exc) or "check_integrity failed"
             log.error("worker %s: block pool integrity: %s", handle.worker_id, problem)
