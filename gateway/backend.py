@@ -25,6 +25,8 @@ from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistra
 
 logger = logging.getLogger(__name__)
 
+_MAX_CONNECTIONS = 64  # commands to Redis in flight at once; more wait for a connection
+_POOL_WAIT_S = 10.0
 _RESUBSCRIBE_DELAY_S = 0.25
 _RESUBSCRIBE_MAX_DELAY_S = 5.0
 
@@ -35,9 +37,14 @@ class RedisBackend:
         self.gateway_id = uuid.uuid4().hex
         self.reply_channel = keys.reply_channel(self.gateway_id)
         self._worker_cache_ttl_s = worker_cache_ttl_s
-        # Commands time out so a dead Redis yields a 503, not a hung request. The subscriber
-        # has its own client without a read timeout: it legitimately waits for a long time.
-        self._client = aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        # Commands time out so a dead Redis yields a 503, not a hung request. The pool waits
+        # for a free connection when all are busy (redis-py's default pool fails at once with
+        # "Too many connections" past 100 concurrent commands: a burst of requests, or n=128).
+        # The subscriber has its own client without a read timeout: it legitimately waits.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=_MAX_CONNECTIONS, timeout=_POOL_WAIT_S,
+            socket_timeout=5, socket_connect_timeout=5)
+        self._client = aioredis.Redis.from_pool(pool)
         self._sub_client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5)
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._subscribed = asyncio.Event()

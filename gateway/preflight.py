@@ -20,8 +20,9 @@ from gateway.backend import RedisBackend
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, from_validation_errors, invalid
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.structured_output import grammar_for
 from gateway.tokenizer import PromptTokenizer
-from proto.messages import NewRequest, SamplingParams
+from proto.messages import Grammar, NewRequest, SamplingParams
 
 _U64 = 2**64
 
@@ -126,12 +127,14 @@ class Preflight:
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # as much as the context leaves (at least 1, checked below)
             max_tokens = max(1, max_model_len - len(prompt_ids))
+        grammar = await asyncio.to_thread(grammar_for, body.response_format)
         return self._admit(body, "chatcmpl", prompt_ids, max_tokens, max_model_len, where="messages",
-                           logprobs=body.num_logprobs, prompt_logprobs=None)
+                           logprobs=body.num_logprobs, prompt_logprobs=None, grammar=grammar)
 
     def _admit(self, body: CompletionRequest | ChatCompletionRequest, id_prefix: str,
                prompt_ids: list[int], max_tokens: int, max_model_len: int, where: str, *,
-               logprobs: int | None, prompt_logprobs: int | None) -> Admitted:
+               logprobs: int | None, prompt_logprobs: int | None,
+               grammar: Grammar | None = None) -> Admitted:
         if not prompt_ids:
             raise invalid("The prompt is empty after tokenization.", param=where)
         total = len(prompt_ids) + max_tokens
@@ -141,7 +144,7 @@ class Preflight:
                 f"requested {total} tokens ({len(prompt_ids)} in the {where}, {max_tokens} in the "
                 f"completion). Please reduce the length of the {where} or completion.",
                 param=where, code="context_length_exceeded")
-        sampling = self._sampling(body, max_tokens, logprobs, prompt_logprobs)
+        sampling = self._sampling(body, max_tokens, logprobs, prompt_logprobs, grammar)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         n = body.n or 1
         arrival = time.time()
@@ -154,7 +157,8 @@ class Preflight:
         return Admitted(request_id, requests, body.stop)
 
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                  logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+                  logprobs: int | None, prompt_logprobs: int | None,
+                  grammar: Grammar | None) -> SamplingParams:
         # EOS is not added to stop_token_ids: the worker knows the model's EOS ids (from
         # generation_config.json) and applies ignore_eos and min_tokens to them itself.
         stop_token_ids = list(body.stop_token_ids or [])
@@ -179,4 +183,5 @@ class Preflight:
             logit_bias=logit_bias,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )

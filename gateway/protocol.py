@@ -294,13 +294,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def _neutral_chat(cls, value: Any, info) -> Any:
         return _require_neutral(info.field_name, value)
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: ResponseFormat | None) -> ResponseFormat | None:
-        if value is not None and value.type != "text":
-            raise ValueError(f"response_format {value.type!r} is not supported yet")
-        return value
-
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, value: Any) -> Any:

@@ -169,7 +169,7 @@ def plausible(body: dict, model: str) -> dict:
     body.pop("suffix", None)
     if isinstance(body.get("prompt"), str):
         body["prompt"] = body["prompt"][:60]
-    for key in ("tools", "tool_choice", "response_format", "continue_final_message"):
+    for key in ("tools", "tool_choice", "continue_final_message"):
         body.pop(key, None)
     if not body.get("logprobs"):
         body.pop("top_logprobs", None)

@@ -104,7 +104,6 @@ async def test_out_of_range_chat(config):
     (COMPLETIONS, "best_of", 2), (COMPLETIONS, "suffix", "end"),
     (CHAT, "tool_choice", "required"), (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}),
     (CHAT, "functions", [{"name": "f"}]), (CHAT, "function_call", {"name": "f"}),
-    (CHAT, "response_format", {"type": "json_object"}),
 ])
 async def test_unsupported_params(config, path, field, value):
     body = {"model": MODEL, field: value, **({"prompt": "hi"} if path == COMPLETIONS else {"messages": USER_HI})}
@@ -130,6 +129,27 @@ async def test_out_of_range_new_params(config, path, field, value):
     if field == "top_logprobs":
         body["logprobs"] = True
     assert_error(await post(config, path, json=body), 400, param=field)
+
+
+@pytest.mark.parametrize("response_format,param", [
+    ({"type": "json_schema"}, "response_format"), ({"type": "json_object", "json_schema": {"name": "x"}}, "response_format"),
+    ({"type": "yaml"}, "response_format.type"),
+    ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
+])
+async def test_malformed_response_format(config, response_format, param):
+    body = {"model": MODEL, "messages": USER_HI, "response_format": response_format}
+    assert_error(await post(config, CHAT, json=body), 400, param=param)
+
+
+@pytest.mark.parametrize("schema,words", [
+    ({"type": "wat"}, "wat"), ({"$ref": "#/nope"}, "nope"), ({"type": "string", "pattern": "(a"}, "regex"),
+])
+async def test_schema_that_cannot_be_enforced(live_config, schema, words):
+    body = {"model": MODEL, "messages": USER_HI,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    error = assert_error(await post(live_config, CHAT, json=body), 400, param="response_format",
+                         code="invalid_json_schema")
+    assert words in error["message"]
 
 
 async def test_top_logprobs_need_logprobs(config):

@@ -206,3 +206,15 @@ async def test_tools_reach_a_template_that_reads_them(tiny_model_dir, redis_url,
     prompt = tokenizer.hf.decode(worker.messages[0].prompt_token_ids)
     assert "Tools: summer" in prompt and "adder" in prompt and "<|im_start|>tool\n3" in prompt
     assert prompt.endswith("<|im_start|>assistant\nNOTE")
+
+
+async def test_n_128_more_submissions_than_redis_connections(config):
+    """n = 128 puts 127 XADDs in flight at once: more than the gateway's Redis pool has
+    connections (they wait for one instead of failing with "Too many connections")."""
+    async with FakeWorker(config, scripted([5, 6])) as worker:
+        async with gateway_client(config) as client:
+            response = await client.post("/v1/completions", json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 128})
+    assert response.status_code == 200, response.text
+    assert [c["index"] for c in response.json()["choices"]] == list(range(128))
+    assert len({m.request_id for m in worker.messages}) == 128

@@ -22,6 +22,7 @@ computed or sampled again (a scheduler that still lists them gets nothing for th
 """
 
 import functools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -33,12 +34,16 @@ from proto import worker_pb2
 from proto.messages import Logprobs, TokenEvent
 from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
+from worker_svc.grammar import GrammarCompiler
 from worker_svc.logprobs import gather_logprobs
 from worker_svc.model.config import DecoderConfig
 from worker_svc.model.loader import load_model, resolve_dtype
 from worker_svc.request_state import RequestState
 from worker_svc.sampler import SamplingBatch, sample
 from worker_svc.stop import finish_reason
+
+
+log = logging.getLogger(__name__)
 
 
 class StepConsistencyError(RuntimeError):
@@ -94,6 +99,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.requests: dict[str, RequestState] = {}
+        self.grammars = GrammarCompiler(config.model, cfg.vocab_size, cfg.eos_token_ids)
 
     @property
     def num_requests(self) -> int:
@@ -132,7 +138,10 @@ class ModelRunner:
         for request_id in request.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in request.new_requests:
-            self.requests[new.request_id] = RequestState(new, self.device)
+            state = self.requests[new.request_id] = RequestState(new, self.device)
+            if new.sampling.HasField("grammar"):  # replays any outputs (a resumed request)
+                state.grammar = self.grammars.matcher(new.sampling.grammar.kind, new.sampling.grammar.spec,
+                                                      state.token_ids[state.num_prompt_tokens:])
         for cached in request.cached_requests:
             state = self.requests.get(cached.request_id)
             if state is None:
@@ -179,6 +188,7 @@ class ModelRunner:
                 events.setdefault(state.reply_channel, []).append(TokenEvent(
                     request_id=state.request_id, index=state.num_output_tokens - len(sampled),
                     token_ids=sampled, finish_reason=reason,
+                    error=(state.grammar.error or None) if reason == "error" else None,
                     logprobs=[out.logprobs] if out.logprobs is not None else None,
                     prompt_logprobs=out.prompt_logprobs or None, prompt_index=out.prompt_index))
         result.execute_seconds = time.perf_counter() - start
@@ -212,9 +222,12 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, reqs: tuple[RequestState, ...],
                 produced: dict[int, _Produced]) -> None:
+        vocab_size = self.model_config.vocab_size
+        allowed = self.grammars.allowed([r.grammar for r in reqs], vocab_size, self.device) \
+            if any(r.grammar is not None for r in reqs) else None
         sampling = SamplingBatch.build(
-            [r.sampling for r in reqs], [r.generator for r in reqs], self.model_config.vocab_size,
-            self.device, histories=reqs, eos_token_ids=self.model_config.eos_token_ids)
+            [r.sampling for r in reqs], [r.generator for r in reqs], vocab_size, self.device,
+            histories=reqs, eos_token_ids=self.model_config.eos_token_ids, allowed=allowed)
         token_ids = sample(logits, sampling, self.generator)
         rows = [i for i, r in enumerate(reqs) if r.sampling.HasField("logprobs")]
         logprobs = gather_logprobs(logits[rows], token_ids[rows],
@@ -250,4 +263,13 @@ class ModelRunner:
         state.finish_reason = finish_reason(
             state.sampling, state.num_output_tokens, token_id, self.model_config.eos_token_ids,
             state.num_tokens, self.max_model_len)
+        grammar = state.grammar
+        if grammar is not None:
+            if grammar.error or not grammar.advance(token_id):
+                # The mask allows only what the grammar accepts, so this is a grammar the
+                # worker could not compile (the gateway checks them first) or a library bug.
+                log.error("request %s: grammar failed: %s", state.request_id, grammar.error)
+                state.finish_reason = "error"
+            elif state.finish_reason is None and grammar.done:
+                state.finish_reason = "stop"  # the output is complete: only EOS could follow
         return state.finish_reason

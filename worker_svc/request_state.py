@@ -13,7 +13,7 @@ class RequestState:
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids",
                  "num_computed_tokens", "sampling", "generator", "reply_channel",
-                 "finish_reason")
+                 "finish_reason", "grammar")
 
     def __init__(self, new: worker_pb2.NewRequestData, device: torch.device):
         if not new.token_ids:
@@ -30,6 +30,9 @@ class RequestState:
         self.sampling: worker_pb2.SamplingParams = new.sampling
         self.reply_channel: str = new.reply_channel
         self.finish_reason: str | None = None
+        # The structured-output matcher (worker_svc/grammar.py), set by the runner when
+        # sampling.grammar is; None for unconstrained requests.
+        self.grammar = None
         # Made once, so a seeded request's draws depend on its own history only. A request
         # re-added after a preemption starts its stream again (as in vLLM).
         self.generator: torch.Generator | None = None
