@@ -60,6 +60,9 @@ class InProcessGateway:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=180)
 
+    def get(self, path: str) -> httpx.Response:
+        return self._run(self.client.get(path))
+
     def post(self, path: str, content: bytes) -> httpx.Response:
         self.sent += 1
         return self._run(self.client.post(path, content=content, headers={"content-type": "application/json"}))
@@ -229,7 +232,7 @@ FUZZ_SETTINGS = settings(max_examples=EXAMPLES_PER_ENDPOINT, deadline=None, data
 
 @pytest.mark.parametrize("path", list(ENDPOINTS))
 def test_fuzzed_bodies_get_well_formed_answers(gateway, path):
-    spec = gateway._run(gateway.client.get("/openapi.json")).json()
+    spec = gateway.get("/openapi.json").json()
 
     @FUZZ_SETTINGS
     @given(body=bodies(body_schema(spec, path), gateway.app.state.config.model_name))
