@@ -117,22 +117,28 @@ class SchedulerService:
     # ---- requests in -----------------------------------------------------------------
 
     async def _read_requests(self) -> None:
-        stream_id = "0"  # first our own pending entries (delivered before a restart), then new ones
+        # First our own pending entries (delivered before a restart), then new ones. A
+        # history read returns the pending entries after `stream_id`, acked or not, so it
+        # moves past each batch; an empty history read means the history is done.
+        stream_id: str | bytes = "0"
+        history = True
         while not self._stopping:
             reply = await self.redis.xreadgroup(
                 SCHEDULER_GROUP, self.config.consumer_name, {self.keys.requests: stream_id},
-                count=self.config.read_batch, block=None if stream_id == "0" else 1000)
+                count=self.config.read_batch, block=None if history else 1000)
             entries = reply[0][1] if reply else []
-            if stream_id == "0" and not entries:
-                stream_id = ">"
-                continue
+            if history:
+                if not entries:
+                    history, stream_id = False, ">"
+                    continue
+                stream_id = entries[-1][0]
             for entry_id, fields in entries:
                 await self._handle_entry(entry_id, fields)
 
     async def _handle_entry(self, entry_id: bytes, fields: dict) -> None:
         try:
             message = stream_decoder.decode(fields[STREAM_FIELD])
-        except (KeyError, msgspec.DecodeError) as exc:
+        except (KeyError, TypeError, msgspec.DecodeError) as exc:  # TypeError: deleted, still pending
             log.error("dropping malformed stream entry %s: %s", entry_id, exc)
             await self._ack(entry_id)
             return
