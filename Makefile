@@ -11,8 +11,15 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: up test install redis docker-compose bench clean
 
+# Run apt as root, or through sudo when there is one.
+SUDO    = $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
+APT     = DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get
+
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+	  || (echo "pagedserve needs Python >= 3.11: run with PYTHON=python3.11 (or newer)" && exit 1)
+	@# A venv whose creation failed halfway (no python3-venv) has a python but no pip: redo it.
+	$(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
@@ -20,17 +27,21 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP) redis
 
 # A redis-server on PATH, from Debian's package when the machine has none.
+# (Not needed when REDIS_URL names a Redis to use.)
 redis:
-	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) \
+	@[ -n "$(REDIS_URL)" ] || command -v redis-server >/dev/null \
+	  || ($(APT) update -qq && $(APT) install -y -qq --no-install-recommends redis-server) \
 	  || (echo "redis-server is missing and could not be installed: install it, or set REDIS_URL" && exit 1)
 
 # Only the tests need it: they validate compose/docker-compose.yml with `docker-compose config`.
 docker-compose:
-	@command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose) \
+	@command -v docker-compose >/dev/null \
+	  || ($(APT) update -qq && $(APT) install -y -qq --no-install-recommends docker-compose) \
 	  || echo "docker-compose could not be installed; the compose test will fail"
 
 up: install
-	$(VENV)/bin/pagedserve up --port $(PORT) --workers $(WORKERS) $(if $(MODEL),--model $(MODEL),)
+	$(VENV)/bin/pagedserve up --port $(PORT) --workers $(WORKERS) $(if $(MODEL),--model $(MODEL),) \
+	  $(if $(REDIS_URL),--redis-url $(REDIS_URL),)
 
 test: install docker-compose
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,14 +29,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from compose.launcher import free_port
+
 HERE = Path(__file__).resolve().parent
 CONTENDERS = ("stack", "engine", "hf-serve", "hf-static")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float = 600.0) -> None:

@@ -114,8 +114,8 @@ def run_up(args: argparse.Namespace) -> int:
     with Stack(config) as stack:
         print(f"pagedserve: serving {stack.served_model_name} on {stack.base_url} "
               f"({args.workers} worker(s), logs in {args.run_dir}/); Ctrl-C stops everything", flush=True)
-        stack.wait()
-    return 0
+        clean = stack.wait()
+    return 0 if clean else 1
 
 
 def run_bench(bench_args: list[str]) -> int:

@@ -7,6 +7,7 @@ is the reverse; every child gets SIGTERM, then SIGKILL if it lingers.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -62,6 +63,7 @@ class Stack:
         self.redis_url = config.redis_url or ""
         self.keys = RedisKeys(config.key_prefix)
         self._worker_count = 0
+        self._stopped: set[str] = set()  # stopped on purpose: their exit is no failure
 
     # ---- context manager ---------------------------------------------------------------
 
@@ -80,9 +82,19 @@ class Stack:
     def base_url(self) -> str:
         return f"http://{self.config.host}:{self.config.port}/v1"
 
+    @functools.cached_property
+    def gateway_config(self):
+        """The gateway's config as its own argument parsing makes it from our flags and the
+        environment (served model name, API keys)."""
+        from compose.cli import build_parser
+        from gateway.config import config_from_args
+
+        return config_from_args(build_parser().parse_args(
+            ["gateway", "--model", self.config.model, *self.config.gateway_args]))
+
     @property
     def served_model_name(self) -> str:
-        return Path(self.config.model).resolve().name
+        return self.gateway_config.model_name
 
     # ---- start ---------------------------------------------------------------------------
 
@@ -109,13 +121,13 @@ class Stack:
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         self._wait_for(lambda: self._redis().ping(), "redis-server to answer")
 
-    def add_worker(self, wait: bool = True, *extra: str) -> str:
+    def add_worker(self, wait: bool = True, extra: tuple[str, ...] = ()) -> str:
         name = f"worker-{self._worker_count}"
         self._worker_count += 1
         self._spawn(name, self._service("worker", "--model", self.config.model, "--port", "0",
                                         "--worker-id", name, *self.config.worker_args, *extra))
         if wait:
-            self.wait_for_workers(len(self.live_worker_ids()) + 1)
+            self._wait_for(lambda: name in self.live_worker_ids(), f"{name} to register")
         return name
 
     def _service(self, name: str, *args: str) -> list[str]:
@@ -145,10 +157,15 @@ class Stack:
         self._wait_for(lambda: len(self.live_worker_ids()) >= n, f"{n} worker(s) to register")
 
     def _gateway_ready(self) -> bool:
+        keys = self.gateway_config.api_keys
+        key = keys[0] if keys else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            with urllib.request.urlopen(f"http://{self.config.host}:{self.config.port}/health", timeout=2):
+            url = f"http://{self.config.host}:{self.config.port}/health"
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2):
                 pass
-            with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as resp:
+            request = urllib.request.Request(f"{self.base_url}/models", headers=headers)
+            with urllib.request.urlopen(request, timeout=2) as resp:
                 return self.served_model_name.encode() in resp.read()
         except OSError:
             return False
@@ -157,7 +174,7 @@ class Stack:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
             for name, proc in self.procs.items():
-                if proc.poll() is not None and not name.startswith("worker"):
+                if proc.poll() is not None and name not in self._stopped:
                     raise RuntimeError(f"{name} exited with {proc.returncode} while waiting for {what}; "
                                        f"see {self.config.run_dir / (name + '.log')}")
             try:
@@ -173,6 +190,7 @@ class Stack:
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
         proc = self.procs.get(name)
+        self._stopped.add(name)
         if proc is None or proc.poll() is not None:
             return proc.returncode if proc else None
         proc.send_signal(sig)
@@ -187,8 +205,8 @@ class Stack:
         for name in order:
             self.stop_process(name)
 
-    def wait(self) -> None:
-        """Block until Ctrl-C / SIGTERM, or until a service dies on its own."""
+    def wait(self) -> bool:
+        """Block until Ctrl-C / SIGTERM (True), or until a service dies on its own (False)."""
         stopping = []
         previous = signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
         try:
@@ -197,9 +215,10 @@ class Stack:
                 if dead:
                     print(f"pagedserve: {', '.join(dead)} exited; stopping the stack "
                           f"(logs in {self.config.run_dir}/)", file=sys.stderr)
-                    return
+                    return False
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
         finally:
             signal.signal(signal.SIGTERM, previous)
+        return True

@@ -2,18 +2,13 @@
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from compose.launcher import free_port
 
 
 def _docker_answers() -> bool:
