@@ -84,6 +84,7 @@ class SchedulerService:
         # Aborts that overtook their NewRequest (the gateway's XADD was cancelled midway):
         # remembered, boundedly, so the request is dropped when it does arrive.
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
+        self.in_transit: list[NewRequest | RequestState] = []  # being routed by _route_all
         self._stopping = False
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -100,19 +101,27 @@ class SchedulerService:
                  asyncio.create_task(self._discover_workers(), name="discover-workers")]
         log.info("scheduler %s reading %s", self.config.consumer_name, self.keys.requests)
         waiter = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        # The loops also check _stopping: a blocking redis-py read may swallow a cancellation.
-        self._stopping = True
-        everything = [waiter, *tasks, *(h.task for h in self.workers.values() if h.task)]
-        for task in everything:
-            task.cancel()
-        await asyncio.wait(everything, timeout=3)
+        done: set[asyncio.Task] = set()
+        try:
+            done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # The loops also check _stopping: a blocking redis-py read may swallow a cancellation.
+            self._stopping = True
+            everything = [waiter, *tasks, *(h.task for h in self.workers.values() if h.task)]
+            try:
+                for task in everything:
+                    task.cancel()
+                await asyncio.wait(everything, timeout=3)
+            finally:
+                for handle in list(self.workers.values()):
+                    try:
+                        await handle.channel.close()
+                    except Exception as exc:
+                        log.warning("closing the channel to worker %s: %s", handle.worker_id, exc)
+                await self.redis.aclose()
         for task in done:  # surface a crashed reader/discovery task instead of hiding it
             if task is not waiter and not task.cancelled() and task.exception():
                 raise task.exception()
-        for handle in self.workers.values():
-            await handle.channel.close()
-        await self.redis.aclose()
 
     # ---- requests in -----------------------------------------------------------------
 
@@ -156,8 +165,17 @@ class SchedulerService:
         await self._route(message)
 
     async def _abort(self, request_id: str) -> None:
-        # n > 1: children a worker loss re-routed one by one are owned each on its own.
+        # Waiting for a live worker: the request itself, or (n > 1) children re-routed one
+        # by one after a worker loss. Removed first, whatever else is known of the id.
         prefix = request_id + "/"
+        parked = [r for r in self.unassigned
+                  if r.request_id == request_id or r.request_id.startswith(prefix)]
+        if parked:
+            self.unassigned = [r for r in self.unassigned if all(r is not p for p in parked)]
+            for item in parked:
+                if item.request_id != request_id:
+                    await self._finish(item.request_id)
+        # n > 1: children a worker loss re-routed one by one are owned each on its own.
         for child_id in [rid for rid in self.owner if rid.startswith(prefix)]:
             handle = self.owner[child_id]
             if handle.scheduler.abort_request(child_id):
@@ -171,7 +189,6 @@ class SchedulerService:
         handle = self.owner.get(request_id)
         if handle is not None and handle.scheduler.abort_request(request_id):
             handle.wake.set()  # the worker learns to forget it in the next step
-        self.unassigned = [r for r in self.unassigned if r.request_id != request_id]
         await self._finish(request_id)
 
     async def _route(self, item: NewRequest | RequestState) -> None:
@@ -188,6 +205,8 @@ class SchedulerService:
         if error is not None:  # it can never fit on that worker: tell the client, drop it
             await self._publish(item.reply_channel, error)
             await self._finish(item.request_id)
+            if isinstance(item, RequestState) and item.parent_id is not None:
+                await self._maybe_finish_parent(item.parent_id)
             return
         self.owner[item.request_id] = handle
         handle.wake.set()
@@ -243,8 +262,19 @@ class SchedulerService:
         handle.task = asyncio.create_task(self._step_loop(handle), name=f"steps-{reg.worker_id}")
         log.info("worker %s joined (%s, %d blocks)", reg.worker_id, reg.address, info.num_blocks)
         pending, self.unassigned = self.unassigned, []
-        for item in pending:
-            await self._route(item)
+        await self._route_all(pending)
+
+    async def _route_all(self, items: list[NewRequest | RequestState]) -> None:
+        """Route each in turn; those not routed yet count as unfinished children meanwhile
+        (so a sibling that fails to route does not finish its parent's entry early)."""
+        self.in_transit.extend(items)
+        try:
+            for item in items:
+                self._untransit(item)
+                await self._route(item)
+        finally:
+            for item in items:
+                self._untransit(item)
 
     def _retire(self, handle: WorkerHandle, why: str) -> None:
         if not handle.retiring:
@@ -253,6 +283,21 @@ class SchedulerService:
             handle.wake.set()
 
     async def _step_loop(self, handle: WorkerHandle) -> None:
+        try:
+            await self._steps(handle)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug or a Redis error: never leave a dead loop holding requests
+            log.exception("step loop of worker %s crashed", handle.worker_id)
+            self._retire(handle, "its step loop crashed")
+        finally:
+            if not self._stopping:
+                try:
+                    await self._evacuate(handle)
+                except Exception:
+                    log.exception("re-routing the requests of worker %s failed", handle.worker_id)
+
+    async def _steps(self, handle: WorkerHandle) -> None:
         scheduler = handle.scheduler
         while not handle.retiring:
             step = scheduler.schedule()
@@ -278,32 +323,48 @@ class SchedulerService:
                 break
             for state in finished:
                 await self._finish(state.request_id)
-                # n > 1: the stream entry is the parent's, done with its last child.
-                if state.parent_id is not None and not any(
-                        h.scheduler.has_children(state.parent_id) for h in self.workers.values()):
-                    await self._finish(state.parent_id)
+                if state.parent_id is not None:
+                    await self._maybe_finish_parent(state.parent_id)
             if time.monotonic() - handle.stats_at >= self.config.idle_stats_interval_s:
                 await self._write_stats(handle, check=False)  # under load too, about once a second
-        await self._evacuate(handle)
 
     async def _evacuate(self, handle: WorkerHandle) -> None:
         """Move a retired worker's unfinished requests to live workers (they recompute)."""
-        self.workers.pop(handle.worker_id, None)
+        if self.workers.get(handle.worker_id) is handle:
+            del self.workers[handle.worker_id]
         self.retired[(handle.worker_id, handle.registration.started_at)] = (
             time.monotonic() + self.config.retired_retry_s)
-        await handle.channel.close()
-        for state in handle.scheduler.drain():
-            self.owner.pop(state.request_id, None)
-            count = self.reroutes.get(state.request_id, 0) + 1
-            self.reroutes[state.request_id] = count
-            if count > self.config.max_reroutes:
-                event = TokenEvent(state.request_id, index=len(state.token_ids) - state.num_prompt_tokens,
-                                   finish_reason="error",
-                                   error=f"request lost its worker {count} times; giving up")
-                await self._publish(state.reply_channel, event)
-                await self._finish(state.request_id)
-            else:
-                await self._route(state)
+        try:
+            await handle.channel.close()
+        except Exception as exc:
+            log.warning("closing the channel to worker %s: %s", handle.worker_id, exc)
+        states = handle.scheduler.drain()
+        self.in_transit.extend(states)
+        try:
+            for state in states:
+                self._untransit(state)
+                self.owner.pop(state.request_id, None)
+                count = self.reroutes.get(state.request_id, 0) + 1
+                self.reroutes[state.request_id] = count
+                if count > self.config.max_reroutes:
+                    event = TokenEvent(state.request_id, index=len(state.token_ids) - state.num_prompt_tokens,
+                                       finish_reason="error",
+                                       error=f"request lost its worker {count} times; giving up")
+                    try:
+                        await self._publish(state.reply_channel, event)
+                    except aioredis.RedisError as exc:
+                        log.warning("could not tell %s it failed: %s", state.request_id, exc)
+                    await self._finish(state.request_id)
+                    if state.parent_id is not None:
+                        await self._maybe_finish_parent(state.parent_id)
+                else:
+                    await self._route(state)
+        finally:
+            for state in states:
+                self._untransit(state)
+
+    def _untransit(self, item: NewRequest | RequestState) -> None:
+        self.in_transit = [r for r in self.in_transit if r is not item]
 
     async def _write_stats(self, handle: WorkerHandle, check: bool = True) -> None:
         """WorkerStats to Redis; with `check`, after check_integrity() (O(blocks): when idle)."""
@@ -334,6 +395,18 @@ class SchedulerService:
         self._forget(request_id)
         if entry_id is not None:
             await self._ack(entry_id)
+
+    def _has_children(self, parent_id: str) -> bool:
+        """True while a child of `parent_id` is unfinished on a worker or waits for one."""
+        prefix = parent_id + "/"
+        return (any(h.scheduler.has_children(parent_id) for h in self.workers.values())
+                or any(item.request_id.startswith(prefix)
+                       for item in (*self.unassigned, *self.in_transit)))
+
+    async def _maybe_finish_parent(self, parent_id: str) -> None:
+        """n > 1: the stream entry is the parent's, done with its last child."""
+        if parent_id in self.entry_ids and not self._has_children(parent_id):
+            await self._finish(parent_id)
 
     def _forget(self, request_id: str) -> None:
         self.owner.pop(request_id, None)
