@@ -1,0 +1,158 @@
+"""SchedulerService against a real Redis, no worker: what it does with the requests stream
+on its own (restart recovery, aborts of requests waiting for a worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import redis.asyncio as aioredis
+
+from proto.keys import STREAM_FIELD, RedisKeys
+from proto.messages import AbortRequest, NewRequest, SamplingParams, stream_encoder
+from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+
+TIMEOUT_S = 20.0
+
+
+def new_request(request_id: str, n: int = 1) -> NewRequest:
+    return NewRequest(request_id=request_id, prompt_token_ids=[1, 2, 3, 4],
+                      sampling=SamplingParams(max_tokens=4), reply_channel="test:out:nobody",
+                      arrival_time=time.time(), n=n)
+
+
+async def xadd(client: aioredis.Redis, keys: RedisKeys, message) -> None:
+    await client.xadd(keys.requests, {STREAM_FIELD: stream_encoder.encode(message)})
+
+
+def unassigned_ids(service: SchedulerService) -> set[str]:
+    return {item.request_id for item in service.unassigned}
+
+
+async def wait_for(predicate, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running(config: SchedulerServiceConfig):
+    service = SchedulerService(config)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    try:
+        yield service
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)
+
+
+@contextlib.asynccontextmanager
+async def fresh_prefix(redis_url: str):
+    keys = RedisKeys(f"test-svc-{uuid.uuid4().hex[:8]}")
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        yield keys, client
+    finally:
+        names = [k async for k in client.scan_iter(match=f"{keys.prefix}:*")]
+        if names:
+            await client.delete(*names)
+        await client.aclose()
+
+
+def test_restart_reads_its_history_then_new_requests(redis_url):
+    async def main():
+        async with fresh_prefix(redis_url) as (keys, client):
+            config = SchedulerServiceConfig(redis_url=redis_url, key_prefix=keys.prefix,
+                                            consumer_name="scheduler-restart-test")
+            await xadd(client, keys, new_request("a"))
+            await xadd(client, keys, new_request("b"))
+            async with running(config) as first:  # no workers: both wait in unassigned
+                await wait_for(lambda: unassigned_ids(first) == {"a", "b"}, "the first instance")
+            # Restarted under the same consumer name: a and b are pending (never acked).
+            async with running(config) as second:
+                await xadd(client, keys, new_request("c"))
+                await wait_for(lambda: unassigned_ids(second) == {"a", "b", "c"},
+                               "the second instance to get past its history")
+                assert len(second.unassigned) == 3
+            pending = await client.xpending(keys.requests, "schedulers")
+            assert pending["pending"] == 3  # none of them finished
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_abort_of_a_parent_removes_its_unassigned_children(redis_url):
+    async def main():
+        async with fresh_prefix(redis_url) as (keys, client):
+            config = SchedulerServiceConfig(redis_url=redis_url, key_prefix=keys.prefix,
+                                            consumer_name="scheduler-abort-test")
+            async with running(config) as service:
+                await xadd(client, keys, new_request("p", n=3))
+                await xadd(client, keys, new_request("other"))
+                await wait_for(lambda: unassigned_ids(service) == {"p", "other"}, "both requests")
+                # As after a worker loss with no live worker left: the parent's children
+                # wait one by one (the parent itself was forked and is gone).
+                from scheduler_svc.request import RequestState
+                parent = next(r for r in service.unassigned if r.request_id == "p")
+                service.unassigned.remove(parent)
+                for i in range(3):
+                    child = RequestState.from_new_request(
+                        NewRequest(request_id=f"p/{i}", prompt_token_ids=[1, 2, 3, 4],
+                                   sampling=parent.sampling, reply_channel=parent.reply_channel,
+                                   arrival_time=parent.arrival_time))
+                    child.parent_id = "p"
+                    service.unassigned.append(child)
+                await xadd(client, keys, AbortRequest("p"))
+                await wait_for(lambda: unassigned_ids(service) == {"other"},
+                               "the abort to remove the children")
+                await wait_for(lambda: "p" not in service.entry_ids, "the parent's entry to be done")
+            pending = await client.xpending(keys.requests, "schedulers")
+            assert pending["pending"] == 1  # only "other"'s entry is left unacknowledged
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+class _CrashingStub:
+    async def Step(self, step, timeout=None):  # noqa: N802 (gRPC's name)
+        raise RuntimeError("not an RPC error: a bug")
+
+
+class _Channel:
+    async def close(self):
+        pass
+
+
+def test_a_crashed_step_loop_retires_its_worker_and_keeps_its_requests(redis_url):
+    from proto.messages import WorkerRegistration
+    from scheduler_svc.batching import BatchScheduler
+    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.service import WorkerHandle
+
+    async def main():
+        async with fresh_prefix(redis_url) as (keys, client):
+            config = SchedulerServiceConfig(redis_url=redis_url, key_prefix=keys.prefix,
+                                            consumer_name="scheduler-crash-test")
+            async with running(config) as service:
+                reg = WorkerRegistration(worker_id="w-crash", address="nowhere:1", model="m",
+                                         block_size=16, num_blocks=64, max_model_len=256,
+                                         started_at=time.time())
+                handle = WorkerHandle(reg, BatchScheduler(SchedulerConfig(), num_blocks=64, block_size=16,
+                                                          max_model_len=256),
+                                      _Channel(), _CrashingStub())
+                # Registered, so discovery leaves it alone (it has no gRPC server to dial).
+                await client.set(keys.worker(reg.worker_id), stream_encoder.encode(reg))
+                await client.sadd(keys.workers, reg.worker_id)
+                service.workers[reg.worker_id] = handle
+                handle.task = asyncio.create_task(service._step_loop(handle))
+                await xadd(client, keys, new_request("r"))
+                await handle.task  # crashes on its first Step, quietly no more
+                assert handle.retiring
+                assert reg.worker_id not in service.workers
+                assert unassigned_ids(service) == {"r"}  # back waiting for a live worker
+                assert "r" in service.entry_ids and "r" not in service.owner
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
