@@ -156,3 +156,29 @@ def test_a_crashed_step_loop_retires_its_worker_and_keeps_its_requests(redis_url
                 assert "r" in service.entry_ids and "r" not in service.owner
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_a_resumed_heartbeat_registers_the_worker_id_again(redis_url):
+    import redis
+
+    from proto.messages import WorkerRegistration
+    from worker_svc.server import Registration
+
+    keys = RedisKeys(f"test-svc-{uuid.uuid4().hex[:8]}")
+    client = redis.Redis.from_url(redis_url)
+    reg = WorkerRegistration(worker_id="w-beat", address="nowhere:1", model="m", block_size=16,
+                             num_blocks=64, max_model_len=256, started_at=time.time())
+    registration = Registration(client, keys, reg, interval_s=0.05, ttl_s=5.0)
+    registration.start()
+    try:
+        assert client.sismember(keys.workers, "w-beat")
+        client.srem(keys.workers, "w-beat")  # what a scheduler does when the key had expired
+        deadline = time.monotonic() + 5
+        while not client.sismember(keys.workers, "w-beat"):
+            assert time.monotonic() < deadline, "the heartbeat did not re-add the worker id"
+            time.sleep(0.02)
+        assert client.get(keys.worker("w-beat")) is not None
+    finally:
+        registration.stop()
+        assert not client.sismember(keys.workers, "w-beat")
+        client.close()

@@ -88,12 +88,15 @@ class Registration:
 
     def start(self) -> None:
         self._beat()
-        self._client.sadd(self._keys.workers, self._reg.worker_id)
         self._thread.start()
 
     def _beat(self) -> None:
-        self._client.set(self._keys.worker(self._reg.worker_id), stream_encoder.encode(self._reg),
-                         px=self._ttl_ms)
+        # Both, every beat: a scheduler SREMs an id whose key expired (a stalled worker),
+        # so a heartbeat that resumes must put the id back as well as the key.
+        pipe = self._client.pipeline(transaction=True)
+        pipe.set(self._keys.worker(self._reg.worker_id), stream_encoder.encode(self._reg), px=self._ttl_ms)
+        pipe.sadd(self._keys.workers, self._reg.worker_id)
+        pipe.execute()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
