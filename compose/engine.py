@@ -105,22 +105,36 @@ class InProcessEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain_inbox()
-            step = self.scheduler.schedule()
-            if step is None:
-                self._refresh_stats(idle=True)
-                self._wake.wait(timeout=STATS_INTERVAL_S)
-                continue
-            self._refresh_stats(idle=False)
             try:
-                output = self.runner.step(step)
-            except Exception:  # fail what ran, keep serving the rest
-                log.exception("step %d failed", step.step_id)
-                self._fail(self.scheduler.drain(), "the model step failed; see the server log")
-                continue
-            if output.events:
-                self._on_events(output.events)
-            self.scheduler.update(step, output.result)
+                self._run_once()
+            except Exception:  # a bug anywhere in a step: fail what it held, keep serving
+                log.exception("engine loop failed")
+                try:
+                    self._fail(self.scheduler.drain(), "the engine failed; see the server log")
+                except Exception:
+                    log.exception("failing the engine's requests failed too")
+
+    def _run_once(self) -> None:
+        self._drain_inbox()
+        step = self.scheduler.schedule()
+        if step is None:
+            self._refresh_stats(idle=True)
+            self._wake.wait(timeout=STATS_INTERVAL_S)
+            return
+        self._refresh_stats(idle=False)
+        try:
+            output = self.runner.step(step)
+        except Exception:  # fail what ran, keep serving the rest
+            log.exception("step %d failed", step.step_id)
+            self._fail(self.scheduler.drain(), "the model step failed; see the server log")
+            return
+        if output.events:
+            self._on_events(output.events)
+        self.scheduler.update(step, output.result)
+
+    def is_alive(self) -> bool:
+        """True while the engine thread runs."""
+        return self._thread.is_alive()
 
     def _fail(self, states, message: str) -> None:
         events: dict[str, list[TokenEvent]] = {}

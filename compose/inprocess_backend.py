@@ -77,4 +77,4 @@ class InProcessBackend:
         return [stats] if stats is not None else []
 
     async def ping(self) -> bool:
-        return self._engine is not None
+        return self._engine is not None and self._engine.is_alive()
