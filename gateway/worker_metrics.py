@@ -38,6 +38,8 @@ _COUNTERS = (
     ("pagedserve:num_preemptions", "requests preempted (recompute or swap)", lambda s: s.num_preemptions),
     ("pagedserve:num_swap_outs", "preemptions by swap", lambda s: s.num_swapped_out),
     ("pagedserve:kv_blocks_evicted", "cached blocks taken for other contents", lambda s: s.num_evicted_blocks),
+    ("pagedserve:num_aborted_requests", "requests aborted while waiting, running or swapped",
+     lambda s: s.num_aborted),
     ("pagedserve:cow_copies", "shared, partly filled blocks copied on write", lambda s: s.num_cow_copies),
     ("pagedserve:scheduler_steps", "steps the scheduler ran on the worker", lambda s: s.num_steps),
 )

@@ -128,6 +128,7 @@ class WorkerStats(msgspec.Struct, frozen=True):
     num_free_cpu_blocks: int = 0
     num_forks: int = 0  # sequences forked for parallel sampling (n > 1)
     num_cow_copies: int = 0  # shared, partly filled blocks copied on write
+    num_aborted: int = 0  # requests aborted while waiting, running or swapped
 
 
 stream_encoder = msgspec.msgpack.Encoder()

@@ -118,6 +118,7 @@ class BatchScheduler:
         # Since this scheduler started, for stats: preemptions, and the tokens admitted
         # requests looked up in the prefix cache and found there.
         self.num_preemptions = 0
+        self.num_aborted = 0  # requests aborted while waiting, running or swapped
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -181,7 +182,8 @@ class BatchScheduler:
             kv_waste=1.0 - held / slots if slots else 0.0,
             num_swapped=len(self.swapped), num_swapped_out=self.num_swapped_out,
             num_cpu_blocks=kv.num_cpu_blocks, num_free_cpu_blocks=kv.cpu_pool.num_free_blocks,
-            num_forks=self.num_forks, num_cow_copies=self.num_cow_copies)
+            num_forks=self.num_forks, num_cow_copies=self.num_cow_copies,
+            num_aborted=self.num_aborted)
 
     # -- requests in -------------------------------------------------------------------
 
@@ -254,6 +256,7 @@ class BatchScheduler:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self.num_aborted += 1
         self._forget_child(req)
         self._copies.pop(request_id, None)
         self._unsent.discard(request_id)

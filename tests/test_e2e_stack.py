@@ -17,6 +17,9 @@ pytestmark = pytest.mark.e2e
 
 NUM_BLOCKS = 48  # 768 token slots for 24 requests needing ~2,400: forces preemption
 TOKEN_BUDGET = 48  # prompts up to 120 tokens are prefilled in chunks
+# Nearly all the pool holds for one short prompt (max_model_len is 1024, the pool 768 slots):
+# hundreds of decode steps, so such a request only ends early when it is aborted.
+LONG_MAX_TOKENS = NUM_BLOCKS * 16 - 32
 
 
 @pytest.fixture(scope="module")
@@ -121,21 +124,29 @@ def test_stop_string_cuts_and_frees_blocks(stack, tokenizer):
     if len(text) < 6:
         pytest.fail(f"the tiny model produced too little text to pick a stop string: {text!r}")
     stop = text[3:6]
+    aborted = sum(s.num_aborted for s in wait_until_idle(stack).values())
+    # Far more tokens than the stop string needs (and no EOS ending it early): only the
+    # gateway's abort at the stop string can end it before the assertions below.
     cut = client.completions.create(model=stack.served_model_name, prompt="Once upon a time",
-                                    max_tokens=30, temperature=0, stop=[stop])
+                                    max_tokens=LONG_MAX_TOKENS, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
     assert cut.choices[0].text == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    wait_until_idle(stack)
+    stats = wait_until_idle(stack)
+    assert sum(s.num_aborted for s in stats.values()) >= aborted + 1, stats  # the hit aborted it
 
 
 def test_client_disconnect_aborts(stack):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
-    stream = client.completions.create(model=stack.served_model_name, prompt="Hello", max_tokens=400,
-                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    aborted = sum(s.num_aborted for s in wait_until_idle(stack).values())
+    stream = client.completions.create(model=stack.served_model_name, prompt="Hello",
+                                       max_tokens=LONG_MAX_TOKENS, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
     next(iter(stream))
     stream.close()
-    stats = wait_until_idle(stack)  # the abort freed the request's blocks long before 400 tokens
+    stats = wait_until_idle(stack)  # the abort freed the request's blocks long before it could finish
     assert all(s.integrity_error is None for s in stats.values())
+    assert sum(s.num_aborted for s in stats.values()) >= aborted + 1, stats  # aborted, not finished
 
 
 def test_errors_through_the_stack(stack):
