@@ -63,7 +63,7 @@ def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Pope
         cmd = ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--port", str(port), model]
         # It takes text only and has no ignore_eos: text prompts, EOS left on (a random model
         # rarely emits it; output throughput counts the tokens actually produced).
-        extra = ["--model", model, "--prompt-mode", "text", "--tokenizer", model, "--no-ignore-eos"]
+        extra = ["--model", model, "--prompt-mode", "text", "--no-ignore-eos", "--no-token-ids"]
     else:
         raise ValueError(name)
     env = {**os.environ}
@@ -93,7 +93,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def workload_args(args) -> list[str]:
-    return ["--dataset", args.dataset, "--num-requests", str(args.num_requests),
+    """The same requests for every contender: prompts are ids that survive decode → encode
+    with the checkpoint's tokenizer, so text-only servers get the very same tokens."""
+    return ["--tokenizer", args.model_dir, "--dataset", args.dataset, "--num-requests", str(args.num_requests),
             "--input-mean", str(args.input_mean), "--output-mean", str(args.output_mean),
             "--spread", str(args.spread), "--seed", str(args.seed)]
 
@@ -103,7 +105,7 @@ def run_one(name: str, args, round_no: int, out_dir: Path) -> dict:
     log = out_dir / f"{name}.log"
     if name == "hf-static":
         cmd = [sys.executable, str(HERE / "static_generate.py"), "--model-dir", args.model_dir,
-               "--batch-size", str(args.concurrency), *workload_args(args), "--out", str(out)]
+               "--batch-size", str(args.concurrency), *workload_args(args)[2:], "--out", str(out)]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         subprocess.run(cmd, check=True)
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| contender | output tok/s (median) | runs | stack ÷ this | TTFT p50 | TPOT p50 |")
     print("|---|---|---|---|---|---|")
     for name, row in summary["contenders"].items():
-        ratio = f"{base / row['output_throughput_median']:.2f}×" if base else "—"
+        ratio = f"{base / row['output_throughput_median']:.2f}×" if base and row["output_throughput_median"] else "—"
         ttft = f"{row['ttft_s_p50_median'] * 1000:.0f} ms" if "ttft_s_p50_median" in row else "—"
         tpot = f"{row['tpot_s_p50_median'] * 1000:.0f} ms" if "tpot_s_p50_median" in row else "—"
         runs_txt = ", ".join(f"{x:.0f}" for x in row["output_throughput_runs"])

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy
 import openai
 from tqdm import tqdm
 
@@ -43,6 +44,8 @@ class RequestResult:
 async def one(client: openai.AsyncOpenAI, args, prompt, num_prompt_tokens: int, max_tokens: int) -> RequestResult:
     result = RequestResult(prompt_tokens=num_prompt_tokens)
     extra = {"ignore_eos": True} if args.ignore_eos else {}
+    if args.token_ids:  # a chunk per token even before it makes visible text (vLLM's extension)
+        extra["return_token_ids"] = True
     start = last = time.perf_counter()
     try:
         stream = await client.completions.create(
@@ -50,7 +53,8 @@ async def one(client: openai.AsyncOpenAI, args, prompt, num_prompt_tokens: int, 
             stream_options={"include_usage": True}, extra_body=extra)
         async for chunk in stream:
             now = time.perf_counter()
-            if chunk.choices and chunk.choices[0].text:
+            choice = chunk.choices[0] if chunk.choices else None
+            if choice is not None and (choice.text or getattr(choice, "token_ids", None)):
                 if result.ttft_s == 0.0:
                     result.ttft_s = now - start
                 else:
@@ -66,12 +70,11 @@ async def one(client: openai.AsyncOpenAI, args, prompt, num_prompt_tokens: int, 
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
+    """Mean and p50/p90/p99, linearly interpolated (numpy's default, as vLLM reports them)."""
     if not values:
         return {}
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"mean": statistics.fmean(ordered), "p50": statistics.median(ordered),
-            "p90": pick(0.90), "p99": pick(0.99)}
+    p50, p90, p99 = numpy.percentile(values, [50, 90, 99])
+    return {"mean": statistics.fmean(values), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
 def parse_slos(items: list[str]) -> dict[str, float]:
@@ -95,7 +98,7 @@ async def run(args) -> dict:
     spec = WorkloadSpec(kind=args.dataset, num_requests=args.num_requests, input_mean=args.input_mean,
                         output_mean=args.output_mean, spread=args.spread, max_model_len=args.max_model_len,
                         token_high=args.vocab_high, seed=args.seed)
-    workload = make_workload(spec)
+    workload = make_workload(spec, args.tokenizer)
     prompts: list = [ids for ids, _ in workload]
     if args.prompt_mode == "text":
         from transformers import AutoTokenizer
@@ -171,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--vocab-high", type=int, default=30000, help="prompt ids are drawn below this")
     p.add_argument("--prompt-mode", choices=["ids", "text"], default="ids")
-    p.add_argument("--tokenizer", help="checkpoint folder, for --prompt-mode text")
+    p.add_argument("--tokenizer", help="checkpoint folder: prompts become ids that survive decode→encode, "
+                                       "so text and id prompts are the same tokens (needed by --prompt-mode text)")
+    p.add_argument("--token-ids", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask for return_token_ids, so TTFT is the first token, not the first visible text")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--slo", action="append", default=[], help="goodput SLO, e.g. ttft:500 or tpot:100 (ms)")
     p.add_argument("--seed", type=int, default=0)

@@ -45,10 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     spec = WorkloadSpec(kind=args.dataset, num_requests=args.num_requests, input_mean=args.input_mean,
                         output_mean=args.output_mean, spread=args.spread, max_model_len=args.max_model_len,
                         token_high=args.vocab_high, seed=args.seed)
-    workload = make_workload(spec)
+    workload = make_workload(spec, args.model_dir)  # the servers' exact prompts (bench/serve.py --tokenizer)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").eval()
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else 0
+    with torch.no_grad():  # warm-up, as the servers get: allocators, lazy init
+        model.generate(input_ids=torch.tensor([workload[0][0][:8]]), max_new_tokens=4, do_sample=False,
+                       pad_token_id=pad)
     useful = 0
     start = time.perf_counter()
     for i in range(0, len(workload), args.batch_size):

@@ -32,7 +32,19 @@ class WorkloadSpec:
     seed: int = 0
 
 
-def make_workload(spec: WorkloadSpec) -> list[tuple[list[int], int]]:
+def make_workload(spec: WorkloadSpec, tokenizer_dir: str | None = None) -> list[tuple[list[int], int]]:
+    """The requests of `spec`. With a tokenizer, every prompt is replaced by the ids its text
+    encodes to (encode(decode(ids))), so a server that takes only text sees the same tokens."""
+    workload = _draw(spec)
+    if tokenizer_dir is None:
+        return workload
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return [(tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False), n) for ids, n in workload]
+
+
+def _draw(spec: WorkloadSpec) -> list[tuple[list[int], int]]:
     rng = random.Random(spec.seed)
 
     def tokens(n: int) -> list[int]:
@@ -51,7 +63,7 @@ def make_workload(spec: WorkloadSpec) -> list[tuple[list[int], int]]:
             n_in, n_out = fit(around(spec.input_mean), around(spec.output_mean))
             out.append((tokens(n_in), n_out))
     elif spec.kind == "shared-prefix":
-        shared = tokens(int(spec.input_mean * spec.shared_fraction))
+        shared = tokens(min(int(spec.input_mean * spec.shared_fraction), spec.max_model_len - 3))
         for _ in range(spec.num_requests):
             n_in, n_out = fit(len(shared) + max(1, spec.input_mean - len(shared)), around(spec.output_mean))
             out.append((shared + tokens(n_in - len(shared)), n_out))
