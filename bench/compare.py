@@ -114,8 +114,8 @@ def run_one(name: str, args, round_no: int, out_dir: Path) -> dict:
         try:
             # A short warm-up (allocators, lazy imports, first compiles) that is not measured.
             subprocess.run([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
-                            "--num-requests", "4", "--concurrency", "4", "--output-mean", "8", "--quiet"],
-                           check=False, stdout=subprocess.DEVNULL)
+                            "--tokenizer", args.model_dir, "--num-requests", "4", "--concurrency", "4",
+                            "--output-mean", "8", "--quiet"], check=True, stdout=subprocess.DEVNULL)
             subprocess.run([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
                             "--label", name, "--concurrency", str(args.concurrency), *workload_args(args),
                             "--out", str(out)], check=True)

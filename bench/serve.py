@@ -63,6 +63,8 @@ async def one(client: openai.AsyncOpenAI, args, prompt, num_prompt_tokens: int, 
             if chunk.usage is not None:
                 result.output_tokens = chunk.usage.completion_tokens
                 result.prompt_tokens = chunk.usage.prompt_tokens or num_prompt_tokens
+        if result.output_tokens == 0 and result.ttft_s:  # a server that sends no usage: count chunks
+            result.output_tokens = len(result.itl_s) + 1
     except Exception as exc:  # a failed request is reported, not fatal
         result.error = f"{type(exc).__name__}: {exc}"[:300]
     result.latency_s = time.perf_counter() - start
