@@ -56,16 +56,16 @@ def test_greedy_equals_transformers_with_chunking_and_preemption(stack, hf_model
         prompt = [t for t in (rng.randrange(vocab) for _ in range(rng.randint(3, 120))) if t not in special]
         cases.append((prompt, rng.randint(1, 40)))
 
-    client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300)
-
-    async def one(prompt, max_tokens):
+    async def one(client, prompt, max_tokens):
         resp = await client.completions.create(model=stack.served_model_name, prompt=prompt,
                                                max_tokens=max_tokens, temperature=0,
                                                extra_body={"return_token_ids": True})
         return resp.choices[0]
 
     async def all_of_them():
-        return await asyncio.gather(*(one(p, m) for p, m in cases))
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
+                                      timeout=300) as client:
+            return await asyncio.gather(*(one(client, p, m) for p, m in cases))
 
     choices = asyncio.run(all_of_them())
     for (prompt, max_tokens), choice in zip(cases, choices):
@@ -163,10 +163,11 @@ def test_errors_through_the_stack(stack):
 def test_two_workers_share_load_and_survive_sigterm(tiny_model_dir, redis_url, tmp_path_factory):
     with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run2"), workers=2) as stack:
         async def burst(n):
-            client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-            return await asyncio.gather(*(client.completions.create(
-                model=stack.served_model_name, prompt=f"Request number {i}", max_tokens=16, temperature=0)
-                for i in range(n)))
+            async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
+                                          timeout=120) as client:
+                return await asyncio.gather(*(client.completions.create(
+                    model=stack.served_model_name, prompt=f"Request number {i}", max_tokens=16, temperature=0)
+                    for i in range(n)))
 
         first = asyncio.run(burst(8))
         assert all(r.choices[0].finish_reason in ("stop", "length") for r in first)
@@ -205,10 +206,11 @@ def test_requests_survive_a_worker_killed_mid_generation(tiny_model_dir, redis_u
                             started.set()
                 return text_ids
 
-            tasks = [asyncio.create_task(one(p)) for p in prompts]
-            await started.wait()
-            stack.stop_process("worker-0", sig=signal.SIGKILL)
-            return await asyncio.gather(*tasks)
+            async with client:
+                tasks = [asyncio.create_task(one(p)) for p in prompts]
+                await started.wait()
+                stack.stop_process("worker-0", sig=signal.SIGKILL)
+                return await asyncio.gather(*tasks)
 
         outputs = asyncio.run(run_all())
         for prompt, ids in zip(prompts, outputs):
@@ -238,16 +240,16 @@ def test_swap_preemption_through_the_stack(tiny_model_dir, redis_url, tmp_path_f
     with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("swap"),
                        worker_args=("--num-blocks", "24", "--swap-space", "8MiB"),
                        scheduler_args=("--max-num-batched-tokens", "48", "--preemption-mode", "swap")) as stack:
-        client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300)
-
-        async def one(prompt, max_tokens):
+        async def one(client, prompt, max_tokens):
             resp = await client.completions.create(model=stack.served_model_name, prompt=prompt,
                                                    max_tokens=max_tokens, temperature=0,
                                                    extra_body={"return_token_ids": True})
             return resp.choices[0]
 
         async def all_of_them():
-            return await asyncio.gather(*(one(p, m) for p, m in cases))
+            async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
+                                          timeout=300) as client:
+                return await asyncio.gather(*(one(client, p, m) for p, m in cases))
 
         choices = asyncio.run(all_of_them())
         stats = wait_until_idle(stack)
