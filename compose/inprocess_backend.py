@@ -11,18 +11,19 @@ import asyncio
 import time
 
 from compose.engine import EngineConfig, InProcessEngine
+from gateway.event_queues import EventQueues
 from proto.messages import NewRequest, TokenEvent, WorkerRegistration, WorkerStats
 
 REPLY_CHANNEL = "in-process"
 
 
-class InProcessBackend:
+class InProcessBackend(EventQueues):
     """Implements what gateway.generation / preflight / app use of gateway.backend.RedisBackend."""
 
     def __init__(self, config: EngineConfig):
+        super().__init__()
         self._config = config
         self.reply_channel = REPLY_CHANNEL
-        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine: InProcessEngine | None = None
         self._registration: WorkerRegistration | None = None
@@ -44,21 +45,7 @@ class InProcessBackend:
     def _on_events(self, events: dict[str, list[TokenEvent]]) -> None:
         """Engine thread → event loop."""
         batch = [e for group in events.values() for e in group]
-        self._loop.call_soon_threadsafe(self._route, batch)
-
-    def _route(self, events: list[TokenEvent]) -> None:
-        for event in events:
-            queue = self._queues.get(event.request_id)
-            if queue is not None:
-                queue.put_nowait(event)
-
-    def open(self, request_id: str) -> asyncio.Queue[TokenEvent]:
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._queues[request_id] = queue
-        return queue
-
-    def close(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        self._loop.call_soon_threadsafe(self.deliver, batch)
 
     async def submit(self, request: NewRequest) -> None:
         self._engine.submit(request)

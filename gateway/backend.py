@@ -19,6 +19,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.event_queues import EventQueues
 from proto.keys import STREAM_FIELD, RedisKeys
 from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistration, WorkerStats,
                             events_decoder, registration_decoder, stats_decoder, stream_encoder)
@@ -31,8 +32,9 @@ _RESUBSCRIBE_DELAY_S = 0.25
 _RESUBSCRIBE_MAX_DELAY_S = 5.0
 
 
-class RedisBackend:
+class RedisBackend(EventQueues):
     def __init__(self, redis_url: str, keys: RedisKeys, worker_cache_ttl_s: float = 1.0):
+        super().__init__()
         self.keys = keys
         self.gateway_id = uuid.uuid4().hex
         self.reply_channel = keys.reply_channel(self.gateway_id)
@@ -46,7 +48,6 @@ class RedisBackend:
             socket_timeout=5, socket_connect_timeout=5)
         self._client = aioredis.Redis.from_pool(pool)
         self._sub_client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5)
-        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._subscribed = asyncio.Event()
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -116,21 +117,9 @@ class RedisBackend:
         except msgspec.DecodeError:
             logger.error("undecodable message on %s (%d bytes) dropped", self.reply_channel, len(data))
             return
-        for event in events:
-            queue = self._queues.get(event.request_id)
-            if queue is not None:  # else: finished or aborted here already; late events drop
-                queue.put_nowait(event)
+        self.deliver(events)
 
     # ---- requests -------------------------------------------------------------------------
-
-    def open(self, request_id: str) -> asyncio.Queue[TokenEvent]:
-        """The queue that will receive `request_id`'s events; open it before submitting."""
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._queues[request_id] = queue
-        return queue
-
-    def close(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
 
     async def submit(self, request: NewRequest) -> None:
         await self._client.xadd(self.keys.requests, {STREAM_FIELD: stream_encoder.encode(request)})
