@@ -16,11 +16,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from proto.messages import NewRequest, TokenEvent, WorkerStats
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.stats import worker_stats
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
 
@@ -94,14 +95,7 @@ class InProcessEngine:
         if not idle and now - self._stats_at < STATS_INTERVAL_S:
             return
         self._stats_at = now
-        problem = None
-        if idle:  # integrity is O(blocks): checked when there is time
-            try:
-                self.scheduler.check_integrity()
-            except AssertionError as exc:
-                problem = str(exc) or "check_integrity failed"
-        self.stats = WorkerStats(worker_id=self.info.worker_id, integrity_error=problem, updated_at=time.time(),
-                                 **asdict(self.scheduler.stats()))
+        self.stats = worker_stats(self.scheduler, self.info.worker_id, check=idle)
 
     def _run(self) -> None:
         while not self._stop.is_set():

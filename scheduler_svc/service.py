@@ -17,7 +17,7 @@ import logging
 import socket
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import grpc
 import msgspec
@@ -26,11 +26,12 @@ from redis.exceptions import ResponseError
 
 from proto import worker_pb2, worker_pb2_grpc
 from proto.keys import SCHEDULER_GROUP, STREAM_FIELD, RedisKeys
-from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistration, WorkerStats,
+from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistration,
                             registration_decoder, stream_decoder, stream_encoder)
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import RequestState
+from scheduler_svc.stats import worker_stats
 from scheduler_svc.routing import pick_worker
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -368,17 +369,10 @@ class SchedulerService:
 
     async def _write_stats(self, handle: WorkerHandle, check: bool = True) -> None:
         """WorkerStats to Redis; with `check`, after check_integrity() (O(blocks): when idle)."""
-        scheduler = handle.scheduler
         handle.stats_at = time.monotonic()
-        problem = None
-        try:
-            if check:
-                scheduler.check_integrity()
-        except AssertionError as exc:
-            problem = str(exc) or "check_integrity failed"
-            log.error("worker %s: block pool integrity: %s", handle.worker_id, problem)
-        stats = WorkerStats(worker_id=handle.worker_id, integrity_error=problem,
-                            updated_at=time.time(), **asdict(scheduler.stats()))
+        stats = worker_stats(handle.scheduler, handle.worker_id, check)
+        if stats.integrity_error:
+            log.error("worker %s: block pool integrity: %s", handle.worker_id, stats.integrity_error)
         try:
             await self.redis.set(self.keys.worker_stats(handle.worker_id), stream_encoder.encode(stats),
                                  ex=3600)

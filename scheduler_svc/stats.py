@@ -3,7 +3,10 @@
 The field names are WorkerStats' (proto/messages.py), which carries them through Redis.
 """
 
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
+
+from proto.messages import WorkerStats
 
 
 @dataclass(frozen=True)
@@ -33,3 +36,16 @@ class SchedulerStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def worker_stats(scheduler, worker_id: str, check: bool) -> WorkerStats:
+    """`scheduler`'s accounting as the WorkerStats message; with `check`, after running
+    check_integrity() (O(blocks): callers do it when idle) and recording its complaint."""
+    problem = None
+    if check:
+        try:
+            scheduler.check_integrity()
+        except AssertionError as exc:
+            problem = str(exc) or "check_integrity failed"
+    return WorkerStats(worker_id=worker_id, integrity_error=problem, updated_at=time.time(),
+                       **asdict(scheduler.stats()))
