@@ -5,13 +5,17 @@ Every backend offers the same four calls (signatures as in kernels/torch_attenti
 per step, `paged_attention(..., plan=plan)` and `write_kv(...)` per layer, `copy_blocks(...)`
 for copy-on-write; `new_workspace()` makes the scratch memory a worker keeps for its life.
 
-"torch" (kernels/torch_attention.py) runs anywhere. "triton" (kernels/triton_attention.py,
+"torch" (kernels/torch_attention.py) runs anywhere. "cpu" (kernels/cpu_attention.py) is
+torch plus a C kernel for decode rows, compiled on first use with the machine's C compiler.
+"triton" (kernels/triton_attention.py,
 kernels/triton_cache.py) runs on CUDA devices, or on the CPU in Triton's interpreter when
 TRITON_INTERPRET=1 was set before the kernels were imported (tests only: it is slow).
-"auto" is triton on CUDA and torch elsewhere. The Triton modules are imported only when
+"auto" is triton on CUDA, cpu on the CPU (torch, with a warning, when no C compiler can
+build the kernel). The Triton modules are imported only when
 asked for, so a machine without triton still serves with torch.
 """
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +47,25 @@ TORCH_BACKEND = AttentionBackend(
 )
 
 
+def cpu_backend() -> AttentionBackend:
+    """The torch backend with decode rows in the C kernel; RuntimeError when it cannot be
+    compiled or loaded here."""
+    from kernels import cpu_attention
+
+    try:
+        kernels = cpu_attention.CpuKernels()
+    except OSError as exc:  # ctypes could not load the library
+        raise RuntimeError(f"loading the cpu attention kernel failed: {exc}") from exc
+    return AttentionBackend(
+        name="cpu",
+        plan=cpu_attention.plan_attention,
+        paged_attention=functools.partial(cpu_attention.paged_attention, kernels),
+        write_kv=torch_attention.write_kv,
+        copy_blocks=torch_attention.copy_blocks,
+        new_workspace=torch_attention.Workspace,
+    )
+
+
 def triton_backend(device: torch.device) -> AttentionBackend:
     """The Triton backend for `device`; ImportError when triton is missing or too old,
     ValueError when the kernels cannot run on that device."""
@@ -68,20 +91,22 @@ def triton_backend(device: torch.device) -> AttentionBackend:
 
 
 def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
-    """"torch": the torch backend; "triton": the Triton kernels (errors say why they cannot
-    run here); "auto": triton on CUDA (torch, with a warning, if triton does not import),
-    torch elsewhere."""
+    """"torch": the torch backend; "cpu": torch plus the C decode kernel (CPU devices);
+    "triton": the Triton kernels (errors say why they cannot run here); "auto": triton on
+    CUDA, cpu on the CPU, each falling back to torch with a warning when it cannot run."""
     device = torch.device(device)  # validates the device string early, with torch's own message
     if name == "torch":
         return TORCH_BACKEND
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"the cpu backend runs on the CPU, not {device.type!r}")
+        return cpu_backend()
     if name == "triton":
         return triton_backend(device)
     if name == "auto":
-        if device.type != "cuda":
-            return TORCH_BACKEND
         try:
-            return triton_backend(device)
-        except (ImportError, ValueError) as exc:
+            return triton_backend(device) if device.type == "cuda" else cpu_backend()
+        except (ImportError, ValueError, RuntimeError) as exc:
             log.warning("attention backend 'auto' on %s falls back to torch: %s", device, exc)
             return TORCH_BACKEND
-    raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch', 'cpu' or 'triton'")

@@ -97,16 +97,18 @@ def _causal_mask(q_len: int, seq_len: int, sliding_window: int | None,
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
                    sliding_window: int | None = None,
-                   workspace: Workspace | None = None) -> AttentionPlan:
+                   workspace: Workspace | None = None,
+                   only: list[int] | None = None) -> AttentionPlan:
     """Split the batch into decodes (vectorised) and prefill chunks (looped); precompute
     their gather indices and masks. Pass a long-lived `workspace` to reuse its buffers
-    across steps (default: a fresh one, shared by this step's layers)."""
+    across steps (default: a fresh one, shared by this step's layers). `only`: plan just
+    these requests (another kernel computes the rest)."""
     device = block_tables.device
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decodes, prefills = [], []
-    for i, seq_len in enumerate(lens):
-        q_len = starts[i + 1] - starts[i]
+    for i in range(len(lens)) if only is None else only:
+        seq_len, q_len = lens[i], starts[i + 1] - starts[i]
         if q_len == 1:
             decodes.append(i)
         elif q_len > 1:

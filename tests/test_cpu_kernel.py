@@ -1,0 +1,111 @@
+"""The cpu backend's C kernel (kernels/cpu_attention.py) against the plain-torch reference:
+fresh random inputs per case, mixed batches, outputs poisoned with NaN before each call."""
+
+import pytest
+import torch
+
+from kernels import cpu_attention
+from kernels.backend import get_attention_backend
+from kernels.reference import paged_attention_reference
+from tests.test_kernels import FP32, MIXES, make_case
+
+# Beyond MIXES: q_len right at and just past the kernel's threshold, and a batch with a
+# request whose first query row is its first token (zero cached tokens) beside decodes.
+CASES = {**MIXES,
+         "threshold": [(cpu_attention.SHORT_MAX_Q_LEN, cpu_attention.SHORT_MAX_Q_LEN),
+                       (40, cpu_attention.SHORT_MAX_Q_LEN), (41, cpu_attention.SHORT_MAX_Q_LEN + 1),
+                       (3, 2), (90, 1)],
+         "many_decodes": [(s, 1) for s in range(1, 120, 7)]}
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    return cpu_attention.CpuKernels()
+
+
+def _run(kernels, case, scale, dtype=torch.float32, **options):
+    query, k_cache, v_cache, bt, seq_lens, qsl = case
+    ref = paged_attention_reference(query, k_cache, v_cache, bt, seq_lens, qsl, scale, **options)
+    out = torch.full_like(query, float("nan"))
+    cpu_attention.paged_attention(kernels, query, k_cache, v_cache, bt, seq_lens, qsl, scale,
+                                  out=out, **options)
+    return out, ref
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("block_size,heads", [(16, (8, 2)), (5, (4, 4)), (32, (12, 3))])
+def test_matches_reference(kernels, name, block_size, heads):
+    for seed, share in [(1, False), (2, True)]:
+        case = make_case(seed + block_size, CASES[name], block_size=block_size, num_heads=heads[0],
+                         num_kv_heads=heads[1], head_dim=64, share_first_block=share)
+        out, ref = _run(kernels, case, 64 ** -0.5)
+        torch.testing.assert_close(out, ref, **FP32)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(8, None), (None, 5.0), (20, 3.0), (1, None)])
+def test_window_and_soft_cap(kernels, sliding_window, soft_cap):
+    case = make_case(7, CASES["mixed"], block_size=8)
+    out, ref = _run(kernels, case, 0.2, sliding_window=sliding_window, soft_cap=soft_cap)
+    torch.testing.assert_close(out, ref, **FP32)
+
+
+def test_bf16_close_to_reference(kernels):
+    case = make_case(5, CASES["mixed"], dtype=torch.bfloat16, head_dim=64)
+    out, ref = _run(kernels, case, 0.15)
+    assert out.dtype == torch.bfloat16
+    err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
+    assert err < 2e-2
+
+
+def test_fp16_takes_the_torch_path(kernels):
+    case = make_case(6, CASES["decode_only"], dtype=torch.float16)
+    out, ref = _run(kernels, case, 0.15)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_plan_is_reusable_across_layers_and_threads(kernels):
+    query, k_cache, v_cache, bt, seq_lens, qsl = make_case(11, CASES["many_decodes"])
+    plan = cpu_attention.plan_attention(bt, seq_lens, qsl, k_cache.shape[1])
+    threads = torch.get_num_threads()
+    try:
+        for layer_seed, num_threads in enumerate([1, 2, 3]):  # 1 thread: split by kv head
+            torch.set_num_threads(num_threads)
+            g = torch.Generator().manual_seed(100 + layer_seed)
+            k2, v2 = torch.randn(k_cache.shape, generator=g), torch.randn(v_cache.shape, generator=g)
+            ref = paged_attention_reference(query, k2, v2, bt, seq_lens, qsl, 0.1)
+            out = cpu_attention.paged_attention(kernels, query, k2, v2, bt, seq_lens, qsl, 0.1, plan=plan)
+            torch.testing.assert_close(out, ref, **FP32)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_wrapper_checks_inputs(kernels):
+    query, k_cache, v_cache, bt, seq_lens, qsl = make_case(3, CASES["decode_only"], head_dim=64)
+    plan = cpu_attention.plan_attention(bt, seq_lens, qsl, k_cache.shape[1])
+    with pytest.raises(ValueError, match="dtypes"):
+        kernels.short_attention(query, k_cache.double(), v_cache.double(), plan, 0.1, None, None,
+                                torch.empty_like(query))
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.short_attention(query[..., :32].contiguous(), k_cache, v_cache, plan, 0.1, None,
+                                None, torch.empty_like(query[..., :32]))
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = torch.cat([k_cache, k_cache], -1)[..., :64]  # same shape, not contiguous
+        kernels.short_attention(query, strided, strided, plan, 0.1, None, None,
+                                torch.empty_like(query))
+
+
+def test_library_is_built_once_per_source_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
+    first = cpu_attention.compile_library()
+    assert first.parent == tmp_path and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_attention.compile_library() == first and first.stat().st_mtime_ns == mtime
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_attention.compile_library("no-such-cc")
+
+
+def test_backend_selector_picks_cpu_kernel_on_cpu():
+    assert get_attention_backend("auto", "cpu").name == "cpu"
+    assert get_attention_backend("cpu", "cpu").name == "cpu"
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        get_attention_backend("cpu", "meta")
