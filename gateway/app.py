@@ -115,13 +115,13 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
 
     async def _answer(request: Request, admitted: Admitted, fmt: ResponseFormat, *, stream: bool,
                       include_usage: bool) -> Response:
-        generations = [Generation(request.app.state.backend, tokenizer, r, stop=admitted.stop,
-                                  timeout_s=config.request_timeout_s) for r in admitted.requests]
+        generation = Generation(request.app.state.backend, tokenizer, admitted.request,
+                                stop=admitted.stop, timeout_s=config.request_timeout_s)
         if stream:
-            events = stream_sse(generations, fmt, include_usage=include_usage,
+            events = stream_sse(generation, fmt, include_usage=include_usage,
                                 num_prompt_tokens=admitted.num_prompt_tokens)
             return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-        return await collect(generations, fmt, num_prompt_tokens=admitted.num_prompt_tokens,
+        return await collect(generation, fmt, num_prompt_tokens=admitted.num_prompt_tokens,
                              request=request)
 
     install_openapi_bodies(app, {"/v1/completions": CompletionRequest,

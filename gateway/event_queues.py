@@ -3,26 +3,32 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from proto.messages import TokenEvent
 
 
 class EventQueues:
     """A backend's events go to the queue of their request; a request opens its queue before
-    submitting (so no event is missed) and closes it when done (later events are dropped)."""
+    submitting (so no event is missed) and closes it when done (later events are dropped).
+    One queue may take the events of several ids: a request with n > 1 gets those of its own
+    id (prompt logprobs, errors before the fork) and of its sequences' ids (proto/parallel.py)
+    on one queue, in the order they were published."""
 
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
 
-    def open(self, request_id: str) -> asyncio.Queue[TokenEvent]:
-        """The queue that will receive `request_id`'s events; open it before submitting."""
+    def open(self, request_ids: Sequence[str]) -> asyncio.Queue[TokenEvent]:
+        """The queue that will receive the events of every id in `request_ids`; open it
+        before submitting."""
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._queues[request_id] = queue
+        for request_id in request_ids:
+            self._queues[request_id] = queue
         return queue
 
-    def close(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+    def close(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._queues.pop(request_id, None)
 
     def deliver(self, events: Iterable[TokenEvent]) -> None:
         """On the event loop's thread."""

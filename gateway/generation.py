@@ -2,15 +2,15 @@
 
     generation = Generation(backend, tokenizer, new_request, stop=..., ...)
     try:
-        async for output in generation.outputs():   # submits, then yields text increments
-            ...
+        async for index, output in generation.outputs():  # submits, then yields text increments
+            ...                                           # of choice `index` (0 .. n-1)
     finally:
-        generation.close()                           # aborts it if it did not finish
+        generation.close()                                # aborts what did not finish
 
 Token events are deduplicated by `index` (a request re-routed after a worker died resumes at
 the right index, possibly repeating tokens we have), detokenized incrementally, and cut at
-stop strings; a stop-string hit sends an AbortRequest so the scheduler frees the blocks.
-Failures reach the caller as `OpenAIError`s.
+stop strings; a stop-string hit sends an AbortRequest for its sequence so the scheduler frees
+its blocks. Failures reach the caller as `OpenAIError`s.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from gateway.errors import OpenAIError
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import PromptTokenizer
 from proto.messages import Logprobs, NewRequest, TokenEvent
+from proto.parallel import sequence_ids
 
 logger = logging.getLogger(__name__)
 
@@ -48,44 +49,72 @@ class GenerationOutput:
 
 
 class Generation:
+    """One request's life in the gateway: one NewRequest, `request.n` choices.
+
+    With n > 1 the scheduler forks the request into sequences `<id>/<i>` after computing
+    its prompt once (proto/parallel.py); their events, and the parent's own (prompt
+    logprobs, an error before the fork), arrive on one queue and are taken apart here by
+    id. A stop string ends only its choice (an abort of that sequence's id); `close()`
+    aborts the request's own id, which aborts whatever of it is still running."""
+
     def __init__(self, backend: RedisBackend, tokenizer: PromptTokenizer, request: NewRequest,
                  *, stop: list[str] | None, timeout_s: float):
         self.request = request
         self._backend = backend
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stop = StopStringMatcher(stop)
         self._timeout_s = timeout_s
         self._submitted = False
-        self._finished = False  # the scheduler is done with it, or we already aborted it
-        self._text_length = 0  # characters the detokenizer produced so far
-        self._prompt_logprobs: dict[int, Logprobs] = {}
-        self._sent_prompt_logprobs = False
+        self._prompt_logprobs: dict[int, Logprobs] = {}  # shared: every choice has the same prompt
+        ids = sequence_ids(request.request_id, request.n)
+        self._choices = {rid: _Choice(i, rid, tokenizer, stop, request, self._prompt_logprobs)
+                         for i, rid in enumerate(ids)}
+        self._event_ids = ids if request.n == 1 else [request.request_id, *ids]
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
-    async def outputs(self) -> AsyncIterator[GenerationOutput]:
+    @property
+    def n(self) -> int:
+        return self.request.n
+
+    async def outputs(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
+        """(choice index, output) as events arrive, until every choice has finished."""
         # Submitted lazily, on first iteration: a stream the server never starts (client gone
         # before the first byte) then leaves nothing behind at the scheduler.
-        queue = self._backend.open(self.request_id)
+        queue = self._backend.open(self._event_ids)
         self._submitted = True  # before the XADD: if it is cancelled midway, close() aborts
         try:
             await self._backend.submit(self.request)
         except (RedisError, OSError) as exc:
             raise OpenAIError(503, f"The request queue is unreachable: {exc}") from exc
-        while not self._finished:
+        while any(not c.finished for c in self._choices.values()):
             event = await self._next_event(queue)
-            output = await self._apply(event)
+            for i, logprobs in enumerate(event.prompt_logprobs or ()):  # a recompute may resend
+                self._prompt_logprobs.setdefault(event.prompt_index + i, logprobs)
+            choice = self._choices.get(event.request_id)
+            if choice is None:  # the parent of n > 1: prompt logprobs, or an error before the fork
+                if event.finish_reason is not None:
+                    for c in self._choices.values():
+                        c.finished = True  # the scheduler has already dropped the request
+                    _raise_failure(event)
+                continue
+            if choice.finished:  # late events of a choice its stop string ended
+                continue
+            output = choice.apply(event)
+            if choice.finished and event.finish_reason is None:
+                # Its stop string, while the scheduler still runs it: free its blocks.
+                await self._abort(choice.request_id)
             if output is not None:
-                yield output
+                yield choice.index, output
 
     def close(self) -> None:
-        """Release the event queue; abort at the scheduler if the request is still running
-        (client gone, timeout, or the caller stopped iterating)."""
-        self._backend.close(self.request_id)
-        if self._submitted and not self._finished:
-            self._finished = True
+        """Release the event queue; abort at the scheduler whatever of the request still
+        runs (client gone, timeout, an error, or the caller stopped iterating)."""
+        self._backend.close(self._event_ids)
+        running = [c for c in self._choices.values() if not c.finished]
+        if self._submitted and running:
+            for choice in running:
+                choice.finished = True
             self._backend.abort_soon(self.request_id)
 
     async def _next_event(self, queue: asyncio.Queue[TokenEvent]) -> TokenEvent:
@@ -95,15 +124,41 @@ class Generation:
             raise OpenAIError(504, f"No tokens arrived for {self._timeout_s:g}s; the request was "
                                    "aborted.", code="timeout") from None
 
-    async def _apply(self, event: TokenEvent) -> GenerationOutput | None:
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self._backend.abort(request_id)
+        except (RedisError, OSError):
+            logger.warning("could not abort %s after its stop string", request_id, exc_info=True)
+
+
+def _raise_failure(event: TokenEvent) -> None:
+    """An "error" or "abort" event ends its sequence at the scheduler; the answer fails."""
+    if event.finish_reason == "abort":
+        raise OpenAIError(503, "The request was aborted by the server.", code="aborted")
+    if event.finish_reason == "error":
+        raise OpenAIError(500, f"The model failed on this request: {event.error or 'unknown error'}",
+                          type="server_error", code="generation_error")
+
+
+class _Choice:
+    """One sequence's events -> text: deduplicated by index, detokenized, cut at stop strings."""
+
+    def __init__(self, index: int, request_id: str, tokenizer: PromptTokenizer, stop: list[str] | None,
+                 request: NewRequest, prompt_logprobs: dict[int, Logprobs]):
+        self.index = index
+        self.request_id = request_id
+        self.finished = False  # the scheduler is done with it, or it is being aborted
+        self._sampling = request.sampling
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._stop = StopStringMatcher(stop)
+        self._text_length = 0  # characters the detokenizer produced so far
+        self._prompt_logprobs = prompt_logprobs
+        self._sent_prompt_logprobs = False
+
+    def apply(self, event: TokenEvent) -> GenerationOutput | None:
         if event.finish_reason in ("error", "abort"):
-            self._finished = True  # the scheduler has already dropped it
-            if event.finish_reason == "abort":
-                raise OpenAIError(503, "The request was aborted by the server.", code="aborted")
-            raise OpenAIError(500, f"The model failed on this request: {event.error or 'unknown error'}",
-                              type="server_error", code="generation_error")
-        for i, logprobs in enumerate(event.prompt_logprobs or ()):  # a recompute may resend
-            self._prompt_logprobs.setdefault(event.prompt_index + i, logprobs)
+            self.finished = True  # the scheduler has already dropped it
+            _raise_failure(event)
         pieces: list[str] = []
         taken: list[int] = []
         offsets: list[int] = []
@@ -116,12 +171,12 @@ class Generation:
             check = self._stop.feed(piece, check=self._stops_active())
             pieces.append(check.text)
             if check.stopped:
-                await self._stop_string_hit(event)
+                self.finished = True
                 return self._output(pieces, taken, "stop", new_logprobs, offsets)
         if event.finish_reason is None:
             return self._output(pieces, taken, None, new_logprobs, offsets) if taken else None
         # The scheduler finished it ("stop": EOS / stop token, "length": max_tokens).
-        self._finished = True
+        self.finished = True
         check = self._stop.feed(self._detokenizer.flush(), check=self._stops_active())
         pieces.append(check.text)
         pieces.append(self._stop.flush())
@@ -131,7 +186,7 @@ class Generation:
     def _output(self, pieces: list[str], token_ids: list[int], finish_reason: str | None,
                 logprobs: list[Logprobs] | None, offsets: list[int]) -> GenerationOutput:
         prompt_logprobs = None
-        if self.request.sampling.prompt_logprobs is not None and not self._sent_prompt_logprobs:
+        if self._sampling.prompt_logprobs is not None and not self._sent_prompt_logprobs:
             prompt_logprobs, self._sent_prompt_logprobs = self._prompt_logprobs, True
         if logprobs is not None:
             logprobs = logprobs[:len(token_ids)]  # a stop string may end the output early
@@ -139,25 +194,17 @@ class Generation:
                                 logprobs=logprobs, text_offsets=offsets, prompt_logprobs=prompt_logprobs)
 
     def _new_tokens(self, event: TokenEvent) -> tuple[list[int], list[Logprobs] | None]:
-        """The event's tokens we do not have yet, and their logprobs. Events of one request
+        """The event's tokens we do not have yet, and their logprobs. Events of one sequence
         arrive in order, but after a re-route the new worker may resend positions we have."""
         have = self._detokenizer.num_tokens
         if event.index > have:
             logger.warning("request %s: tokens %d..%d never arrived; continuing at %d",
                            self.request_id, have, event.index - 1, event.index)
         skip = max(0, have - event.index)
-        wanted = self.request.sampling.logprobs is not None
+        wanted = self._sampling.logprobs is not None
         logprobs = list(event.logprobs or [])[skip:] if wanted else None
         return event.token_ids[skip:], logprobs
 
     def _stops_active(self) -> bool:
         # Like vLLM: stop strings count only once more than min_tokens tokens exist.
-        return self._detokenizer.num_tokens > self.request.sampling.min_tokens
-
-    async def _stop_string_hit(self, event: TokenEvent) -> None:
-        self._finished = True
-        if event.finish_reason is None:  # still running at the scheduler: free its blocks
-            try:
-                await self._backend.abort(self.request_id)
-            except (RedisError, OSError):
-                logger.warning("could not abort %s after its stop string", self.request_id, exc_info=True)
+        return self._detokenizer.num_tokens > self._sampling.min_tokens

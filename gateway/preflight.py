@@ -11,7 +11,6 @@ import uuid
 from dataclasses import dataclass
 from typing import TypeVar
 
-import msgspec
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
@@ -24,36 +23,29 @@ from gateway.structured_output import grammar_for
 from gateway.tokenizer import PromptTokenizer
 from proto.messages import Grammar, NewRequest, SamplingParams
 
-_U64 = 2**64
-
 Body = TypeVar("Body", bound=BaseModel)
 
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request that passed every check, ready for `Generation`s: one NewRequest per
-    choice (n > 1 fans out into children `<id>-0`, `<id>-1`, ... with derived seeds)."""
+    """A request that passed every check, ready for its `Generation`: one NewRequest, also
+    for n > 1 (the scheduler computes the prompt once and forks n sequences sharing its
+    KV blocks, seeded and named by proto/parallel.py)."""
 
-    request_id: str  # the response's id
-    requests: list[NewRequest]
+    request: NewRequest
     stop: list[str] | None
 
     @property
+    def request_id(self) -> str:  # the response's id
+        return self.request.request_id
+
+    @property
     def prompt_token_ids(self) -> list[int]:
-        return self.requests[0].prompt_token_ids
+        return self.request.prompt_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.requests[0].prompt_token_ids)
-
-
-def child_seed(seed: int | None, index: int) -> int | None:
-    """The seed of choice `index`: seed + index, wrapped into int64 (so choice 0 equals the
-    n=1 answer; the same rule parallel sampling inside the scheduler uses)."""
-    if seed is None or index == 0:
-        return seed
-    value = (seed + index) % _U64
-    return value - _U64 if value >= 2**63 else value
+        return len(self.request.prompt_token_ids)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -145,16 +137,10 @@ class Preflight:
                 f"completion). Please reduce the length of the {where} or completion.",
                 param=where, code="context_length_exceeded")
         sampling = self._sampling(body, max_tokens, logprobs, prompt_logprobs, grammar)
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        n = body.n or 1
-        arrival = time.time()
-        requests = [
-            NewRequest(request_id=request_id if n == 1 else f"{request_id}-{i}",
-                       prompt_token_ids=prompt_ids,
-                       sampling=msgspec.structs.replace(sampling, seed=child_seed(sampling.seed, i)),
-                       reply_channel=self.backend.reply_channel, arrival_time=arrival, priority=0)
-            for i in range(n)]
-        return Admitted(request_id, requests, body.stop)
+        request = NewRequest(request_id=f"{id_prefix}-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
+                             sampling=sampling, reply_channel=self.backend.reply_channel,
+                             arrival_time=time.time(), priority=0, n=body.n or 1)
+        return Admitted(request, body.stop)
 
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                   logprobs: int | None, prompt_logprobs: int | None,

@@ -33,11 +33,15 @@ finishes requests the worker finished.
 Parallel sampling (`NewRequest.n > 1`): the parent computes its prompt but the last token,
 then (in `update`, once it has) forks into n children `f"{request_id}/{i}"` that share
 every block (`KVCacheManager.fork`); the parent is forgotten (finished_request_ids) and
-each child goes to the worker as a new request holding the shared table, with seed + i when
-the parent had a seed. A child's first step computes the last prompt token into its last
-block: when that block is partly filled and still shared, the child gets a fresh block
-and the step carries the copy (`blocks_to_copy`) -- all but the last child to get there
-copy; the last one keeps the original. Aborting the parent's id aborts its children.
+each child goes to the worker as a new request holding the shared table, with
+`child_seed(seed, i)` when the parent had a seed (ids and seeds: proto/parallel.py). A
+child's first step computes the last prompt token into its last block: when that block
+is partly filled and still shared, the child gets a fresh block and the step carries the
+copy (`blocks_to_copy`) -- all but the last child to get there copy; the last one keeps
+the original. Aborting the parent's id aborts the parent before its fork and its
+unfinished children after; a child's id aborts that child alone (before the fork there is
+no such child yet and the abort is ignored: the gateway stops a choice only after its
+first token).
 
 Calls alternate: schedule() -> (worker runs the step) -> update(); requests may be added
 or aborted at any time, also while a step is in flight.
@@ -62,6 +66,7 @@ import msgspec
 from kvstore.kv_cache_manager import KVCacheManager, cdiv
 from proto import worker_pb2
 from proto.messages import NewRequest, TokenEvent
+from proto.parallel import SEPARATOR, child_request_id, child_seed, parent_request_id
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import RequestState, RequestStatus, to_pb_sampling
 from scheduler_svc.stats import SchedulerStats
@@ -226,6 +231,8 @@ class BatchScheduler:
     def _why_impossible(self, req: RequestState) -> str | None:
         """Why the request could never run on this worker, or None if it can."""
         rid, num_prompt, max_tokens = req.request_id, req.num_prompt_tokens, req.sampling.max_tokens
+        if req.parent_id is None and parent_request_id(rid) is not None:
+            return f"request {rid}: a request id must not contain {SEPARATOR!r} (proto/parallel.py)"
         if num_prompt < 1:
             return f"request {rid} has an empty prompt"
         if max_tokens < 1:
@@ -523,10 +530,10 @@ class BatchScheduler:
     def _make_children(self, parent: RequestState) -> list[RequestState]:
         seed = parent.sampling.seed
         return [RequestState(
-            request_id=f"{parent.request_id}/{i}", token_ids=list(parent.token_ids),
+            request_id=child_request_id(parent.request_id, i), token_ids=list(parent.token_ids),
             num_prompt_tokens=parent.num_prompt_tokens,
             sampling=(parent.sampling if seed is None
-                      else msgspec.structs.replace(parent.sampling, seed=seed + i)),
+                      else msgspec.structs.replace(parent.sampling, seed=child_seed(seed, i))),
             reply_channel=parent.reply_channel, arrival_time=parent.arrival_time,
             priority=parent.priority, num_computed_tokens=parent.num_computed_tokens,
             status=parent.status, block_hashes=list(parent.block_hashes),

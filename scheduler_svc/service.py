@@ -28,6 +28,7 @@ from proto import worker_pb2, worker_pb2_grpc
 from proto.keys import SCHEDULER_GROUP, STREAM_FIELD, RedisKeys
 from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistration,
                             registration_decoder, stream_decoder, stream_encoder)
+from proto.parallel import parent_request_id
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import RequestState
@@ -166,31 +167,45 @@ class SchedulerService:
         await self._route(message)
 
     async def _abort(self, request_id: str) -> None:
-        # Waiting for a live worker: the request itself, or (n > 1) children re-routed one
-        # by one after a worker loss. Removed first, whatever else is known of the id.
-        prefix = request_id + "/"
-        parked = [r for r in self.unassigned
-                  if r.request_id == request_id or r.request_id.startswith(prefix)]
-        if parked:
-            self.unassigned = [r for r in self.unassigned if all(r is not p for p in parked)]
-            for item in parked:
-                if item.request_id != request_id:
-                    await self._finish(item.request_id)
-        # n > 1: children a worker loss re-routed one by one are owned each on its own.
-        for child_id in [rid for rid in self.owner if rid.startswith(prefix)]:
-            handle = self.owner[child_id]
-            if handle.scheduler.abort_request(child_id):
-                handle.wake.set()
-            await self._finish(child_id)
-        if request_id not in self.entry_ids:
+        """Abort a request wherever it is -- on a worker, parked in `unassigned`, or in
+        transit between workers -- and (n > 1) its children wherever each is: forked on
+        the parent's worker or re-routed one by one after a worker loss. A child's id
+        (`p/1`, proto/parallel.py) aborts that child alone; the parent's entry is done with
+        its last child. A request id not seen yet is remembered (boundedly) as an early
+        abort: its NewRequest is dropped when it arrives."""
+        parent_id = parent_request_id(request_id)
+
+        def is_child(rid: str) -> bool:
+            return parent_request_id(rid) == request_id
+
+        # Waiting for a live worker or between workers: removed first, so nothing routes
+        # them afterwards (_route_all and _evacuate skip what is no longer in transit).
+        gone = [r.request_id for r in (*self.unassigned, *self.in_transit)
+                if r.request_id == request_id or is_child(r.request_id)]
+        if gone:
+            self.unassigned = [r for r in self.unassigned if r.request_id not in gone]
+            self.in_transit = [r for r in self.in_transit if r.request_id not in gone]
+        # On workers: its own (a forked child lives on its parent's worker) and those of
+        # children re-routed one by one. abort_request(parent) aborts a parent's children.
+        children = [rid for rid in self.owner if is_child(rid)]
+        holders = (self.owner.get(request_id), self.owner.get(parent_id) if parent_id else None,
+                   *(self.owner[rid] for rid in children))
+        for handle in {id(h): h for h in holders if h is not None}.values():
+            if handle.scheduler.abort_request(request_id):
+                handle.wake.set()  # the worker learns to forget it in the next step
+                gone.append(request_id)
+        for child_id in {*children, *(rid for rid in gone if is_child(rid))}:
+            self._forget(child_id)  # children have no stream entry of their own
+        if parent_id is not None:
+            self._forget(request_id)
+            if gone:  # else already finished (the finish did this) or not forked yet
+                await self._maybe_finish_parent(parent_id)
+        elif request_id in self.entry_ids:
+            await self._finish(request_id)
+        else:
             self.early_aborts[request_id] = None
             while len(self.early_aborts) > self.config.max_early_aborts:
                 self.early_aborts.popitem(last=False)
-            return
-        handle = self.owner.get(request_id)
-        if handle is not None and handle.scheduler.abort_request(request_id):
-            handle.wake.set()  # the worker learns to forget it in the next step
-        await self._finish(request_id)
 
     async def _route(self, item: NewRequest | RequestState) -> None:
         """The live worker holding the longest cached prefix of the request's tokens,
@@ -271,8 +286,8 @@ class SchedulerService:
         self.in_transit.extend(items)
         try:
             for item in items:
-                self._untransit(item)
-                await self._route(item)
+                if self._untransit(item):  # else aborted meanwhile
+                    await self._route(item)
         finally:
             for item in items:
                 self._untransit(item)
@@ -343,7 +358,8 @@ class SchedulerService:
         self.in_transit.extend(states)
         try:
             for state in states:
-                self._untransit(state)
+                if not self._untransit(state):  # aborted while an earlier one was handled
+                    continue
                 self.owner.pop(state.request_id, None)
                 count = self.reroutes.get(state.request_id, 0) + 1
                 self.reroutes[state.request_id] = count
@@ -364,8 +380,11 @@ class SchedulerService:
             for state in states:
                 self._untransit(state)
 
-    def _untransit(self, item: NewRequest | RequestState) -> None:
+    def _untransit(self, item: NewRequest | RequestState) -> bool:
+        """Take `item` out of `in_transit`; False if it was not there (an abort took it)."""
+        before = len(self.in_transit)
         self.in_transit = [r for r in self.in_transit if r is not item]
+        return len(self.in_transit) < before
 
     async def _write_stats(self, handle: WorkerHandle, check: bool = True) -> None:
         """WorkerStats to Redis; with `check`, after check_integrity() (O(blocks): when idle)."""
@@ -392,9 +411,8 @@ class SchedulerService:
 
     def _has_children(self, parent_id: str) -> bool:
         """True while a child of `parent_id` is unfinished on a worker or waits for one."""
-        prefix = parent_id + "/"
         return (any(h.scheduler.has_children(parent_id) for h in self.workers.values())
-                or any(item.request_id.startswith(prefix)
+                or any(parent_request_id(item.request_id) == parent_id
                        for item in (*self.unassigned, *self.in_transit)))
 
     async def _maybe_finish_parent(self, parent_id: str) -> None:

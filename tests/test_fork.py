@@ -153,6 +153,37 @@ def test_abort_parent_id_aborts_children_before_and_after_the_fork():
     assert h.sched.kv.num_free_blocks == 32
 
 
+def test_abort_of_a_child_id_aborts_that_child_alone():
+    h = Harness(num_blocks=32, block_size=4)
+    h.add(parallel_request("p", 10, 20, n=3))
+    assert not h.sched.abort_request("p/1")  # not forked yet: no such child, nothing happens
+    h.step()
+    h.step()
+    assert h.sched.abort_request("p/1")
+    h.sched.check_integrity()
+    assert h.sched.has_children("p") and h.sched.get_request("p/1") is None
+    h.run()
+    assert sorted(h.finished) == ["p/0", "p/2"]
+    assert h.sched.kv.num_free_blocks == 32 and h.sched.num_aborted == 1
+
+
+def test_children_seeds_wrap_into_int64_and_ids_follow_proto_parallel():
+    from proto.parallel import child_request_id, child_seed
+
+    h = Harness(num_blocks=32, block_size=4)
+    h.add(parallel_request("p", 10, 3, n=3, seed=2**63 - 2))
+    h.step()
+    news = {r.request_id: r.sampling.seed for r in h.step().new_requests}
+    assert news == {child_request_id("p", i): child_seed(2**63 - 2, i) for i in range(3)}
+    assert news["p/2"] == -(2**63)  # int64's next value after 2**63 - 1
+
+
+def test_a_request_id_naming_a_sequence_is_refused():
+    h = Harness(num_blocks=32, block_size=4)
+    error = h.sched.add_request(make_request("a/1", 5, 3, 0.0))
+    assert error.finish_reason == "error" and "must not contain" in error.error
+
+
 def test_n_counts_against_max_num_seqs():
     h = Harness(num_blocks=64, block_size=4, max_num_seqs=4)
     h.add(parallel_request("p", 6, 3, n=3), make_request("a", 5, 3, arrival=1),

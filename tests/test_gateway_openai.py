@@ -4,16 +4,17 @@ logprobs, echo and n come back (shapes, bytes, streamed = non-streamed)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
 import pytest
 
-from gateway.preflight import child_seed
 from gateway.token_text import _unicode_to_byte
 from gateway.tokenizer import PromptTokenizer
 from gateway_helpers import MODEL, FakeWorker, gateway_client, make_config, register_worker
-from proto.messages import Logprobs, NewRequest, TokenEvent
+from proto.messages import AbortRequest, Logprobs, NewRequest, TokenEvent
+from proto.parallel import child_request_id, child_seed
 
 pytestmark = pytest.mark.anyio
 
@@ -140,24 +141,27 @@ async def test_chat_logprobs_bytes_rebuild_the_text(config, tokenizer, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_n_fans_out_with_derived_seeds(config, tokenizer, stream):
+async def test_n_is_one_request_whose_sequences_make_the_choices(config, tokenizer, stream):
+    """n = 3 reaches the scheduler as ONE NewRequest with n; the events of its sequences
+    `<id>/<i>` become choice i, and the parent's own events (prompt logprobs) are taken in."""
     answers = {0: tokenizer.encode_text(" zero"), 1: tokenizer.encode_text(" one one"),
                2: tokenizer.encode_text(" two two two")}
 
     def script(request):
-        index = int(request.request_id.rsplit("-", 1)[1])
-        ids = answers[index]
-        return [[TokenEvent(request.request_id, i, [t], "length" if i == len(ids) - 1 else None)]
-                for i, t in enumerate(ids)]
+        batches = [[TokenEvent(request.request_id, 0)]]  # the parent before its fork: nothing
+        for step in range(max(len(ids) for ids in answers.values())):
+            batches.append([TokenEvent(child_request_id(request.request_id, i), step, [ids[step]],
+                                       "length" if step == len(ids) - 1 else None)
+                            for i, ids in answers.items() if step < len(ids)])
+        return batches
 
     async with FakeWorker(config, script) as worker:
         async with gateway_client(config) as client:
             response = await client.post("/v1/completions", json={
                 "model": MODEL, "prompt": "hi", "max_tokens": 5, "n": 3, "seed": 42, "stream": stream,
                 **({"stream_options": {"include_usage": True}} if stream else {})})
-    requests = sorted(worker.messages, key=lambda r: r.request_id)
-    assert [r.sampling.seed for r in requests] == [42, child_seed(42, 1), child_seed(42, 2)]
-    assert len({r.request_id.rsplit("-", 1)[0] for r in requests}) == 1
+    [request] = worker.messages
+    assert (request.n, request.sampling.seed) == (3, 42)  # the scheduler derives the others
     expected = {i: tokenizer.decode(ids) for i, ids in answers.items()}
     total = sum(len(ids) for ids in answers.values())
     if stream:
@@ -180,6 +184,43 @@ def test_child_seeds_are_int64_and_distinct():
         assert seeds[0] == seed and len(set(seeds)) == 50
         assert all(-(2**63) <= s < 2**63 for s in seeds)
     assert child_seed(None, 3) is None
+
+
+async def test_n_stop_string_aborts_only_its_choice_and_a_parent_error_fails_all(config, tokenizer):
+    """A stop string in choice 1 aborts `<id>/1` alone while the others run on; an error
+    event under the parent's id (before its fork) fails the whole answer."""
+    stop_at = tokenizer.encode_text(" STOP here")
+    plain = tokenizer.encode_text(" go on")
+
+    def script(request):
+        ids = {0: plain, 1: stop_at, 2: plain}
+        return [[TokenEvent(child_request_id(request.request_id, i), step, [ids[i][step]],
+                            "length" if step == len(ids[i]) - 1 else None)
+                 for i in range(3) if step < len(ids[i])] for step in range(len(stop_at))]
+
+    async with FakeWorker(config, script) as worker:
+        async with gateway_client(config) as client:
+            response = await client.post("/v1/completions", json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 5, "n": 3, "stop": ["STOP"]})
+            await worker.wait_for(AbortRequest)
+    body = response.json()
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop", "length"]
+    assert body["choices"][1]["text"] == " "
+    aborts = [m.request_id for m in worker.messages if isinstance(m, AbortRequest)]
+    assert aborts == [child_request_id(body["id"], 1)]
+
+    def failing(request):
+        return [[TokenEvent(request.request_id, 0, finish_reason="error", error="no room")]]
+
+    async with FakeWorker(config, failing) as worker:
+        async with gateway_client(config) as client:
+            response = await client.post("/v1/completions", json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 5, "n": 3})
+        await asyncio.sleep(0.3)  # time for an abort, were one sent, to reach the stream
+    assert response.status_code == 500 and "no room" in response.json()["error"]["message"]
+    failed = [m for m in worker.messages if isinstance(m, NewRequest)][-1].request_id
+    # (this stream also holds the first part's messages) nothing was left to abort
+    assert not [m for m in worker.messages if isinstance(m, AbortRequest) and m.request_id.startswith(failed)]
 
 
 async def test_tools_reach_a_template_that_reads_them(tiny_model_dir, redis_url, tmp_path, tokenizer):
@@ -208,13 +249,16 @@ async def test_tools_reach_a_template_that_reads_them(tiny_model_dir, redis_url,
     assert prompt.endswith("<|im_start|>assistant\nNOTE")
 
 
-async def test_n_128_more_submissions_than_redis_connections(config):
-    """n = 128 puts 127 XADDs in flight at once: more than the gateway's Redis pool has
-    connections (they wait for one instead of failing with "Too many connections")."""
-    async with FakeWorker(config, scripted([5, 6])) as worker:
+async def test_n_128_is_one_submission(config):
+    def script(request):
+        return [[TokenEvent(child_request_id(request.request_id, i), step, [5 + step],
+                            "length" if step == 1 else None) for i in range(request.n)]
+                for step in range(2)]
+
+    async with FakeWorker(config, script) as worker:
         async with gateway_client(config) as client:
             response = await client.post("/v1/completions", json={
                 "model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 128})
     assert response.status_code == 200, response.text
     assert [c["index"] for c in response.json()["choices"]] == list(range(128))
-    assert len({m.request_id for m in worker.messages}) == 128
+    assert [m.n for m in worker.messages] == [128]

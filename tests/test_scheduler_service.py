@@ -85,6 +85,25 @@ def test_restart_reads_its_history_then_new_requests(redis_url):
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 
 
+def _park_children(service: SchedulerService, parent_id: str, n: int) -> list:
+    """As after a worker loss with no live worker left: the forked parent is gone, its
+    children wait one by one."""
+    from proto.parallel import child_request_id
+    from scheduler_svc.request import RequestState
+
+    parent = next(r for r in service.unassigned if r.request_id == parent_id)
+    service.unassigned.remove(parent)
+    children = []
+    for i in range(n):
+        child = RequestState.from_new_request(
+            NewRequest(request_id=child_request_id(parent_id, i), prompt_token_ids=[1, 2, 3, 4],
+                       sampling=parent.sampling, reply_channel=parent.reply_channel,
+                       arrival_time=parent.arrival_time))
+        child.parent_id = parent_id
+        children.append(child)
+    return children
+
+
 def test_abort_of_a_parent_removes_its_unassigned_children(redis_url):
     async def main():
         async with fresh_prefix(redis_url) as (keys, client):
@@ -94,24 +113,57 @@ def test_abort_of_a_parent_removes_its_unassigned_children(redis_url):
                 await xadd(client, keys, new_request("p", n=3))
                 await xadd(client, keys, new_request("other"))
                 await wait_for(lambda: unassigned_ids(service) == {"p", "other"}, "both requests")
-                # As after a worker loss with no live worker left: the parent's children
-                # wait one by one (the parent itself was forked and is gone).
-                from scheduler_svc.request import RequestState
-                parent = next(r for r in service.unassigned if r.request_id == "p")
-                service.unassigned.remove(parent)
-                for i in range(3):
-                    child = RequestState.from_new_request(
-                        NewRequest(request_id=f"p/{i}", prompt_token_ids=[1, 2, 3, 4],
-                                   sampling=parent.sampling, reply_channel=parent.reply_channel,
-                                   arrival_time=parent.arrival_time))
-                    child.parent_id = "p"
-                    service.unassigned.append(child)
+                service.unassigned.extend(_park_children(service, "p", 3))
                 await xadd(client, keys, AbortRequest("p"))
                 await wait_for(lambda: unassigned_ids(service) == {"other"},
                                "the abort to remove the children")
                 await wait_for(lambda: "p" not in service.entry_ids, "the parent's entry to be done")
             pending = await client.xpending(keys.requests, "schedulers")
             assert pending["pending"] == 1  # only "other"'s entry is left unacknowledged
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_abort_of_a_child_id_takes_that_child_alone_and_the_last_one_ends_the_entry(redis_url):
+    async def main():
+        async with fresh_prefix(redis_url) as (keys, client):
+            config = SchedulerServiceConfig(redis_url=redis_url, key_prefix=keys.prefix,
+                                            consumer_name="scheduler-child-abort-test")
+            async with running(config) as service:
+                await xadd(client, keys, new_request("p", n=3))
+                await wait_for(lambda: unassigned_ids(service) == {"p"}, "the request")
+                service.unassigned.extend(_park_children(service, "p", 3))
+                await xadd(client, keys, AbortRequest("p/1"))
+                await wait_for(lambda: unassigned_ids(service) == {"p/0", "p/2"}, "p/1 to go")
+                assert "p" in service.entry_ids and "p/1" not in service.early_aborts
+                await xadd(client, keys, AbortRequest("p/0"))
+                await xadd(client, keys, AbortRequest("p/2"))
+                await wait_for(lambda: "p" not in service.entry_ids, "the entry to end with the last child")
+                assert not service.unassigned
+            assert (await client.xpending(keys.requests, "schedulers"))["pending"] == 0
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_abort_of_a_parent_reaches_children_in_transit(redis_url):
+    """Children being moved after a worker loss (in transit between workers) are taken
+    out by the abort; routing them afterwards skips them."""
+    async def main():
+        async with fresh_prefix(redis_url) as (keys, client):
+            config = SchedulerServiceConfig(redis_url=redis_url, key_prefix=keys.prefix,
+                                            consumer_name="scheduler-transit-abort-test")
+            async with running(config) as service:
+                await xadd(client, keys, new_request("p", n=2))
+                await wait_for(lambda: unassigned_ids(service) == {"p"}, "the request")
+                children = _park_children(service, "p", 2)
+                service.in_transit.extend(children)  # as _evacuate holds them across an await
+                await xadd(client, keys, AbortRequest("p"))
+                await wait_for(lambda: not service.in_transit and "p" not in service.entry_ids,
+                               "the abort to take the children in transit")
+                for child in children:  # what _evacuate / _route_all check next for each: skipped
+                    assert not service._untransit(child)
+                assert not service.unassigned and not service.owner
+            assert (await client.xpending(keys.requests, "schedulers"))["pending"] == 0
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 
