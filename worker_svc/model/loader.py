@@ -3,6 +3,7 @@
 The module is built on the meta device (no memory, no random init), materialised empty
 on the target device in the target dtype, then every parameter is filled from the
 safetensors files; `load_weights` refuses a checkpoint that leaves anything unfilled.
+On the CPU the linear layers' weights are then packed for oneDNN (layers.PackedLinear).
 """
 
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from safetensors import safe_open
 
 from kernels.backend import AttentionBackend
 from worker_svc.model.config import DTYPES, DecoderConfig
+from worker_svc.model.layers import can_pack_linears, pack_linears
 from worker_svc.model.llama import LlamaForCausalLM
 
 ARCHITECTURES = {"LlamaForCausalLM": LlamaForCausalLM}
@@ -50,4 +52,6 @@ def load_model(model_dir: str | Path, cfg: DecoderConfig, backend: AttentionBack
     if cfg.tie_word_embeddings:  # to_empty gives each parameter its own memory: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(iter_safetensors(model_dir))
+    if can_pack_linears(device, dtype):
+        pack_linears(model)
     return model.eval()
