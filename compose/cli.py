@@ -56,7 +56,7 @@ def _add_runner_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "--max-model-len", type=int, help="default: the model's max_position_embeddings")
     _add(p, "--dtype", default="auto", help="auto|float32|bfloat16|float16")
     _add(p, "--device", default="cpu", help="cpu|cuda|cuda:N")
-    _add(p, "--attention-backend", default="auto", help="auto|torch|triton")
+    _add(p, "--attention-backend", default="auto", help="auto|torch|cpu|triton")
     _add(p, "--threads", type=int, help="torch CPU threads (default: torch's choice)")
     _add(p, "--seed", type=int, default=0)
 
@@ -79,6 +79,8 @@ def _worker_parser(sub) -> None:
     _add(p, "--port", type=int, default=50051, help="gRPC port (0 = any free one)")
     _add(p, "--advertise-host", help="address schedulers dial (default: --host)")
     _add(p, "--worker-id", help="default: random")
+    _add(p, "--metrics-port", type=int, default=0,
+         help="serve Prometheus /metrics (steps) on --host at this port; 0 = off")
     _add_common(p)
 
 
@@ -86,6 +88,9 @@ def _scheduler_parser(sub) -> None:
     p = sub.add_parser("scheduler", help="the scheduler (continuous batching, block tables)")
     _add_batching_flags(p)
     _add(p, "--consumer-name", help="stream consumer name (default: scheduler-<hostname>)")
+    _add(p, "--metrics-host", default="127.0.0.1", help="bind address of /metrics")
+    _add(p, "--metrics-port", type=int, default=0,
+         help="serve Prometheus /metrics (every worker's accounting) at this port; 0 = off")
     _add_common(p)
 
 

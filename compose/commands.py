@@ -39,7 +39,7 @@ def run_worker(args: argparse.Namespace) -> int:
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     serve(WorkerServiceConfig(runner=_runner_config(args), host=args.host, port=args.port,
                               advertise_host=args.advertise_host, redis_url=args.redis_url,
-                              key_prefix=args.key_prefix, **extra))
+                              key_prefix=args.key_prefix, metrics_port=args.metrics_port, **extra))
     return 0
 
 
@@ -48,7 +48,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
     extra = {"consumer_name": args.consumer_name} if args.consumer_name else {}
     config = SchedulerServiceConfig(batching=_batching_config(args), redis_url=args.redis_url,
-                                    key_prefix=args.key_prefix, **extra)
+                                    key_prefix=args.key_prefix, metrics_host=args.metrics_host,
+                                    metrics_port=args.metrics_port, **extra)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -114,6 +115,7 @@ def run_up(args: argparse.Namespace) -> int:
     with Stack(config) as stack:
         print(f"pagedserve: serving {stack.served_model_name} on {stack.base_url} "
               f"({args.workers} worker(s), logs in {args.run_dir}/); Ctrl-C stops everything", flush=True)
+        print("metrics: " + ", ".join(f"{name} {url}" for name, url in stack.metrics_urls.items()), flush=True)
         clean = stack.wait()
     return 0 if clean else 1
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from proto.messages import NewRequest, TokenEvent, WorkerStats
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.metrics import WorkerRecorder
 from scheduler_svc.stats import worker_stats
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
@@ -53,6 +54,7 @@ class InProcessEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.stats: WorkerStats | None = None  # refreshed on the engine thread, read anywhere
+        self.recorder = WorkerRecorder()  # request phases and steps, in stats as the service's
         self._stats_at = 0.0
 
     # ---- called from any thread ------------------------------------------------------
@@ -95,7 +97,7 @@ class InProcessEngine:
         if not idle and now - self._stats_at < STATS_INTERVAL_S:
             return
         self._stats_at = now
-        self.stats = worker_stats(self.scheduler, self.info.worker_id, check=idle)
+        self.stats = worker_stats(self.scheduler, self.info.worker_id, check=idle, recorder=self.recorder)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -116,6 +118,7 @@ class InProcessEngine:
             self._wake.wait(timeout=STATS_INTERVAL_S)
             return
         self._refresh_stats(idle=False)
+        self.recorder.scheduled(self.scheduler, step)
         try:
             output = self.runner.step(step)
         except Exception:  # fail what ran, keep serving the rest
@@ -124,7 +127,8 @@ class InProcessEngine:
             return
         if output.events:
             self._on_events(output.events)
-        self.scheduler.update(step, output.result)
+        finished = self.scheduler.update(step, output.result)
+        self.recorder.stepped(self.scheduler, step, output.result, finished)
 
     def is_alive(self) -> bool:
         """True while the engine thread runs."""

@@ -2,7 +2,9 @@
 
 Start order: Redis (unless a URL is given) → workers (ready once registered in Redis) →
 scheduler → gateway (ready once `/health` answers and it sees the workers). Stop order
-is the reverse; every child gets SIGTERM, then SIGKILL if it lingers.
+is the reverse; every child gets SIGTERM, then SIGKILL if it lingers. The scheduler and
+each worker serve /metrics on a free port of their own (`metrics_urls`), unless their
+extra args name one.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Stack:
         self.keys = RedisKeys(config.key_prefix)
         self._worker_count = 0
         self._stopped: set[str] = set()  # stopped on purpose: their exit is no failure
+        self.metrics_ports: dict[str, int] = {}  # service name → its /metrics port
 
     # ---- context manager ---------------------------------------------------------------
 
@@ -96,6 +99,14 @@ class Stack:
     def served_model_name(self) -> str:
         return self.gateway_config.model_name
 
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Every service's own /metrics: the gateway's (which aggregates them all), the
+        scheduler's and each worker's, by process name."""
+        urls = {"gateway": f"http://{self.config.host}:{self.config.port}/metrics"}
+        urls.update((name, f"http://127.0.0.1:{port}/metrics") for name, port in self.metrics_ports.items())
+        return urls
+
     # ---- start ---------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -105,7 +116,9 @@ class Stack:
         for _ in range(self.config.workers):
             self.add_worker(wait=False)
         self.wait_for_workers(self.config.workers)
-        self._spawn("scheduler", self._service("scheduler", *self.config.scheduler_args))
+        self._spawn("scheduler", self._service(
+            "scheduler", *self._metrics_port("scheduler", self.config.scheduler_args),
+            *self.config.scheduler_args))
         self._spawn("gateway", self._service(
             "gateway", "--model", self.config.model, "--host", self.config.host,
             "--port", str(self.config.port), *self.config.gateway_args))
@@ -124,11 +137,19 @@ class Stack:
     def add_worker(self, wait: bool = True, extra: tuple[str, ...] = ()) -> str:
         name = f"worker-{self._worker_count}"
         self._worker_count += 1
+        args = (*self.config.worker_args, *extra)
         self._spawn(name, self._service("worker", "--model", self.config.model, "--port", "0",
-                                        "--worker-id", name, *self.config.worker_args, *extra))
+                                        "--worker-id", name, *self._metrics_port(name, args), *args))
         if wait:
             self._wait_for(lambda: name in self.live_worker_ids(), f"{name} to register")
         return name
+
+    def _metrics_port(self, name: str, args: tuple[str, ...]) -> tuple[str, ...]:
+        """`--metrics-port N` on a free port, unless `args` choose one."""
+        if any(a.startswith("--metrics-port") for a in args):
+            return ()
+        self.metrics_ports[name] = free_port()
+        return ("--metrics-port", str(self.metrics_ports[name]))
 
     def _service(self, name: str, *args: str) -> list[str]:
         return [sys.executable, "-m", "compose.cli", name, "--redis-url", self.redis_url,

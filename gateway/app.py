@@ -19,7 +19,6 @@ from gateway.errors import OpenAIError, install_error_handlers
 from gateway.generation import Generation
 from gateway.auth import APIKeyMiddleware, APIKeys
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
-from gateway.worker_metrics import WorkerStatsCollector
 from gateway.preflight import Admitted, Preflight, parse, read_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.response_models import ModelCard, ModelList
@@ -58,7 +57,7 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, keys=APIKeys(config.api_keys),
                        protect_metrics=config.protect_metrics)
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(config.model_name)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees 401s too
 
     @app.get("/health")
@@ -67,13 +66,10 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
             return JSONResponse({"status": "ok"})
         return OpenAIError(503, "Redis does not answer.", code="redis_unavailable").response()
 
-    worker_stats = WorkerStatsCollector()
-    metrics.registry.register(worker_stats)
-
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics(request: Request) -> Response:
         try:  # the scheduler's accounting of every live worker, fresh for this scrape
-            worker_stats.snapshot = await request.app.state.backend.worker_stats()
+            metrics.worker_stats.snapshot = await request.app.state.backend.worker_stats()
         except Exception as exc:  # a scrape must not fail because Redis blinked: serve the last one
             logger.warning("could not read worker stats: %s", exc)
         return metrics.response()
@@ -115,8 +111,9 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
 
     async def _answer(request: Request, admitted: Admitted, fmt: ResponseFormat, *, stream: bool,
                       include_usage: bool) -> Response:
-        generation = Generation(request.app.state.backend, tokenizer, admitted.request,
-                                stop=admitted.stop, timeout_s=config.request_timeout_s)
+        generation = metrics.meter(Generation(request.app.state.backend, tokenizer, admitted.request,
+                                              stop=admitted.stop, timeout_s=config.request_timeout_s),
+                                   num_prompt_tokens=admitted.num_prompt_tokens)
         if stream:
             events = stream_sse(generation, fmt, include_usage=include_usage,
                                 num_prompt_tokens=admitted.num_prompt_tokens)

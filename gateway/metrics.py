@@ -1,30 +1,135 @@
-"""Prometheus metrics of one gateway, served at /metrics: requests by route and status,
-requests in flight. One CollectorRegistry per app (no process-global state)."""
+"""Prometheus metrics of one gateway, served at /metrics, and the rest of the stack's.
+
+The gateway's own: HTTP requests by route and status, and what a client observes of each
+completion request, as vLLM names it (`vllm:x` → `pagedserve:x`, labelled `model_name`):
+time to first token, inter-token latency, time per output token, end-to-end latency,
+prompt and generation tokens, finished requests by reason. `MeteredGeneration` measures
+them around a `Generation` (one per HTTP request, n choices), per choice.
+
+Beside them, `WorkerStatsCollector` (proto/metrics.py) renders the scheduler's WorkerStats
+of every live worker — KV accounting, request phases, steps — which the /metrics handler
+refreshes from the backend before each scrape. One CollectorRegistry per app.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.generation import Generation, GenerationOutput
+from proto.metrics import FIRST_TOKEN_SECONDS, REQUEST_SECONDS, TOKEN_SECONDS, WorkerStatsCollector
+
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, model = self.registry, ["model_name"]
         self.requests = Counter("pagedserve_gateway_requests", "HTTP requests answered",
-                                ["route", "status"], registry=self.registry)
+                                ["route", "status"], registry=r)
         self.in_flight = Gauge("pagedserve_gateway_requests_in_flight", "HTTP requests being answered",
-                               registry=self.registry)
+                               registry=r)
         self.latency = Histogram("pagedserve_gateway_request_seconds", "time to the last byte",
-                                 ["route"], registry=self.registry)
+                                 ["route"], registry=r)
+        self.ttft = Histogram("pagedserve:time_to_first_token_seconds",
+                              "request admitted to its choice's first token", model,
+                              buckets=FIRST_TOKEN_SECONDS, registry=r).labels(model_name)
+        self.itl = Histogram("pagedserve:inter_token_latency_seconds",
+                             "between two successive token arrivals of one choice", model,
+                             buckets=TOKEN_SECONDS, registry=r).labels(model_name)
+        self.tpot = Histogram("pagedserve:request_time_per_output_token_seconds",
+                              "(first token to last) / (tokens - 1), per finished choice of 2+ tokens",
+                              model, buckets=TOKEN_SECONDS, registry=r).labels(model_name)
+        self.e2e = Histogram("pagedserve:e2e_request_latency_seconds",
+                             "request admitted to its choice's last token (stop or length)", model,
+                             buckets=REQUEST_SECONDS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("pagedserve:prompt_tokens", "prompt tokens of requests that got a token",
+                                     model, registry=r).labels(model_name)
+        self.generation_tokens = Counter("pagedserve:generation_tokens", "completion tokens sent",
+                                         model, registry=r).labels(model_name)
+        self.success = Counter("pagedserve:request_success", "choices finished, by finish reason",
+                               ["model_name", "finished_reason"], registry=r)
+        # The scheduler's accounting of every live worker; refreshed by the /metrics handler.
+        self.worker_stats = WorkerStatsCollector()
+        r.register(self.worker_stats)
+
+    def meter(self, generation: Generation, num_prompt_tokens: int) -> MeteredGeneration:
+        """`generation`, timed from now (its request was just admitted)."""
+        return MeteredGeneration(generation, self, num_prompt_tokens)
 
     def response(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@dataclass
+class _ChoiceClock:
+    first_at: float = 0.0
+    last_at: float = 0.0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+
+class MeteredGeneration:
+    """A Generation whose outputs are timed per choice; everything else is the generation's.
+
+    Per output carrying tokens: TTFT (the choice's first) or ITL, and the tokens. Per
+    choice that finishes: finished reason; with "stop" / "length" also e2e and TPOT. A
+    choice that never finishes counts as "abort" (the client left) or "error"."""
+
+    def __init__(self, generation: Generation, metrics: GatewayMetrics, num_prompt_tokens: int):
+        self._generation = generation
+        self._metrics = metrics
+        self._num_prompt_tokens = num_prompt_tokens
+        self._start = time.perf_counter()
+        self._choices = [_ChoiceClock() for _ in range(generation.n)]
+        self._prompt_counted = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._generation, name)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
+        unfinished = "abort"
+        try:
+            async for index, output in self._generation.outputs():
+                self._observe(self._choices[index], output, time.perf_counter())
+                yield index, output
+        except Exception:
+            unfinished = "error"
+            raise
+        finally:
+            success = self._metrics.success
+            for choice in self._choices:
+                if choice.finish_reason is None:
+                    success.labels(self._metrics.model_name, unfinished).inc()
+
+    def _observe(self, choice: _ChoiceClock, output: GenerationOutput, now: float) -> None:
+        m = self._metrics
+        if output.token_ids:
+            if not choice.num_tokens:
+                m.ttft.observe(now - self._start)
+                choice.first_at = now
+                if not self._prompt_counted:
+                    m.prompt_tokens.inc(self._num_prompt_tokens)
+                    self._prompt_counted = True
+            else:
+                m.itl.observe(now - choice.last_at)
+            choice.last_at = now
+            choice.num_tokens += len(output.token_ids)
+            m.generation_tokens.inc(len(output.token_ids))
+        if output.finish_reason is not None and choice.finish_reason is None:
+            choice.finish_reason = output.finish_reason
+            m.success.labels(m.model_name, output.finish_reason).inc()
+            m.e2e.observe(now - self._start)
+            if choice.num_tokens > 1:
+                m.tpot.observe((choice.last_at - choice.first_at) / (choice.num_tokens - 1))
 
 
 class MetricsMiddleware:

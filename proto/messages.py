@@ -6,7 +6,9 @@ Channel `RedisKeys.reply_channel(gateway_id)` (worker or scheduler → gateway):
 list[TokenEvent] per publish, every event of one step for that gateway in one message.
 Key `RedisKeys.worker(worker_id)` (worker → scheduler, gateway): WorkerRegistration.
 Key `RedisKeys.worker_stats(worker_id)` (scheduler → anyone): WorkerStats, the scheduler's
-view of that worker's block pool, rewritten whenever its step loop goes idle.
+view of that worker's block pool, its requests' phase times and its steps (histograms),
+rewritten about once a second and whenever its step loop goes idle. proto/metrics.py renders
+it as Prometheus metrics.
 """
 
 from typing import Literal
@@ -104,6 +106,36 @@ class WorkerRegistration(msgspec.Struct, frozen=True):
     num_cpu_blocks: int = 0  # CPU swap space in blocks (WorkerInfo.num_cpu_blocks)
 
 
+class Histogram(msgspec.Struct, frozen=True, array_like=True):
+    """A Prometheus histogram's state (proto/metrics.py HistogramRecorder.snapshot):
+    counts[i] values fell in (bounds[i-1], bounds[i]]; counts[-1] (one more than bounds)
+    above the last bound. Not cumulative; the renderer makes Prometheus' `le` buckets."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float = 0.0
+
+
+class RequestHistograms(msgspec.Struct, frozen=True):
+    """Seconds in each phase of the requests a worker ran, as the scheduler saw them
+    (vLLM's phases; scheduler_svc/metrics.py): arrival (NewRequest.arrival_time) → first
+    scheduled → first token → finished by the worker ("stop" / "length")."""
+
+    queue_time: Histogram  # arrival → first scheduled
+    prefill_time: Histogram  # first scheduled → first token
+    decode_time: Histogram  # first token → finished
+    inference_time: Histogram  # first scheduled → finished
+
+
+class StepHistograms(msgspec.Struct, frozen=True):
+    """The steps run on one worker (proto/metrics.py StepRecorder): the worker keeps its
+    own for its /metrics, the scheduler one from each StepResult for WorkerStats."""
+
+    duration: Histogram  # seconds: StepResult.execute_seconds (forward, sampling, publishing)
+    batch_size: Histogram  # requests in the step
+    tokens: Histogram  # tokens computed in the step
+
+
 class WorkerStats(msgspec.Struct, frozen=True):
     """Counters run since the scheduler took this worker on (scheduler_svc/stats.py)."""
 
@@ -129,6 +161,8 @@ class WorkerStats(msgspec.Struct, frozen=True):
     num_forks: int = 0  # sequences forked for parallel sampling (n > 1)
     num_cow_copies: int = 0  # shared, partly filled blocks copied on write
     num_aborted: int = 0  # requests aborted while waiting, running or swapped
+    requests: RequestHistograms | None = None
+    steps: StepHistograms | None = None
 
 
 stream_encoder = msgspec.msgpack.Encoder()

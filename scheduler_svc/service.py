@@ -31,6 +31,7 @@ from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistra
 from proto.parallel import parent_request_id
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.metrics import SchedulerMetrics, WorkerRecorder
 from scheduler_svc.request import RequestState
 from scheduler_svc.stats import worker_stats
 from scheduler_svc.routing import pick_worker
@@ -52,6 +53,8 @@ class SchedulerServiceConfig:
     max_early_aborts: int = 10_000
     idle_stats_interval_s: float = 1.0
     retired_retry_s: float = 30.0  # a retired worker that still looks registered is redialled after this
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # /metrics (scheduler_svc/metrics.py) on this port; 0 = none
 
 
 @dataclass
@@ -63,6 +66,7 @@ class WorkerHandle:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     retiring: bool = False
     stats_at: float = 0.0  # time.monotonic() of the last WorkerStats written
+    recorder: WorkerRecorder = field(default_factory=WorkerRecorder)  # request and step histograms
     task: asyncio.Task | None = None
 
     @property
@@ -87,6 +91,7 @@ class SchedulerService:
         # remembered, boundedly, so the request is dropped when it does arrive.
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
         self.in_transit: list[NewRequest | RequestState] = []  # being routed by _route_all
+        self.metrics = SchedulerMetrics()
         self._stopping = False
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -99,6 +104,7 @@ class SchedulerService:
             if "BUSYGROUP" not in str(exc):
                 raise
         await self._refresh_workers()  # know every live worker before routing anything
+        metrics_server = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
         tasks = [asyncio.create_task(self._read_requests(), name="read-requests"),
                  asyncio.create_task(self._discover_workers(), name="discover-workers")]
         log.info("scheduler %s reading %s", self.config.consumer_name, self.keys.requests)
@@ -120,6 +126,8 @@ class SchedulerService:
                         await handle.channel.close()
                     except Exception as exc:
                         log.warning("closing the channel to worker %s: %s", handle.worker_id, exc)
+                if metrics_server is not None:
+                    metrics_server.close()
                 await self.redis.aclose()
         for task in done:  # surface a crashed reader/discovery task instead of hiding it
             if task is not waiter and not task.cancelled() and task.exception():
@@ -327,6 +335,7 @@ class SchedulerService:
                     continue
                 handle.wake.clear()
                 continue
+            handle.recorder.scheduled(scheduler, step)
             try:
                 result = await handle.stub.Step(step, timeout=self.config.step_timeout_s)
             except grpc.aio.AioRpcError as exc:
@@ -337,6 +346,7 @@ class SchedulerService:
             except ValueError as exc:  # the worker broke the Step contract: stop trusting it
                 self._retire(handle, f"bad StepResult: {exc}")
                 break
+            handle.recorder.stepped(scheduler, step, result, finished)
             for state in finished:
                 await self._finish(state.request_id)
                 if state.parent_id is not None:
@@ -348,6 +358,7 @@ class SchedulerService:
         """Move a retired worker's unfinished requests to live workers (they recompute)."""
         if self.workers.get(handle.worker_id) is handle:
             del self.workers[handle.worker_id]
+            self.metrics.forget_worker(handle.worker_id)
         self.retired[(handle.worker_id, handle.registration.started_at)] = (
             time.monotonic() + self.config.retired_retry_s)
         try:
@@ -389,7 +400,8 @@ class SchedulerService:
     async def _write_stats(self, handle: WorkerHandle, check: bool = True) -> None:
         """WorkerStats to Redis; with `check`, after check_integrity() (O(blocks): when idle)."""
         handle.stats_at = time.monotonic()
-        stats = worker_stats(handle.scheduler, handle.worker_id, check)
+        stats = worker_stats(handle.scheduler, handle.worker_id, check, handle.recorder)
+        self.metrics.publish(stats)
         if stats.integrity_error:
             log.error("worker %s: block pool integrity: %s", handle.worker_id, stats.integrity_error)
         try:

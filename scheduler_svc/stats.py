@@ -38,14 +38,16 @@ class SchedulerStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-def worker_stats(scheduler, worker_id: str, check: bool) -> WorkerStats:
-    """`scheduler`'s accounting as the WorkerStats message; with `check`, after running
-    check_integrity() (O(blocks): callers do it when idle) and recording its complaint."""
+def worker_stats(scheduler, worker_id: str, check: bool, recorder) -> WorkerStats:
+    """`scheduler`'s accounting and `recorder`'s histograms (scheduler_svc.metrics.WorkerRecorder)
+    as the WorkerStats message; with `check`, after running check_integrity() (O(blocks):
+    callers do it when idle) and recording its complaint."""
     problem = None
     if check:
         try:
             scheduler.check_integrity()
         except AssertionError as exc:
             problem = str(exc) or "check_integrity failed"
+    requests, steps = recorder.snapshot(scheduler)
     return WorkerStats(worker_id=worker_id, integrity_error=problem, updated_at=time.time(),
-                       **asdict(scheduler.stats()))
+                       requests=requests, steps=steps, **asdict(scheduler.stats()))

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from compose.engine import EngineConfig, InProcessEngine
 from proto.messages import NewRequest, SamplingParams
 from scheduler_svc.config import SchedulerConfig
+from tests.stack_helpers import metric, scrape
 from worker_svc.config import RunnerConfig
 
 
@@ -116,6 +117,13 @@ def test_engine_serves_the_openai_api(tiny_model_dir, tmp_path):
                                          extra_body={"return_token_ids": True})
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model=tiny_model_dir.name, prompt=prompt, max_tokens=12, temperature=0, stream=True) if c.choices)
+        # Its /metrics: the gateway's, and the engine's scheduler and runner as one worker.
+        deadline = time.monotonic() + 30
+        while True:  # the engine refreshes its stats about once a second
+            samples = scrape(f"http://127.0.0.1:{port}/metrics")
+            if metric(samples, "pagedserve:request_decode_time_seconds_count") == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -125,3 +133,7 @@ def test_engine_serves_the_openai_api(tiny_model_dir, tmp_path):
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     assert resp.choices[0].token_ids == out[0, len(prompt):].tolist()
     assert streamed == resp.choices[0].text
+    assert metric(samples, "pagedserve:time_to_first_token_seconds_count") == 2
+    for phase in ("queue", "prefill", "decode"):
+        assert metric(samples, f"pagedserve:request_{phase}_time_seconds_count", worker="in-process") == 2
+    assert metric(samples, "pagedserve:step_duration_seconds_count", worker="in-process") > 0

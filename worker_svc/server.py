@@ -1,8 +1,10 @@
 """The worker service: a gRPC shell around ModelRunner.
 
 It owns the transport only: the gRPC server (Describe / Step / Health), publishing each
-step's TokenEvents to Redis (one PUBLISH per reply channel per step, pipelined), and the
-registration heartbeat that lets schedulers discover it. All compute is ModelRunner's.
+step's TokenEvents to Redis (one PUBLISH per reply channel per step, pipelined), the
+registration heartbeat that lets schedulers discover it, and /metrics (each step's
+duration, requests and tokens: proto/metrics.py) when a metrics port is given. All compute
+is ModelRunner's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import redis
 from proto import worker_pb2, worker_pb2_grpc
 from proto.keys import RedisKeys
 from proto.messages import TokenEvent, WorkerRegistration, stream_encoder
+from proto.metrics import StepCollector, StepRecorder, serve_metrics
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
 
@@ -39,6 +42,7 @@ class WorkerServiceConfig:
     worker_id: str = field(default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}")
     heartbeat_interval_s: float = 1.0
     registration_ttl_s: float = 5.0  # the registration expires this long after a death
+    metrics_port: int = 0  # /metrics on host:metrics_port; 0 = none
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -48,6 +52,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._runner = runner
         self._publisher = publisher
         self._lock = threading.Lock()
+        self.steps = StepRecorder()
 
     def Describe(self, request, context):
         return self._runner.describe()
@@ -65,6 +70,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")
             self._publish(output.events)
             output.result.execute_seconds = time.perf_counter() - start
+            self.steps.observe(request, output.result.execute_seconds)
             return output.result
 
     def _publish(self, events: dict[str, list[TokenEvent]]) -> None:
@@ -126,9 +132,11 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
         options=[("grpc.max_receive_message_length", 64 << 20),
                  ("grpc.max_send_message_length", 64 << 20)],
     )
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, client), server)
+    servicer = WorkerServicer(runner, client)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     server.start()
+    metrics = serve_metrics(StepCollector(config.worker_id, servicer.steps), config.host, config.metrics_port)
     # Bound to every interface (a container): advertise our own address on its network.
     advertise = config.advertise_host or (
         socket.gethostbyname(socket.gethostname()) if config.host == "0.0.0.0" else config.host)
@@ -152,4 +160,6 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
     log.info("worker %s stopping", reg.worker_id)
     registration.stop()  # first, so schedulers stop routing here and re-route what it held
     server.stop(grace=2).wait()
+    if metrics is not None:
+        metrics.close()
     client.close()

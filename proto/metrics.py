@@ -1,0 +1,210 @@
+"""The Prometheus face of the stats messages: every metric the scheduler's and the workers'
+messages carry, named once here, and the one renderer of them that every service uses.
+
+    HistogramRecorder   a fixed-bucket histogram, O(log buckets) per observe; its
+                        snapshot() is the `Histogram` message that travels in WorkerStats
+    StepRecorder        one worker's steps: duration, requests, tokens (StepHistograms)
+    WorkerStatsCollector  renders WorkerStats (the scheduler's per-worker accounting and
+                        histograms) at the scheduler's /metrics and the gateway's
+    StepCollector       renders a worker's own StepRecorder at the worker's /metrics
+    serve_metrics       a /metrics HTTP server for a registry (scheduler, worker)
+
+Names follow vLLM's (`vllm:x` → `pagedserve:x`) where they mean the same; every series is
+labelled `worker`. README.md ("Metrics") lists them all, with the gateway's own.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    Metric)
+
+from proto import worker_pb2
+from proto.messages import Histogram, StepHistograms, WorkerStats
+
+# Seconds of a request phase, and of a whole request (vLLM's request_latency_buckets, with
+# finer ones below 0.3 s for fast prefills and GPUs).
+REQUEST_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
+                   15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Seconds between tokens or of one step (vLLM's inter-token buckets, finer below 10 ms).
+TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Time to first token (vLLM's buckets).
+FIRST_TOKEN_SECONDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                       5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class HistogramRecorder:
+    """Counts per bucket and the sum. observe() is one bisect and two adds; one thread
+    observes (a worker's steps are serialised, a scheduler's loop is one thread)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = list(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        self.sum += value
+
+    def snapshot(self) -> Histogram:
+        return Histogram(bounds=self.bounds, counts=list(self.counts), sum=self.sum)
+
+
+class StepRecorder:
+    """One worker's steps, observed where they run (the worker) and where their results
+    come back (the scheduler, for WorkerStats): the same three histograms either way."""
+
+    def __init__(self) -> None:
+        self.duration = HistogramRecorder(TOKEN_SECONDS)
+        self.batch_size = HistogramRecorder(BATCH_SIZES)
+        self.tokens = HistogramRecorder(STEP_TOKENS)
+
+    def observe(self, step: worker_pb2.StepRequest, seconds: float) -> None:
+        scheduled = step.num_scheduled_tokens
+        self.duration.observe(seconds)
+        self.batch_size.observe(len(scheduled))
+        self.tokens.observe(sum(scheduled.values()))
+
+    def snapshot(self) -> StepHistograms:
+        return StepHistograms(duration=self.duration.snapshot(), batch_size=self.batch_size.snapshot(),
+                              tokens=self.tokens.snapshot())
+
+
+def histogram_family(name: str, help_text: str, labels: Sequence[str],
+                     series: Iterable[tuple[Sequence[str], Histogram]]) -> HistogramMetricFamily:
+    """One Prometheus histogram family from Histogram messages, one series per label values."""
+    family = HistogramMetricFamily(name, help_text, labels=list(labels))
+    for values, h in series:
+        cumulative, buckets = 0, []
+        for bound, count in zip([*h.bounds, float("inf")], h.counts):
+            cumulative += count
+            buckets.append((_le(bound), cumulative))
+        family.add_metric(list(values), buckets, h.sum)
+    return family
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+# ---- WorkerStats: the scheduler's view of each worker ---------------------------------------
+
+Value = Callable[[WorkerStats], float]
+
+# (name, help, value) — gauges: a level now.
+_GAUGES: tuple[tuple[str, str, Value], ...] = (
+    ("pagedserve:kv_cache_usage_perc", "fraction of KV blocks held by requests (1 = full)",
+     lambda s: s.num_used_blocks / s.num_blocks if s.num_blocks else 0.0),
+    ("pagedserve:kv_cache_waste_perc", "1 - tokens held / slots of the blocks they hold",
+     lambda s: s.kv_waste),
+    ("pagedserve:num_requests_running", "requests scheduled on the worker", lambda s: s.num_running),
+    ("pagedserve:num_requests_waiting", "requests queued for the worker", lambda s: s.num_waiting),
+    ("pagedserve:num_requests_swapped", "requests swapped out to CPU blocks", lambda s: s.num_swapped),
+    ("pagedserve:kv_blocks_total", "KV blocks of the worker", lambda s: s.num_blocks),
+    ("pagedserve:kv_blocks_used", "KV blocks held by requests", lambda s: s.num_used_blocks),
+    ("pagedserve:kv_blocks_cached", "free KV blocks still holding a reusable prefix", lambda s: s.num_cached_blocks),
+    ("pagedserve:kv_blocks_free", "KV blocks held by no request (cached ones included)", lambda s: s.num_free_blocks),
+    ("pagedserve:kv_integrity_ok", "1 while the scheduler's check_integrity() holds",
+     lambda s: 0.0 if s.integrity_error else 1.0),
+)
+# Counters: cumulative since the scheduler took the worker on ("_total" is appended).
+_COUNTERS: tuple[tuple[str, str, Value], ...] = (
+    ("pagedserve:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+     lambda s: s.prefix_cache_queries),
+    ("pagedserve:prefix_cache_hits", "prompt tokens found in the prefix cache", lambda s: s.prefix_cache_hits),
+    ("pagedserve:num_preemptions", "requests preempted (recompute or swap)", lambda s: s.num_preemptions),
+    ("pagedserve:num_swap_outs", "preemptions by swap", lambda s: s.num_swapped_out),
+    ("pagedserve:kv_blocks_evicted", "cached blocks taken for other contents", lambda s: s.num_evicted_blocks),
+    ("pagedserve:num_aborted_requests", "requests aborted while waiting, running or swapped",
+     lambda s: s.num_aborted),
+    ("pagedserve:cow_copies", "shared, partly filled blocks copied on write", lambda s: s.num_cow_copies),
+    ("pagedserve:scheduler_steps", "steps the scheduler ran on the worker", lambda s: s.num_steps),
+)
+# Histograms of RequestHistograms: (name, help, field).
+_REQUEST_HISTOGRAMS = (
+    ("pagedserve:request_queue_time_seconds", "arrival at the gateway to first scheduled", "queue_time"),
+    ("pagedserve:request_prefill_time_seconds", "first scheduled to first token", "prefill_time"),
+    ("pagedserve:request_decode_time_seconds", "first token to finished (stop or length)", "decode_time"),
+    ("pagedserve:request_inference_time_seconds", "first scheduled to finished (stop or length)",
+     "inference_time"),
+)
+# Histograms of StepHistograms: (name, help, field).
+_STEP_HISTOGRAMS = (
+    ("pagedserve:step_duration_seconds", "one step on the worker: forward, sampling, publishing", "duration"),
+    ("pagedserve:step_batch_size", "requests in one step", "batch_size"),
+    ("pagedserve:iteration_tokens_total", "tokens computed in one step", "tokens"),
+)
+
+
+def step_families(series: Sequence[tuple[str, StepHistograms]]) -> Iterator[Metric]:
+    """The step histograms, one series per (worker id, its StepHistograms)."""
+    for name, help_text, field in _STEP_HISTOGRAMS:
+        yield histogram_family(name, help_text, ["worker"],
+                               (([worker], getattr(steps, field)) for worker, steps in series))
+
+
+def worker_stats_families(stats: Sequence[WorkerStats]) -> Iterator[Metric]:
+    """Every metric WorkerStats carries, one series per worker."""
+    for kind, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+        for name, help_text, value in table:
+            family = kind(name, help_text, labels=["worker"])
+            for s in stats:
+                family.add_metric([s.worker_id], float(value(s)))
+            yield family
+    with_requests = [s for s in stats if s.requests is not None]
+    for name, help_text, field in _REQUEST_HISTOGRAMS:
+        yield histogram_family(name, help_text, ["worker"],
+                               (([s.worker_id], getattr(s.requests, field)) for s in with_requests))
+    yield from step_families([(s.worker_id, s.steps) for s in stats if s.steps is not None])
+
+
+class WorkerStatsCollector:
+    """Renders `snapshot`, the latest WorkerStats of each live worker. Its owner replaces
+    the list (never mutates it), so a scrape on another thread reads a consistent one."""
+
+    def __init__(self) -> None:
+        self.snapshot: list[WorkerStats] = []
+
+    def collect(self) -> Iterator[Metric]:
+        return worker_stats_families(self.snapshot)
+
+
+class StepCollector:
+    """Renders a worker's own StepRecorder. Read without a lock while a step may observe:
+    each bucket list is copied whole, so a scrape is at most one step behind in places."""
+
+    def __init__(self, worker_id: str, recorder: StepRecorder):
+        self._worker_id, self._recorder = worker_id, recorder
+
+    def collect(self) -> Iterator[Metric]:
+        return step_families([(self._worker_id, self._recorder.snapshot())])
+
+
+class MetricsServer:
+    """`registry` served at http://host:port/metrics from a thread, until close()."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int):
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.port = self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve_metrics(collector, host: str, port: int) -> MetricsServer | None:
+    """A /metrics server for one collector on its own registry; None when port is 0 (off)."""
+    if not port:
+        return None
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return MetricsServer(registry, host, port)
