@@ -1,11 +1,15 @@
 """Prometheus metrics of the real stack: after requests from the official `openai` client,
 the gateway's /metrics, the scheduler's and the worker's own count exactly what was served,
-and the gateway re-exports the scheduler's numbers unchanged. Latency values are only
+the gateway re-exports the scheduler's numbers unchanged, and every metric the Grafana
+dashboard queries is one that the service it queries exports. Latency values are only
 checked to be >= 0 (no timing assertions). (`pagedserve engine`'s: tests/test_engine.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+from pathlib import Path
 
 import openai
 import pytest
@@ -14,6 +18,7 @@ from tests.stack_helpers import metric, running_stack, scrape, wait_until_idle
 
 pytestmark = pytest.mark.e2e
 
+DASHBOARD = Path(__file__).resolve().parent.parent / "compose" / "grafana" / "pagedserve-dashboard.json"
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 
 
@@ -109,3 +114,22 @@ def test_each_service_counts_what_was_served(stack):
         if key[0].startswith("pagedserve:"):
             assert gateway.get(key) == pytest.approx(v), key
 
+    check_dashboard({"gateway": gateway, "scheduler": scheduler, "worker": worker})
+
+
+def check_dashboard(scrapes: dict[str, dict]) -> None:
+    """Every panel's expressions name metrics that the job they select exports."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    jobs = {f"${v['name']}": v["current"]["value"] for v in dashboard["templating"]["list"]}
+    names = {job: {name for name, _ in samples} for job, samples in scrapes.items()}
+    checked = 0
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            uses = re.findall(r'(pagedserve:[A-Za-z0-9_:]+)\{job="(\$\w+)"\}', expr)
+            assert uses and len(uses) == expr.count("pagedserve:"), f"a metric without a job: {expr}"
+            for metric, variable in uses:
+                job = jobs[variable]
+                assert metric in names[job], f"panel {panel['title']!r}: {job} does not export {metric}"
+                checked += 1
+    assert checked >= 20
