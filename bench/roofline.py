@@ -1,0 +1,237 @@
+"""Model steps against this machine's roofline, measured in one run.
+
+    python bench/roofline.py --model-dir models/small                 # decode at batch 64
+    python bench/roofline.py --model-dir models/small --workload      # + the serving workload
+
+1. The machine: fp32 matmul rate (a large torch.matmul) and memory read bandwidth (torch.sum
+   over a buffer far larger than the caches), medians of several runs, same threads as the
+   model.
+2. Decode steps at `--batch` requests, each with a `--context`-token context: the median
+   step time of ModelRunner.step (scheduling not timed) against its floor,
+       floor = max(FLOPs / matmul rate, bytes / read bandwidth)
+   FLOPs: 2 x (every linear weight) per token, lm_head only for the rows that sample,
+   plus QK^T and PV over each query's context. Bytes: every linear weight once per step,
+   the K/V each query reads, and the K/V written.
+3. With --workload: bench/serve.py's default workload (same spec flags) run to completion
+   through BatchScheduler + ModelRunner at `--concurrency` (a closed loop, as the serving
+   benchmark drives it), every step's floor summed against the sum of step times.
+
+Prints a table and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from proto import worker_pb2  # noqa: E402
+from proto.messages import NewRequest, SamplingParams  # noqa: E402
+from scheduler_svc.batching import BatchScheduler  # noqa: E402
+from scheduler_svc.config import SchedulerConfig  # noqa: E402
+from worker_svc.config import RunnerConfig  # noqa: E402
+from worker_svc.model.config import DecoderConfig  # noqa: E402
+from worker_svc.model_runner import ModelRunner  # noqa: E402
+
+sys.path.append(str(ROOT / "bench"))  # after ROOT: bench/kernels.py must not shadow kernels/
+from workloads import KINDS, WorkloadSpec, make_workload  # noqa: E402
+
+
+def _median_time(fn, runs: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_rate(n: int = 2048, runs: int = 10) -> float:
+    """fp32 FLOP/s of an n x n x n torch.matmul."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _median_time(lambda: a @ b, runs)
+
+
+def read_bandwidth(mib: int = 512, runs: int = 10) -> float:
+    """Bytes/s torch.sum reads from a buffer of `mib` MiB (much larger than any cache)."""
+    x = torch.ones(mib * 2**20 // 4)
+    return x.numel() * 4 / _median_time(lambda: x.sum(), runs)
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float
+    bytes: float
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+
+def step_cost(cfg: DecoderConfig, elem: int, work: list[tuple[int, int, bool]]) -> Cost:
+    """FLOPs and bytes of one step; `work` = (tokens computed before, tokens now, samples?)
+    per request."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer_params = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size \
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    head_params = cfg.hidden_size * cfg.vocab_size
+    tokens = sum(n for _, n, _ in work)
+    samples = sum(1 for *_, s in work if s)
+    # query at position p attends p + 1 keys; a request's rows cover positions c .. c+n-1
+    attended = sum(n * c + n * (n + 1) // 2 for c, n, _ in work)
+    flops = (2 * layer_params * tokens * cfg.num_layers + 2 * head_params * samples
+             + 4 * cfg.num_heads * cfg.head_dim * attended * cfg.num_layers)
+    kv_read = sum(c + n for c, n, _ in work) * 2 * kv * elem * cfg.num_layers
+    kv_written = tokens * 2 * kv * elem * cfg.num_layers
+    weights = (layer_params * cfg.num_layers + head_params) * elem
+    return Cost(flops, weights + kv_read + kv_written)
+
+
+class Driver:
+    """BatchScheduler + ModelRunner in this thread; times ModelRunner.step only."""
+
+    def __init__(self, args):
+        self.runner = ModelRunner(RunnerConfig(model=args.model_dir,
+                                               kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
+                                               attention_backend=args.attention_backend))
+        info = self.runner.describe()
+        self.scheduler = BatchScheduler(
+            SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
+            num_blocks=info.num_blocks, block_size=info.block_size,
+            max_model_len=info.max_model_len, num_cpu_blocks=0)
+        self.cfg = self.runner.model_config
+        self.elem = torch.empty((), dtype=self.runner.dtype).element_size()
+        self.count = 0
+
+    def add(self, prompt: list[int], max_tokens: int) -> None:
+        self.count += 1
+        error = self.scheduler.add_request(NewRequest(
+            f"r{self.count}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+            "roofline", time.time()))
+        if error is not None:
+            raise SystemExit(f"request rejected: {error.error}")
+
+    def step(self) -> tuple[worker_pb2.StepRequest, worker_pb2.StepResult, float, Cost] | None:
+        step = self.scheduler.schedule()
+        if step is None:
+            return None
+        work = []
+        for rid, n in step.num_scheduled_tokens.items():
+            req = self.scheduler.get_request(rid)  # schedule() already counted the n tokens
+            work.append((req.num_computed_tokens - n, n, req.num_computed_tokens == req.num_tokens))
+        start = time.perf_counter()
+        output = self.runner.step(step)
+        elapsed = time.perf_counter() - start
+        self.scheduler.update(step, output.result)
+        return step, output.result, elapsed, step_cost(self.cfg, self.elem, work)
+
+
+def decode_roofline(args, rate: float, bandwidth: float) -> dict:
+    driver = Driver(args)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(args.batch):
+        driver.add(torch.randint(300, driver.cfg.vocab_size - 1, (args.context,), generator=gen).tolist(),
+                   max_tokens=driver.runner.max_model_len - args.context)
+    while True:  # prefill everything; the first all-decode step starts the measurement
+        step, *_ = driver.step()
+        if len(step.num_scheduled_tokens) == args.batch and set(step.num_scheduled_tokens.values()) == {1}:
+            break
+    for _ in range(args.warmup):
+        driver.step()
+    times, costs = [], []
+    for _ in range(args.steps):
+        _, _, elapsed, cost = driver.step()
+        times.append(elapsed)
+        costs.append(cost)
+    cost = costs[len(costs) // 2]  # contexts grow by one token a step: the middle one
+    step_s = statistics.median(times)
+    floor = max(cost.flops / rate, cost.bytes / bandwidth)
+    return dict(batch=args.batch, context=args.context, step_ms=step_s * 1e3,
+                flops=cost.flops, bytes=cost.bytes, compute_ms=cost.flops / rate * 1e3,
+                memory_ms=cost.bytes / bandwidth * 1e3, floor_ms=floor * 1e3,
+                ratio=step_s / floor, tokens_per_s=args.batch / step_s)
+
+
+def workload_roofline(args, rate: float, bandwidth: float) -> dict:
+    driver = Driver(args)
+    spec = WorkloadSpec(kind=args.dataset, num_requests=args.num_requests, input_mean=args.input_mean,
+                        output_mean=args.output_mean, spread=args.spread, seed=args.seed)
+    pending = collections.deque(make_workload(spec, args.model_dir))
+    running = total_s = floor_s = 0.0
+    out_tokens = steps = 0
+    wall = time.perf_counter()
+    while True:
+        while running < args.concurrency and pending:  # a closed loop, like bench/serve.py
+            driver.add(*pending.popleft())
+            running += 1
+        stepped = driver.step()
+        if stepped is None:
+            break
+        _, result, elapsed, cost = stepped
+        total_s += elapsed
+        floor_s += max(cost.flops / rate, cost.bytes / bandwidth)
+        out_tokens += len(result.sampled)
+        running -= sum(1 for s in result.sampled if s.finish_reason)
+        steps += 1
+    wall = time.perf_counter() - wall
+    return dict(requests=args.num_requests, concurrency=args.concurrency, steps=steps,
+                output_tokens=out_tokens, step_time_s=total_s, wall_s=wall, floor_s=floor_s,
+                ratio=total_s / floor_s, output_tokens_per_s=out_tokens / wall,
+                floor_output_tokens_per_s=out_tokens / floor_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", default="models/small")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=320, help="tokens of context per request")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    p.add_argument("--workload", action="store_true", help="also the serving workload")
+    p.add_argument("--dataset", default="random", choices=KINDS)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-mean", type=int, default=256)
+    p.add_argument("--output-mean", type=int, default=128)
+    p.add_argument("--spread", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rate, bandwidth = matmul_rate(), read_bandwidth()
+    result = dict(threads=torch.get_num_threads(), matmul_gflops=rate / 1e9,
+                  read_gbps=bandwidth / 1e9, decode=decode_roofline(args, rate, bandwidth))
+    print(f"machine: fp32 matmul {rate / 1e9:.1f} GFLOP/s, memory read {bandwidth / 1e9:.1f} GB/s "
+          f"({result['threads']} threads)")
+    d = result["decode"]
+    print(f"decode step, batch {d['batch']}, context ~{d['context']}: {d['step_ms']:.1f} ms "
+          f"(median of {args.steps}); compute floor {d['compute_ms']:.1f} ms "
+          f"({d['flops'] / 1e9:.2f} GFLOP), memory floor {d['memory_ms']:.1f} ms "
+          f"({d['bytes'] / 1e6:.0f} MB) -> {d['ratio']:.2f}x the floor")
+    if args.workload:
+        w = result["workload"] = workload_roofline(args, rate, bandwidth)
+        print(f"workload ({w['requests']} requests, concurrency {w['concurrency']}, {w['steps']} steps): "
+              f"step time {w['step_time_s']:.1f} s, floor {w['floor_s']:.1f} s -> {w['ratio']:.2f}x; "
+              f"{w['output_tokens_per_s']:.0f} output tok/s (floor {w['floor_output_tokens_per_s']:.0f})")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""bench/roofline.py's step cost model, against numbers worked out by hand."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from worker_svc.model.config import DecoderConfig
+
+
+def _roofline():
+    path = Path(__file__).resolve().parent.parent / "bench" / "roofline.py"
+    spec = importlib.util.spec_from_file_location("bench_roofline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_cost_counts_weights_attention_and_kv():
+    roofline = _roofline()
+    cfg = DecoderConfig.from_dict({"vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
+                                   "num_hidden_layers": 2, "num_attention_heads": 2,
+                                   "num_key_value_heads": 1})
+    # head_dim 4: q = 8, kv = 4 -> per layer 8*(8+8) + 8*8 + 3*8*16 = 576 weights; head 800
+    # one decode (3 cached tokens + 1 new, samples) and one prefill chunk (0 cached, 2 new)
+    cost = roofline.step_cost(cfg, 4, [(3, 1, True), (0, 2, False)])
+    attended = 4 + (1 + 2)  # the decode sees 4 keys; the chunk's rows see 1 and 2
+    assert cost.flops == 2 * 576 * 3 * 2 + 2 * 800 * 1 + 4 * 2 * 4 * attended * 2
+    kv_read = (4 + 2) * 2 * 4 * 4 * 2  # tokens in context x (K and V) x kv width x bytes x layers
+    kv_written = 3 * 2 * 4 * 4 * 2
+    assert cost.bytes == (576 * 2 + 800) * 4 + kv_read + kv_written
