@@ -9,7 +9,7 @@ WORKERS ?= 1
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: up test install redis docker-compose bench clean
+.PHONY: up test install redis cc docker-compose bench clean
 
 # Run apt as root, or through sudo when there is one.
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP) redis
+install: $(STAMP) redis cc
 
 # A redis-server on PATH, from Debian's package when the machine has none.
 # (Not needed when REDIS_URL names a Redis to use.)
@@ -32,6 +32,13 @@ redis:
 	@[ -n "$(REDIS_URL)" ] || command -v redis-server >/dev/null \
 	  || ($(APT) update -qq && $(APT) install -y -qq --no-install-recommends redis-server) \
 	  || (echo "redis-server is missing and could not be installed: install it, or set REDIS_URL" && exit 1)
+
+# A C compiler for the CPU attention kernel (kernels/cpu_attention.py); without one the
+# workers fall back to the slower torch backend, with a warning.
+cc:
+	@command -v $${CC:-cc} >/dev/null \
+	  || ($(APT) update -qq && $(APT) install -y -qq --no-install-recommends gcc libc6-dev) \
+	  || echo "no C compiler and gcc could not be installed: CPU workers use the torch attention backend"
 
 # Only the tests need it: they validate compose/docker-compose.yml with `docker-compose config`.
 docker-compose:
