@@ -34,6 +34,8 @@ from workloads import KINDS, WorkloadSpec, make_workload  # noqa: E402  (bench/ 
 @dataclass
 class RequestResult:
     prompt_tokens: int
+    max_tokens: int = 0
+    started_at: float = 0.0  # time.time() when sent (to line up with server-side samples)
     output_tokens: int = 0
     ttft_s: float = 0.0
     latency_s: float = 0.0
@@ -42,7 +44,7 @@ class RequestResult:
 
 
 async def one(client: openai.AsyncOpenAI, args, prompt, num_prompt_tokens: int, max_tokens: int) -> RequestResult:
-    result = RequestResult(prompt_tokens=num_prompt_tokens)
+    result = RequestResult(prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, started_at=time.time())
     extra = {"ignore_eos": True} if args.ignore_eos else {}
     if args.token_ids:  # a chunk per token even before it makes visible text (vLLM's extension)
         extra["return_token_ids"] = True
@@ -144,6 +146,8 @@ async def run(args) -> dict:
         "itl_s": percentiles([x for r in ok for x in r.itl_s]),
         "e2e_latency_s": percentiles([r.latency_s for r in ok]),
         "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+        **({"requests": [{k: v for k, v in asdict(r).items() if k != "itl_s"} for r in results]}
+           if args.per_request else {}),
     }
 
 
@@ -184,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo", action="append", default=[], help="goodput SLO, e.g. ttft:500 or tpot:100 (ms)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--per-request", action="store_true",
+                   help="also list every request (lengths, send time, TTFT, latency) in the JSON")
     p.add_argument("--out", help="write the JSON result here")
     return p
 
