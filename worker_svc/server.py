@@ -46,12 +46,18 @@ class WorkerServiceConfig:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Serialises Steps (the runner holds one batch state) and publishes their events."""
+    """Serialises Steps (the runner holds one batch state) and publishes their events.
+
+    Every step runs on one dedicated thread, whichever gRPC thread received it: torch's
+    OpenMP runtime keeps a team of compute threads per calling thread, so steps hopping
+    between the gRPC pool's threads would keep several teams alive, spinning against each
+    other for the same cores."""
 
     def __init__(self, runner: ModelRunner, publisher: redis.Redis):
         self._runner = runner
         self._publisher = publisher
         self._lock = threading.Lock()
+        self._step_thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self.steps = StepRecorder()
 
     def Describe(self, request, context):
@@ -64,7 +70,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         with self._lock:
             start = time.perf_counter()
             try:
-                output = self._runner.step(request)
+                output = self._step_thread.submit(self._runner.step, request).result()
             except Exception as exc:  # a bad step must not kill the server; the scheduler decides
                 log.exception("step %d failed", request.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")
