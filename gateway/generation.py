@@ -135,6 +135,9 @@ def _raise_failure(event: TokenEvent) -> None:
     """An "error" or "abort" event ends its sequence at the scheduler; the answer fails."""
     if event.finish_reason == "abort":
         raise OpenAIError(503, "The request was aborted by the server.", code="aborted")
+    if event.finish_reason == "error" and event.rejected:
+        raise OpenAIError(400, f"The request cannot be served: {event.error or 'rejected'}",
+                          code="request_rejected")
     if event.finish_reason == "error":
         raise OpenAIError(500, f"The model failed on this request: {event.error or 'unknown error'}",
                           type="server_error", code="generation_error")

@@ -90,6 +90,10 @@ class TokenEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     token_ids: list[int] = []
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # with finish_reason "error": the scheduler refused the request before running it
+    # (it can never run on this worker: too long, n too large, ...) -- the client's request
+    # is at fault (HTTP 400), not the server (500)
+    rejected: bool = False
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs] | None = None
     prompt_index: int = 0

@@ -214,7 +214,7 @@ class BatchScheduler:
             state.status = RequestStatus.FINISHED
             state.finish_reason = "error"
             return TokenEvent(request_id=state.request_id, index=state.num_output_tokens,
-                              finish_reason="error", error=error)
+                              finish_reason="error", error=error, rejected=True)
         self._requests[state.request_id] = state
         self._load_tokens += state.num_tokens
         if state.parent_id is not None:

@@ -222,6 +222,18 @@ async def test_n_stop_string_aborts_only_its_choice_and_a_parent_error_fails_all
     # (this stream also holds the first part's messages) nothing was left to abort
     assert not [m for m in worker.messages if isinstance(m, AbortRequest) and m.request_id.startswith(failed)]
 
+    def refusing(request):  # what BatchScheduler.add_request answers for, e.g., n > max_num_seqs
+        return [[TokenEvent(request.request_id, 0, finish_reason="error", rejected=True,
+                            error="n 3 > max_num_seqs 2")]]
+
+    async with FakeWorker(config, refusing) as worker:
+        async with gateway_client(config) as client:
+            response = await client.post("/v1/completions", json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 5, "n": 3})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "max_num_seqs" in error["message"]
+
 
 async def test_tools_reach_a_template_that_reads_them(tiny_model_dir, redis_url, tmp_path, tokenizer):
     model = tmp_path / "tools-model"

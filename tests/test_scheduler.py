@@ -262,7 +262,7 @@ def test_abort_while_step_in_flight_ignores_its_token():
 def test_impossible_requests_get_an_error_event_and_are_not_queued():
     h = Harness(num_blocks=4, block_size=4, max_model_len=64)
     too_long = h.sched.add_request(make_request("x", 60, 10, arrival=0))
-    assert too_long.finish_reason == "error" and too_long.index == 0
+    assert too_long.finish_reason == "error" and too_long.index == 0 and too_long.rejected
     assert "60 prompt + 10 max_tokens = 70 tokens" in too_long.error
     assert "max_model_len 64" in too_long.error
     too_big = h.sched.add_request(make_request("y", 10, 8, arrival=1))  # 17 tokens of K/V
