@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import torch_attention
+from kernels import cpu_attention, torch_attention
 
 log = logging.getLogger("pagedserve.kernels")
 
@@ -50,8 +50,6 @@ TORCH_BACKEND = AttentionBackend(
 def cpu_backend() -> AttentionBackend:
     """The torch backend with decode rows in the C kernel; RuntimeError when it cannot be
     compiled or loaded here."""
-    from kernels import cpu_attention
-
     try:
         kernels = cpu_attention.CpuKernels()
     except OSError as exc:  # ctypes could not load the library
@@ -90,17 +88,23 @@ def triton_backend(device: torch.device) -> AttentionBackend:
     )
 
 
-def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
-    """"torch": the torch backend; "cpu": torch plus the C decode kernel (CPU devices);
-    "triton": the Triton kernels (errors say why they cannot run here); "auto": triton on
-    CUDA, cpu on the CPU, each falling back to torch with a warning when it cannot run."""
+def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu",
+                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """"torch": the torch backend; "cpu": torch plus the C decode kernel (CPU devices,
+    fp32/bf16 models); "triton": the Triton kernels (errors say why they cannot run here);
+    "auto": triton on CUDA, cpu on the CPU (torch for fp16 models), each falling back to
+    torch with a warning when it cannot run."""
     device = torch.device(device)  # validates the device string early, with torch's own message
     if name == "torch":
         return TORCH_BACKEND
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"the cpu backend runs on the CPU, not {device.type!r}")
+        if not cpu_attention.CpuKernels.supports(dtype):
+            raise ValueError(f"the cpu backend's kernel takes fp32 or bf16, not {dtype}; use torch")
         return cpu_backend()
+    if name == "auto" and device.type == "cpu" and not cpu_attention.CpuKernels.supports(dtype):
+        return TORCH_BACKEND
     if name == "triton":
         return triton_backend(device)
     if name == "auto":

@@ -23,7 +23,8 @@ and thread count):
     for l: acc[i] += p[i][l] * v_cache[block(l), l % bs, h]       # each V row read once
     out[row j, head h * group + i % group] = acc[i] / sum(p[i])
 
-K/V may be fp32 or bf16 (converted on load); query and out share the cache's dtype. The C
+K/V may be fp32 or bf16 (converted on load); query and out share the cache's dtype (for
+fp16 models the worker picks the torch backend). The C
 source below is compiled once per machine with the system C compiler (`cc`, or $CC) into
 a cache folder ($PAGEDSERVE_KERNEL_CACHE, default ~/.cache/pagedserve) keyed by the source,
 flags and CPU, and loaded with ctypes; it links the OpenMP runtime torch already loaded.
@@ -58,6 +59,7 @@ static inline float bf16_to_f32(uint16_t h) {
     return x;
 }
 static inline uint16_t f32_to_bf16(float x) {
+    if (isnan(x)) return 0x7FC0;
     uint32_t bits;
     memcpy(&bits, &x, 4);
     bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
@@ -80,7 +82,7 @@ static inline const float *token_row(const void *cache, int64_t base, int64_t n,
 
 /* Ask for the K or V vectors of token l + PREFETCH_DISTANCE early: rows of one block are
    contiguous, but blocks are scattered, so the hardware prefetcher stalls at every block. */
-#define PREFETCH_DISTANCE 16
+#define PREFETCH_DISTANCE 16 /* tokens: one block at block size 16 */
 static inline void prefetch_row(const void *cache, const int32_t *table, int64_t l, int64_t end,
                                 int64_t block_size, int64_t slot_stride, int64_t h0,
                                 int64_t head_dim, int64_t width, int64_t elem) {
@@ -97,7 +99,7 @@ int paged_attention(const void *query, void *out, const void *k_cache, const voi
                     const int32_t *query_start_loc, const int32_t *reqs, int64_t num_reqs,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t block_size, float scale, int64_t window, float soft_cap,
-                    int64_t max_q_len, int64_t max_span, int64_t splits, int bf16) {
+                    int64_t max_q_len, int64_t max_scores, int64_t splits, int bf16) {
     const int64_t group = num_heads / num_kv_heads, heads = num_kv_heads / splits;
     const int64_t row_stride = num_heads * head_dim;      /* query and out rows */
     const int64_t slot_stride = num_kv_heads * head_dim;  /* one token in the cache */
@@ -108,13 +110,19 @@ int paged_attention(const void *query, void *out, const void *k_cache, const voi
     {
         float *qv = malloc(sizeof(float) * max_vecs * head_dim);
         float *acc = malloc(sizeof(float) * max_vecs * head_dim);
-        float *s = malloc(sizeof(float) * max_vecs * max_span);
+        float *s = malloc(sizeof(float) * max_scores * heads * group);
         float *buf = malloc(sizeof(float) * width);
         int64_t *koff = malloc(sizeof(int64_t) * max_vecs), *pos = malloc(sizeof(int64_t) * max_vecs);
         if (!qv || !acc || !s || !buf || !koff || !pos) {
             #pragma omp atomic write
             failed = 1;
-        } else {
+        }
+        /* Every thread of the team must reach the `omp for`, or none: agree first. */
+        #pragma omp barrier
+        int give_up;
+        #pragma omp atomic read
+        give_up = failed;
+        if (!give_up) {
             #pragma omp for schedule(dynamic, 1)
             for (int64_t w = 0; w < num_reqs * splits; w++) {
                 const int64_t r = reqs[w / splits], h0 = (w % splits) * heads;
@@ -148,11 +156,11 @@ int paged_attention(const void *query, void *out, const void *k_cache, const voi
                         for (int64_t d = 0; d < head_dim; d++) dot += q[d] * kh[d];
                         if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot / soft_cap);
                         const int visible = l <= pos[i] && (window <= 0 || l > pos[i] - window);
-                        sl[i * max_span] = visible ? dot : -INFINITY;
+                        sl[i * span] = visible ? dot : -INFINITY;
                     }
                 }
                 for (int64_t i = 0; i < nv; i++) {
-                    float *si = s + i * max_span, m = -INFINITY, sum = 0.0f;
+                    float *si = s + i * span, m = -INFINITY, sum = 0.0f;
                     for (int64_t l = 0; l < span; l++) m = si[l] > m ? si[l] : m;
                     for (int64_t l = 0; l < span; l++) { si[l] = expf(si[l] - m); sum += si[l]; }
                     const float inv = 1.0f / sum;
@@ -166,7 +174,7 @@ int paged_attention(const void *query, void *out, const void *k_cache, const voi
                     const float *v = token_row(v_cache, base, width, buf, bf16);
                     const float *sl = s + (l - lo);
                     for (int64_t i = 0; i < nv; i++) {
-                        const float p = sl[i * max_span];
+                        const float p = sl[i * span];
                         if (p == 0.0f) continue;
                         float *a = acc + i * head_dim;
                         const float *vh = v + koff[i];
@@ -234,6 +242,12 @@ def compile_library(compiler: str | None = None) -> Path:
     return target
 
 
+def work_splits(num_reqs: int, num_kv_heads: int, num_threads: int) -> int:
+    """Work items per request: 1 (all kv heads together: each token's K/V is one contiguous
+    read), or one per kv head when there are too few requests to keep the threads busy."""
+    return num_kv_heads if num_reqs < 2 * num_threads else 1
+
+
 class CpuKernels:
     """The compiled kernel, loaded once per backend (per worker)."""
 
@@ -260,6 +274,14 @@ class CpuKernels:
                              f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
         if out.shape != query.shape:
             raise ValueError(f"out {tuple(out.shape)} != query {tuple(query.shape)}")
+        if plan.block_size != block_size:
+            raise ValueError(f"the plan is for blocks of {plan.block_size}, the cache has {block_size}")
+        if plan.num_rows > num_tokens:
+            raise ValueError(f"the plan's requests have {plan.num_rows} query rows, query {num_tokens}")
+        if plan.short_reqs.numel() and not 0 <= plan.min_block_id <= plan.max_block_id < num_blocks:
+            # the C code trusts every id it reads: an id outside the cache is a crash, not an error
+            raise ValueError(f"block tables name blocks {plan.min_block_id}..{plan.max_block_id}; "
+                             f"the cache has {num_blocks}")
         for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out),
                         ("block_tables", plan.block_tables), ("seq_lens", plan.seq_lens),
                         ("query_start_loc", plan.query_start_loc), ("short_reqs", plan.short_reqs)):
@@ -267,15 +289,15 @@ class CpuKernels:
                 raise ValueError(f"{name} must be a contiguous CPU tensor")
         # One work item per request, with all its kv heads (each token's K/V is read as one
         # contiguous run); split by kv head when there are too few requests to keep every
-        # thread busy.
-        num_reqs = plan.short_reqs.numel()
-        splits = num_kv_heads if num_reqs < 2 * torch.get_num_threads() else 1
+        # thread busy. (torch.get_num_threads() also sets this thread's OpenMP thread count
+        # to torch's, which the kernel's parallel region then uses.)
+        splits = work_splits(plan.short_reqs.numel(), num_kv_heads, torch.get_num_threads())
         status = self._kernel(
             query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.seq_lens.data_ptr(),
             plan.query_start_loc.data_ptr(), plan.short_reqs.data_ptr(), plan.short_reqs.numel(),
             num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-            soft_cap or 0.0, plan.max_q_len, plan.max_span, splits, _DTYPES[query.dtype])
+            soft_cap or 0.0, plan.max_q_len, plan.max_scores, splits, _DTYPES[query.dtype])
         if status != 0:
             raise MemoryError("the cpu attention kernel could not allocate its scratch memory")
 
@@ -290,7 +312,11 @@ class CpuPlan:
     query_start_loc: torch.Tensor  # int32 [R + 1]
     short_reqs: torch.Tensor  # int32 [n]: requests with 1 <= q_len <= SHORT_MAX_Q_LEN
     max_q_len: int  # the largest q_len among them
-    max_span: int  # the largest seq_len among them (keys one work item scores)
+    max_scores: int  # the largest q_len x keys scored (context, cut by the window) among them
+    block_size: int
+    min_block_id: int  # the smallest and largest block ids their contexts use
+    max_block_id: int
+    num_rows: int  # query rows of the whole batch
     long: torch_attention.AttentionPlan  # the other requests, for the torch path
 
 
@@ -298,6 +324,9 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
                    sliding_window: int | None = None,
                    workspace: torch_attention.Workspace | None = None) -> CpuPlan:
+    """Split the batch: short requests for the C kernel (with the bounds it needs, checked
+    here once per step: ValueError for a block table too narrow for its context), the rest
+    planned by the torch backend."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     short, long = [], []
@@ -307,13 +336,29 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
             short.append(i)
         elif q_len > SHORT_MAX_Q_LEN:
             long.append(i)
+    min_id = max_id = 0
+    if short:
+        needed = torch.tensor([-(-lens[i] // block_size) for i in short])
+        if int(needed.max()) > block_tables.shape[1]:
+            raise ValueError(f"a context needs {int(needed.max())} blocks; the block tables have "
+                             f"{block_tables.shape[1]} columns")
+        used = block_tables[short][torch.arange(block_tables.shape[1])[None, :] < needed[:, None]]
+        if used.numel():
+            min_id, max_id = int(used.min()), int(used.max())
+
+    def scored(i: int) -> int:  # query rows x keys the C kernel scores for request i
+        q_len = starts[i + 1] - starts[i]
+        keys = lens[i] if sliding_window is None else min(lens[i], sliding_window + q_len - 1)
+        return q_len * keys
+
     return CpuPlan(
         block_tables=block_tables.to(torch.int32).contiguous(),
         seq_lens=seq_lens.to(torch.int32).contiguous(),
         query_start_loc=query_start_loc.to(torch.int32).contiguous(),
         short_reqs=torch.tensor(short, dtype=torch.int32),
         max_q_len=max((starts[i + 1] - starts[i] for i in short), default=0),
-        max_span=max((lens[i] for i in short), default=0),
+        max_scores=max((scored(i) for i in short), default=0),
+        block_size=block_size, min_block_id=min_id, max_block_id=max_id, num_rows=starts[-1],
         long=torch_attention.plan_attention(block_tables, seq_lens, query_start_loc, block_size,
                                             sliding_window, workspace, only=long),
     )
@@ -330,13 +375,9 @@ def paged_attention(kernels: CpuKernels, query: torch.Tensor, k_cache: torch.Ten
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], sliding_window)
     if out is None:
         out = torch.empty_like(query)
-    if not kernels.supports(query.dtype):  # fp16: everything on the torch path
-        everything = torch_attention.plan_attention(block_tables, seq_lens, query_start_loc,
-                                                    k_cache.shape[1], sliding_window,
-                                                    plan.long.workspace)
-        return torch_attention.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                                               query_start_loc, scale, sliding_window, soft_cap,
-                                               everything, out)
+    if not kernels.supports(query.dtype):
+        raise ValueError(f"the cpu backend supports {sorted(map(str, _DTYPES))}, not {query.dtype} "
+                         "(the worker picks the torch backend for other dtypes)")
     if plan.short_reqs.numel():
         kernels.short_attention(query.contiguous(), k_cache, v_cache, plan, scale, sliding_window,
                                 soft_cap, out)

@@ -19,7 +19,7 @@ CASES = {**MIXES,
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
+def kernels():
     return cpu_attention.CpuKernels()
 
 
@@ -43,8 +43,9 @@ def test_matches_reference(kernels, name, block_size, heads):
 
 
 @pytest.mark.parametrize("sliding_window,soft_cap", [(8, None), (None, 5.0), (20, 3.0), (1, None)])
-def test_window_and_soft_cap(kernels, sliding_window, soft_cap):
-    case = make_case(7, CASES["mixed"], block_size=8)
+@pytest.mark.parametrize("name", ["mixed", "threshold"])  # threshold: multi-row short requests
+def test_window_and_soft_cap(kernels, name, sliding_window, soft_cap):
+    case = make_case(7, CASES[name], block_size=8)
     out, ref = _run(kernels, case, 0.2, sliding_window=sliding_window, soft_cap=soft_cap)
     torch.testing.assert_close(out, ref, **FP32)
 
@@ -57,26 +58,48 @@ def test_bf16_close_to_reference(kernels):
     assert err < 2e-2
 
 
-def test_fp16_takes_the_torch_path(kernels):
+def test_fp16_models_get_the_torch_backend(kernels):
+    assert get_attention_backend("auto", "cpu", torch.float16).name == "torch"
+    assert get_attention_backend("auto", "cpu", torch.bfloat16).name == "cpu"
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        get_attention_backend("cpu", "cpu", torch.float16)
     case = make_case(6, CASES["decode_only"], dtype=torch.float16)
-    out, ref = _run(kernels, case, 0.15)
-    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    with pytest.raises(ValueError, match="torch backend"):
+        _run(kernels, case, 0.15)
 
 
-def test_plan_is_reusable_across_layers_and_threads(kernels):
-    query, k_cache, v_cache, bt, seq_lens, qsl = make_case(11, CASES["many_decodes"])
+def test_plan_is_reusable_across_layers_and_thread_counts(kernels):
+    """5 requests: with 1 thread one work item per request, with 3 one per (request, kv head)."""
+    query, k_cache, v_cache, bt, seq_lens, qsl = make_case(11, CASES["decode_only"], num_kv_heads=4)
     plan = cpu_attention.plan_attention(bt, seq_lens, qsl, k_cache.shape[1])
+    assert cpu_attention.work_splits(5, 4, 1) == 1 and cpu_attention.work_splits(5, 4, 3) == 4
     threads = torch.get_num_threads()
     try:
-        for layer_seed, num_threads in enumerate([1, 2, 3]):  # 1 thread: split by kv head
+        for layer_seed, num_threads in enumerate([1, 3, 2]):
             torch.set_num_threads(num_threads)
             g = torch.Generator().manual_seed(100 + layer_seed)
             k2, v2 = torch.randn(k_cache.shape, generator=g), torch.randn(v_cache.shape, generator=g)
             ref = paged_attention_reference(query, k2, v2, bt, seq_lens, qsl, 0.1)
-            out = cpu_attention.paged_attention(kernels, query, k2, v2, bt, seq_lens, qsl, 0.1, plan=plan)
+            out = torch.full_like(query, float("nan"))
+            cpu_attention.paged_attention(kernels, query, k2, v2, bt, seq_lens, qsl, 0.1, plan=plan, out=out)
             torch.testing.assert_close(out, ref, **FP32)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_bad_block_tables_raise_instead_of_reading_out_of_bounds(kernels):
+    query, k_cache, v_cache, bt, seq_lens, qsl = make_case(4, CASES["decode_only"])
+    for bad_id in (k_cache.shape[0], -1):
+        tables = bt.clone()
+        tables[2, 0] = bad_id
+        with pytest.raises(ValueError, match="block tables name blocks"):
+            cpu_attention.paged_attention(kernels, query, k_cache, v_cache, tables, seq_lens, qsl, 0.1)
+    narrow = bt[:, :1].contiguous()  # request 3 has 100 tokens: 7 blocks of 16
+    with pytest.raises(ValueError, match="needs 7 blocks"):
+        cpu_attention.plan_attention(narrow, seq_lens, qsl, k_cache.shape[1])
+    plan = cpu_attention.plan_attention(bt, seq_lens, qsl, 32)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        cpu_attention.paged_attention(kernels, query, k_cache, v_cache, bt, seq_lens, qsl, 0.1, plan=plan)
 
 
 def test_wrapper_checks_inputs(kernels):

@@ -76,7 +76,7 @@ class ModelRunner:
         cfg = self.model_config
         self.dtype = resolve_dtype(config.dtype, cfg)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.backend = get_attention_backend(config.attention_backend, self.device, self.dtype)
         # scratch memory of the attention backend, kept for the runner's life
         self.plan_attention = functools.partial(self.backend.plan,
                                                 workspace=self.backend.new_workspace())

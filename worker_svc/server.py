@@ -79,6 +79,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.steps.observe(request, output.result.execute_seconds)
             return output.result
 
+    def close(self) -> None:
+        """Stop the step thread (after the gRPC server stopped: no step is running)."""
+        self._step_thread.shutdown(wait=True)
+
     def _publish(self, events: dict[str, list[TokenEvent]]) -> None:
         if not events:
             return
@@ -166,6 +170,7 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
     log.info("worker %s stopping", reg.worker_id)
     registration.stop()  # first, so schedulers stop routing here and re-route what it held
     server.stop(grace=2).wait()
+    servicer.close()
     if metrics is not None:
         metrics.close()
     client.close()
