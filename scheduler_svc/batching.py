@@ -24,58 +24,30 @@ and a step computes as many as the token budget and `max_num_seqs` allow:
    tokens (prompt + outputs, so a preempted request finds its own blocks again if they
    were not evicted): those blocks are shared, and only the rest is computed.
 
-The step carries admitted requests in full (prompt + outputs so far, block table) and
-running ones as diffs (the block ids allocated this step). num_computed_tokens advances
-when the step is built: the worker computes exactly what was scheduled. `update` then
-offers the blocks the step filled to the prefix cache, appends the sampled tokens and
-finishes requests the worker finished.
-
-Parallel sampling (`NewRequest.n > 1`): the parent computes its prompt but the last token,
-then (in `update`, once it has) forks into n children `f"{request_id}/{i}"` that share
-every block (`KVCacheManager.fork`); the parent is forgotten (finished_request_ids) and
-each child goes to the worker as a new request holding the shared table, with
-`child_seed(seed, i)` when the parent had a seed (ids and seeds: proto/parallel.py). A
-child's first step computes the last prompt token into its last block: when that block
-is partly filled and still shared, the child gets a fresh block and the step carries the
-copy (`blocks_to_copy`) -- all but the last child to get there copy; the last one keeps
-the original. Aborting the parent's id aborts the parent before its fork and its
-unfinished children after; a child's id aborts that child alone (before the fork there is
-no such child yet and the abort is ignored: the gateway stops a choice only after its
-first token).
+The step message and `update`: scheduler_svc/step.py. Preemption and `drain`:
+scheduler_svc/preemption.py. Parallel sampling (n > 1): scheduler_svc/fork.py. The
+invariants, checked by `check_integrity`: scheduler_svc/integrity.py.
 
 Calls alternate: schedule() -> (worker runs the step) -> update(); requests may be added
 or aborted at any time, also while a step is in flight.
-
-Invariants (checked by `check_integrity`):
-- every unfinished request is in exactly one of `waiting`, `running` and `swapped`, each
-  sorted by (priority, arrival, request id);
-- a swapped request holds CPU blocks for exactly its computed tokens and no GPU blocks;
-- a waiting request holds no blocks and has num_computed_tokens == 0;
-- a running request's block table covers exactly its computed tokens
-  (cdiv(num_computed_tokens, block_size) blocks), and it has tokens left to compute
-  unless the step that catches it up is in flight;
-- len(running) <= max_num_seqs; load_tokens is the sum of the unfinished requests'
-  tokens; the KV manager's own invariants hold.
 """
 
 import bisect
 from collections.abc import Sequence
 
-import msgspec
-
 from kvstore.kv_cache_manager import KVCacheManager, cdiv
 from proto import worker_pb2
 from proto.messages import NewRequest, TokenEvent
-from proto.parallel import SEPARATOR, child_request_id, child_seed, parent_request_id
+from proto.parallel import SEPARATOR, parent_request_id
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.request import RequestState, RequestStatus, to_pb_sampling
+from scheduler_svc.fork import ForkMixin
+from scheduler_svc.integrity import IntegrityMixin
+from scheduler_svc.preemption import PreemptionMixin
+from scheduler_svc.request import RequestState, RequestStatus, by_sort_key
 from scheduler_svc.stats import SchedulerStats
+from scheduler_svc.step import StepMixin
 
 _RUNNING = RequestStatus.RUNNING
-
-
-def _sort_key(req: RequestState) -> tuple[int, float, str]:
-    return req.sort_key
 
 
 def _target_tokens(req: RequestState) -> int:
@@ -91,7 +63,7 @@ def _may_use_prefix_cache(req: RequestState) -> bool:
     return getattr(req.sampling, "prompt_logprobs", None) is None
 
 
-class BatchScheduler:
+class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
     """Scheduling state for one worker with `num_blocks` KV blocks of `block_size` tokens."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
@@ -225,7 +197,7 @@ class BatchScheduler:
             for child in self._make_children(state):
                 self.add_state(child)
             return None
-        bisect.insort(self.waiting, state, key=_sort_key)
+        bisect.insort(self.waiting, state, key=by_sort_key)
         return None
 
     def _why_impossible(self, req: RequestState) -> str | None:
@@ -346,7 +318,7 @@ class BatchScheduler:
             self._swap_in.extend(pairs)
             self._replaced.add(req.request_id)
             req.status = _RUNNING
-            bisect.insort(running, req, key=_sort_key)
+            bisect.insort(running, req, key=by_sort_key)
             num_seqs += req.n
             scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = ids
@@ -371,7 +343,7 @@ class BatchScheduler:
             if lookup:
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += num_cached
-            bisect.insort(running, req, key=_sort_key)
+            bisect.insort(running, req, key=by_sort_key)
             num_seqs += req.n
             admitted.append(req)
             scheduled[req.request_id] = num_new
@@ -393,262 +365,3 @@ class BatchScheduler:
     def _num_seqs(self) -> int:
         """Sequences running: a parent not forked yet counts as its n children."""
         return sum(req.n for req in self.running)
-
-    def _preempt(self, req: RequestState) -> None:
-        """Preempt a request already removed from `running`: by swap when that is the
-        mode and the CPU swap space has room for its blocks, else by recompute (always for
-        a forked child the worker has not seen yet)."""
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        rid = req.request_id
-        self._copies.pop(rid, None)  # its copy-on-write target goes back to the pool
-        if rid in self._unsent:
-            self._unsent.discard(rid)
-        elif self.config.preemption_mode == "swap" and self.kv.can_swap_out(rid):
-            self._swap_out[rid] = self.kv.swap_out(rid)
-            self._replaced.discard(rid)
-            req.status = RequestStatus.SWAPPED
-            self.num_swapped_out += 1
-            bisect.insort(self.swapped, req, key=_sort_key)
-            return
-        self.kv.free(rid)
-        req.reset_for_recompute()
-        # Back by (priority, arrival): the front of the queue unless a request of higher
-        # priority waits, so it resumes before anything that arrived after it.
-        bisect.insort(self.waiting, req, key=_sort_key)
-        self._finished_ids.append(req.request_id)
-
-    def _build_step(self, scheduled: dict[str, int], new_blocks: dict[str, list[int]],
-                    admitted: list[RequestState]) -> worker_pb2.StepRequest:
-        """The step message; advances num_computed_tokens by what it schedules. Running
-        requests come first in `scheduled`, then the admitted ones."""
-        step = worker_pb2.StepRequest(step_id=self._next_step_id,
-                                      finished_request_ids=self._finished_ids)
-        if self._swap_out:
-            step.swapped_out_request_ids.extend(self._swap_out)
-            for pairs in self._swap_out.values():
-                step.blocks_to_swap_out.extend(worker_pb2.BlockPair(src=s, dst=d) for s, d in pairs)
-            self._swap_out = {}
-        if self._swap_in:
-            step.blocks_to_swap_in.extend(worker_pb2.BlockPair(src=s, dst=d) for s, d in self._swap_in)
-            self._swap_in = []
-        if self._copies:
-            step.blocks_to_copy.extend(worker_pb2.BlockPair(src=s, dst=d)
-                                       for s, d in self._copies.values())
-            self._copies = {}
-        replaced, self._replaced = self._replaced, set()
-        requests, reqs = self._requests, []
-        add_cached = step.cached_requests.add
-        unsent = self._unsent
-        for request_id, num_new in scheduled.items():
-            req = requests[request_id]
-            if request_id not in new_blocks:
-                break  # the admitted ones: below
-            if request_id in unsent:  # a forked child: in full, with its (shared) table
-                unsent.discard(request_id)
-                admitted.append(req)
-                continue
-            if request_id in replaced:  # swapped in (or copied on write): the whole table
-                add_cached(request_id=request_id, new_block_ids=self.kv.block_ids(request_id),
-                           num_computed_tokens=req.num_computed_tokens, replace_block_ids=True)
-            # Every block allocated before this step went out in an earlier step.
-            elif ids := new_blocks[request_id]:
-                add_cached(request_id=request_id, new_block_ids=ids,
-                           num_computed_tokens=req.num_computed_tokens)
-            else:  # (an empty repeated field costs as much as a full one to pass)
-                add_cached(request_id=request_id, num_computed_tokens=req.num_computed_tokens)
-            reqs.append((req, num_new))
-            req.num_computed_tokens += num_new
-        for req in admitted:
-            num_new = scheduled[req.request_id]
-            step.new_requests.add(
-                request_id=req.request_id, token_ids=req.token_ids,
-                num_prompt_tokens=req.num_prompt_tokens,
-                block_ids=self.kv.block_ids(req.request_id),
-                num_computed_tokens=req.num_computed_tokens,
-                sampling=to_pb_sampling(req.sampling), reply_channel=req.reply_channel)
-            reqs.append((req, num_new))
-            req.num_computed_tokens += num_new
-        step.num_scheduled_tokens.update(scheduled)
-        self._finished_ids = []
-        self._next_step_id += 1
-        self._in_flight = step
-        self._in_flight_reqs = reqs
-        return step
-
-    def update(self, step: worker_pb2.StepRequest,
-               result: worker_pb2.StepResult) -> list[RequestState]:
-        """Apply the worker's result of `step` (the one schedule() returned last).
-
-        Appends each sampled token; a non-empty finish_reason finishes the request (the
-        worker applied the stop rule), freeing its blocks. Tokens of requests aborted while
-        the step was in flight are ignored. Returns the requests finished here.
-        Raises ValueError, changing nothing, when the result breaks the step contract.
-        """
-        if self._in_flight is None or step.step_id != self._in_flight.step_id:
-            raise ValueError(f"step {step.step_id} is not the step in flight")
-        if result.step_id != step.step_id:
-            raise ValueError(f"result of step {result.step_id} given for step {step.step_id}")
-        sampled = {s.request_id: s for s in result.sampled}
-        if len(sampled) != len(result.sampled):
-            raise ValueError(f"step {step.step_id}: a request sampled twice")
-        in_flight = self._in_flight_reqs
-        if unscheduled := [rid for rid in sampled if rid not in step.num_scheduled_tokens]:
-            raise ValueError(
-                f"step {step.step_id}: tokens for unscheduled requests {sorted(unscheduled)}")
-        # Requests aborted while the step was in flight are FINISHED: their tokens are dropped.
-        live = [(req, n) for req, n in in_flight if req.status is _RUNNING]
-        for req, _ in live:
-            # The worker samples exactly when the step catches a request up.
-            caught_up = req.num_computed_tokens == len(req.token_ids)
-            if caught_up != (req.request_id in sampled):
-                raise ValueError(
-                    f"step {step.step_id}: request {req.request_id} "
-                    f"{'needs' if caught_up else 'must not get'} a sampled token "
-                    f"({req.num_computed_tokens} of {req.num_tokens} tokens computed)")
-
-        self._in_flight = None
-        self._in_flight_reqs = []
-        caching, bs = self.kv.enable_prefix_caching, self.kv.block_size
-        finished = []
-        for req, n in live:  # in step order, so finished requests come back in order
-            computed = req.num_computed_tokens
-            if caching and computed % bs < n:  # the step filled a block
-                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.block_hashes, computed)
-            token = sampled.get(req.request_id)
-            if token is None:
-                if req.n > 1 and computed == req.num_prompt_tokens - 1:
-                    self._fork(req)
-                continue
-            req.token_ids.append(token.token_id)
-            self._load_tokens += 1
-            if token.finish_reason:
-                self._finish(req, token.finish_reason)
-                finished.append(req)
-        return finished
-
-    def _make_children(self, parent: RequestState) -> list[RequestState]:
-        seed = parent.sampling.seed
-        return [RequestState(
-            request_id=child_request_id(parent.request_id, i), token_ids=list(parent.token_ids),
-            num_prompt_tokens=parent.num_prompt_tokens,
-            sampling=(parent.sampling if seed is None
-                      else msgspec.structs.replace(parent.sampling, seed=child_seed(seed, i))),
-            reply_channel=parent.reply_channel, arrival_time=parent.arrival_time,
-            priority=parent.priority, num_computed_tokens=parent.num_computed_tokens,
-            status=parent.status, block_hashes=list(parent.block_hashes),
-            parent_id=parent.request_id) for i in range(parent.n)]
-
-    def _fork(self, parent: RequestState) -> None:
-        """Replace a running parent that computed all of its prompt but the last token by
-        its n children, sharing its blocks; the worker forgets the parent."""
-        pid = parent.request_id
-        children = self._make_children(parent)
-        self.running.remove(parent)
-        del self._requests[pid]
-        for child in children:
-            self.kv.fork(pid, child.request_id)
-            self._requests[child.request_id] = child
-            self._unsent.add(child.request_id)
-            bisect.insort(self.running, child, key=_sort_key)
-        self.kv.free(pid)
-        self._children[pid] = {child.request_id for child in children}
-        self._load_tokens += (len(children) - 1) * parent.num_tokens
-        parent.status = RequestStatus.FINISHED
-        self._finished_ids.append(pid)
-        self.num_forks += len(children)
-
-    def _forget_child(self, req: RequestState) -> None:
-        if req.parent_id is not None and (siblings := self._children.get(req.parent_id)):
-            siblings.discard(req.request_id)
-            if not siblings:
-                del self._children[req.parent_id]
-
-    def has_children(self, parent_id: str) -> bool:
-        """True while some child forked from `parent_id` is unfinished here."""
-        return bool(self._children.get(parent_id))
-
-    def _finish(self, req: RequestState, reason: str) -> None:
-        self._forget_child(req)
-        self.running.remove(req)
-        del self._requests[req.request_id]
-        self._load_tokens -= req.num_tokens
-        self.kv.free(req.request_id)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason  # type: ignore[assignment]  # the worker's "stop" / "length"
-        self._finished_ids.append(req.request_id)
-
-    # -- worker loss ---------------------------------------------------------------------
-
-    def drain(self) -> list[RequestState]:
-        """Remove and return every unfinished request, in (priority, arrival) order, reset
-        to recompute elsewhere (`add_state` on another scheduler); frees every block and
-        forgets the step in flight. Tokens that step sampled are lost and will be sampled
-        again, so the gateway may see an output index twice.
-
-        If this worker is used again, the next step tells it to forget the drained requests.
-        """
-        states = sorted(self.waiting + self.running + self.swapped, key=_sort_key)
-        for req in self.running + self.swapped:
-            self.kv.free(req.request_id)
-            self._finished_ids.append(req.request_id)
-        for req in states:
-            req.reset_for_recompute()
-        self.waiting, self.running, self.swapped = [], [], []
-        self._swap_out, self._swap_in, self._copies, self._replaced = {}, [], {}, set()
-        self._unsent, self._children = set(), {}  # children re-route as n == 1 requests
-        self._requests.clear()
-        self._load_tokens = 0
-        self._in_flight = None
-        self._in_flight_reqs = []
-        return states
-
-    # -- self-check ----------------------------------------------------------------------
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError with a clear message unless every invariant in the module
-        docstring holds."""
-        self.kv.check_integrity()
-        waiting_ids = [req.request_id for req in self.waiting]
-        running_ids = [req.request_id for req in self.running]
-        swapped_ids = [req.request_id for req in self.swapped]
-        assert not set(waiting_ids) & set(running_ids), (
-            f"requests both waiting and running: {set(waiting_ids) & set(running_ids)}")
-        assert sorted(waiting_ids + running_ids + swapped_ids) == sorted(self._requests), (
-            "waiting + running + swapped differ from the unfinished requests")
-        assert self.swapped == sorted(self.swapped, key=_sort_key), "swapped is out of order"
-        for req in self.swapped:
-            rid = req.request_id
-            assert req.status is RequestStatus.SWAPPED, f"swapped {rid} is {req.status}"
-            assert not self.kv.block_ids(rid), f"swapped {rid} holds GPU blocks"
-            assert self.kv.num_swapped_blocks(rid) == cdiv(req.num_computed_tokens, self.kv.block_size), (
-                f"swapped {rid} holds {self.kv.num_swapped_blocks(rid)} CPU blocks for "
-                f"{req.num_computed_tokens} computed tokens")
-        total = sum(req.num_tokens for req in self._requests.values())
-        assert self._load_tokens == total, f"load_tokens {self._load_tokens} != {total}"
-        assert self.waiting == sorted(self.waiting, key=_sort_key), "waiting is out of order"
-        assert self.running == sorted(self.running, key=_sort_key), "running is out of order"
-        assert self._num_seqs() <= self.config.max_num_seqs, (
-            f"{self._num_seqs()} sequences running > max_num_seqs {self.config.max_num_seqs}")
-        assert self._unsent <= set(running_ids), f"unsent children not running: {self._unsent}"
-        assert self._copies.keys() <= self._unsent, "a copy-on-write for a request already sent"
-        for parent_id, children in self._children.items():
-            assert children and children <= self._requests.keys(), (
-                f"parent {parent_id}: children {children} not all unfinished here")
-        for req in self.waiting:
-            assert req.status is RequestStatus.WAITING, f"waiting {req.request_id} is {req.status}"
-            assert req.num_computed_tokens == 0, f"waiting {req.request_id} has computed tokens"
-            assert not self.kv.block_ids(req.request_id), f"waiting {req.request_id} holds blocks"
-        in_flight = self._in_flight.num_scheduled_tokens if self._in_flight else {}
-        for req in self.running:
-            rid = req.request_id
-            assert req.status is RequestStatus.RUNNING, f"running {rid} is {req.status}"
-            num_blocks = len(self.kv.block_ids(rid))
-            assert num_blocks == cdiv(req.num_computed_tokens, self.kv.block_size), (
-                f"running {rid} holds {num_blocks} blocks for {req.num_computed_tokens} "
-                f"computed tokens (block size {self.kv.block_size})")
-            lacking = req.num_tokens - req.num_computed_tokens
-            assert lacking > 0 or (lacking == 0 and rid in in_flight), (
-                f"running {rid} has {req.num_computed_tokens} of {req.num_tokens} tokens computed")
-        assert set(self.kv.request_ids()) <= set(running_ids), (
-            f"blocks held by requests not running: {set(self.kv.request_ids()) - set(running_ids)}")

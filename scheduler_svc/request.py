@@ -90,6 +90,11 @@ class RequestState:
         self.status = RequestStatus.WAITING
 
 
+def by_sort_key(req: RequestState) -> tuple[int, float, str]:
+    """`req.sort_key`: the key the scheduler's queues are sorted by (bisect, sorted)."""
+    return req.sort_key
+
+
 def to_pb_sampling(params: SamplingParams) -> worker_pb2.SamplingParams:
     """msgspec SamplingParams (Redis side) -> protobuf SamplingParams (gRPC side)."""
     pb = worker_pb2.SamplingParams(
