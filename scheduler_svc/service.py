@@ -8,6 +8,9 @@ Three kinds of task share one asyncio loop:
     its own step loop, a vanished one is retired and its requests re-routed;
   * `_step_loop` (one per worker) — schedule() → gRPC Step → update(), XACKing finished
     requests. Only this loop drains its worker, so a step in flight is never torn apart.
+
+Worker discovery, joining, retiring and re-routing a lost worker's requests:
+scheduler_svc/workers.py (WorkerHandle, WorkersMixin).
 """
 
 from __future__ import annotations
@@ -24,17 +27,15 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from proto import worker_pb2, worker_pb2_grpc
 from proto.keys import SCHEDULER_GROUP, STREAM_FIELD, RedisKeys
-from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistration,
-                            registration_decoder, stream_decoder, stream_encoder)
+from proto.messages import AbortRequest, NewRequest, TokenEvent, stream_decoder, stream_encoder
 from proto.parallel import parent_request_id
-from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.metrics import SchedulerMetrics, WorkerRecorder
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import RequestState
 from scheduler_svc.stats import worker_stats
 from scheduler_svc.routing import pick_worker
+from scheduler_svc.workers import WorkerHandle, WorkersMixin
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -57,24 +58,7 @@ class SchedulerServiceConfig:
     metrics_port: int = 0  # /metrics (scheduler_svc/metrics.py) on this port; 0 = none
 
 
-@dataclass
-class WorkerHandle:
-    registration: WorkerRegistration
-    scheduler: BatchScheduler
-    channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.WorkerStub
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    retiring: bool = False
-    stats_at: float = 0.0  # time.monotonic() of the last WorkerStats written
-    recorder: WorkerRecorder = field(default_factory=WorkerRecorder)  # request and step histograms
-    task: asyncio.Task | None = None
-
-    @property
-    def worker_id(self) -> str:
-        return self.registration.worker_id
-
-
-class SchedulerService:
+class SchedulerService(WorkersMixin):
     def __init__(self, config: SchedulerServiceConfig):
         self.config = config
         self.keys = RedisKeys(config.key_prefix)
@@ -237,57 +221,6 @@ class SchedulerService:
 
     # ---- workers ---------------------------------------------------------------------
 
-    async def _live_registrations(self) -> dict[str, WorkerRegistration]:
-        ids = sorted(m.decode() for m in await self.redis.smembers(self.keys.workers))
-        values = await self.redis.mget([self.keys.worker(i) for i in ids]) if ids else []
-        live = {}
-        for worker_id, raw in zip(ids, values):
-            if raw is None:  # its heartbeat expired: forget it for good
-                await self.redis.srem(self.keys.workers, worker_id)
-            else:
-                live[worker_id] = registration_decoder.decode(raw)
-        return live
-
-    async def _discover_workers(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(self.config.discovery_interval_s)
-            await self._refresh_workers()
-
-    async def _refresh_workers(self) -> None:
-        try:
-            live = await self._live_registrations()
-        except aioredis.RedisError as exc:
-            log.warning("worker discovery failed: %s", exc)
-            return
-        for worker_id, handle in list(self.workers.items()):
-            if worker_id not in live or live[worker_id].started_at != handle.registration.started_at:
-                self._retire(handle, "its registration is gone")
-        now = time.monotonic()
-        self.retired = {k: t for k, t in self.retired.items() if t > now}
-        for worker_id, reg in live.items():
-            if worker_id not in self.workers and (worker_id, reg.started_at) not in self.retired:
-                await self._add_worker(reg)
-
-    async def _add_worker(self, reg: WorkerRegistration) -> None:
-        channel = grpc.aio.insecure_channel(reg.address, options=[
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        try:
-            info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=5)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("worker %s at %s does not answer: %s", reg.worker_id, reg.address, exc.code())
-            await channel.close()
-            return
-        scheduler = BatchScheduler(self.config.batching, num_blocks=info.num_blocks,
-                                   block_size=info.block_size, max_model_len=info.max_model_len,
-                                   num_cpu_blocks=info.num_cpu_blocks)
-        handle = WorkerHandle(reg, scheduler, channel, stub)
-        self.workers[reg.worker_id] = handle
-        handle.task = asyncio.create_task(self._step_loop(handle), name=f"steps-{reg.worker_id}")
-        log.info("worker %s joined (%s, %d blocks)", reg.worker_id, reg.address, info.num_blocks)
-        pending, self.unassigned = self.unassigned, []
-        await self._route_all(pending)
-
     async def _route_all(self, items: list[NewRequest | RequestState]) -> None:
         """Route each in turn; those not routed yet count as unfinished children meanwhile
         (so a sibling that fails to route does not finish its parent's entry early)."""
@@ -299,12 +232,6 @@ class SchedulerService:
         finally:
             for item in items:
                 self._untransit(item)
-
-    def _retire(self, handle: WorkerHandle, why: str) -> None:
-        if not handle.retiring:
-            log.warning("retiring worker %s: %s", handle.worker_id, why)
-            handle.retiring = True
-            handle.wake.set()
 
     async def _step_loop(self, handle: WorkerHandle) -> None:
         try:
@@ -353,43 +280,6 @@ class SchedulerService:
                     await self._maybe_finish_parent(state.parent_id)
             if time.monotonic() - handle.stats_at >= self.config.idle_stats_interval_s:
                 await self._write_stats(handle, check=False)  # under load too, about once a second
-
-    async def _evacuate(self, handle: WorkerHandle) -> None:
-        """Move a retired worker's unfinished requests to live workers (they recompute)."""
-        if self.workers.get(handle.worker_id) is handle:
-            del self.workers[handle.worker_id]
-            self.metrics.forget_worker(handle.worker_id)
-        self.retired[(handle.worker_id, handle.registration.started_at)] = (
-            time.monotonic() + self.config.retired_retry_s)
-        try:
-            await handle.channel.close()
-        except Exception as exc:
-            log.warning("closing the channel to worker %s: %s", handle.worker_id, exc)
-        states = handle.scheduler.drain()
-        self.in_transit.extend(states)
-        try:
-            for state in states:
-                if not self._untransit(state):  # aborted while an earlier one was handled
-                    continue
-                self.owner.pop(state.request_id, None)
-                count = self.reroutes.get(state.request_id, 0) + 1
-                self.reroutes[state.request_id] = count
-                if count > self.config.max_reroutes:
-                    event = TokenEvent(state.request_id, index=len(state.token_ids) - state.num_prompt_tokens,
-                                       finish_reason="error",
-                                       error=f"request lost its worker {count} times; giving up")
-                    try:
-                        await self._publish(state.reply_channel, event)
-                    except aioredis.RedisError as exc:
-                        log.warning("could not tell %s it failed: %s", state.request_id, exc)
-                    await self._finish(state.request_id)
-                    if state.parent_id is not None:
-                        await self._maybe_finish_parent(state.parent_id)
-                else:
-                    await self._route(state)
-        finally:
-            for state in states:
-                self._untransit(state)
 
     def _untransit(self, item: NewRequest | RequestState) -> bool:
         """Take `item` out of `in_transit`; False if it was not there (an abort took it)."""
