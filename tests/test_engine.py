@@ -3,37 +3,17 @@
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from compose.engine import EngineConfig, InProcessEngine
+from engine_helpers import Collector, serve_on_thread
 from proto.messages import NewRequest, SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from tests.stack_helpers import metric, scrape
 from worker_svc.config import RunnerConfig
-
-
-class Collector:
-    def __init__(self, expected: int):
-        self.tokens: dict[str, dict[int, int]] = {}
-        self.finished: dict[str, str] = {}
-        self.expected = expected
-        self.done = threading.Event()
-        self.lock = threading.Lock()
-
-    def __call__(self, events):
-        with self.lock:
-            for batch in events.values():
-                for e in batch:
-                    for i, t in enumerate(e.token_ids):
-                        self.tokens.setdefault(e.request_id, {})[e.index + i] = t
-                    if e.finish_reason:
-                        self.finished[e.request_id] = e.finish_reason
-            if len(self.finished) >= self.expected:
-                self.done.set()
 
 
 def test_engine_greedy_equals_transformers_under_preemption(tiny_model_dir):
@@ -43,17 +23,10 @@ def test_engine_greedy_equals_transformers_under_preemption(tiny_model_dir):
     engine = InProcessEngine(EngineConfig(
         runner=RunnerConfig(model=str(tiny_model_dir), num_blocks=24),
         batching=SchedulerConfig(max_num_batched_tokens=40)), sink)
-    engine.start()
-    try:
-        for i, (prompt, max_tokens) in enumerate(cases):
-            engine.submit(NewRequest(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                                     reply_channel="c", arrival_time=time.time()))
-        assert sink.done.wait(timeout=120), f"finished {len(sink.finished)} of {len(cases)}"
-        deadline = time.monotonic() + 10
-        while engine.scheduler.has_work() and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        engine.stop()
+    serve_on_thread(engine, sink, [
+        NewRequest(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                   reply_channel="c", arrival_time=time.time())
+        for i, (prompt, max_tokens) in enumerate(cases)])
     assert engine.scheduler.num_preemptions >= 1
     engine.scheduler.check_integrity()
     assert engine.scheduler.kv.num_free_blocks == 24

@@ -11,7 +11,6 @@ import torch
 
 from kvstore.kv_cache_manager import KVCacheManager
 from proto.messages import NewRequest, SamplingParams
-from scheduler_svc.request import RequestStatus
 from test_scheduler import Harness, make_request, reference_outputs, scheduled
 
 
@@ -214,29 +213,12 @@ def test_children_under_preemption_finish_with_reference_outputs(mode, num_cpu_b
 
 # -- the real model ---------------------------------------------------------------------
 
-def run_engine(engine, sink, requests):
-    """Drive the engine's scheduler and runner on this thread; returns the peak used blocks."""
-    for req in requests:
-        engine.submit(req)
-    engine._drain_inbox()
-    sched, peak = engine.scheduler, 0
-    while sched.has_work():
-        step = sched.schedule()
-        assert step is not None
-        out = engine.runner.step(step)
-        sink(out.events)
-        sched.update(step, out.result)
-        sched.check_integrity()
-        peak = max(peak, sched.kv.num_blocks - sched.kv.num_free_blocks)
-    return peak
-
-
 def test_engine_n4_greedy_equals_transformers_and_shares_blocks(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from compose.engine import EngineConfig, InProcessEngine
     from scheduler_svc.config import SchedulerConfig
-    from test_engine import Collector
+    from engine_helpers import Collector, run_engine
     from worker_svc.config import RunnerConfig
 
     prompt, max_tokens = [(13 * i + 5) % 800 + 3 for i in range(45)], 12
@@ -271,7 +253,7 @@ def test_engine_n4_greedy_equals_transformers_and_shares_blocks(tiny_model_dir):
 
 def test_engine_n_seeded_children_get_their_own_streams(tiny_model_dir):
     from compose.engine import EngineConfig, InProcessEngine
-    from test_engine import Collector
+    from engine_helpers import Collector, run_engine
     from worker_svc.config import RunnerConfig
 
     prompt = [(7 * i + 2) % 800 + 3 for i in range(20)]

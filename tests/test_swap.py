@@ -223,7 +223,7 @@ def test_engine_greedy_equals_transformers_with_swaps(tiny_model_dir):
 
     from compose.engine import EngineConfig, InProcessEngine
     from proto.messages import NewRequest, SamplingParams
-    from test_engine import Collector
+    from engine_helpers import Collector, serve_on_thread
     from worker_svc.config import RunnerConfig
 
     rng = random.Random(2)
@@ -234,17 +234,10 @@ def test_engine_greedy_equals_transformers_with_swaps(tiny_model_dir):
         runner=RunnerConfig(model=str(tiny_model_dir), num_blocks=16, num_cpu_blocks=64),
         batching=SchedulerConfig(max_num_batched_tokens=48, preemption_mode="swap")), sink)
     assert engine.info.num_cpu_blocks == 64
-    engine.start()
-    try:
-        for i, (prompt, max_tokens) in enumerate(cases):
-            engine.submit(NewRequest(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                                     reply_channel="c", arrival_time=time.time()))
-        assert sink.done.wait(timeout=120), f"finished {len(sink.finished)} of {len(cases)}"
-        deadline = time.monotonic() + 10
-        while engine.scheduler.has_work() and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        engine.stop()
+    serve_on_thread(engine, sink, [
+        NewRequest(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                   reply_channel="c", arrival_time=time.time())
+        for i, (prompt, max_tokens) in enumerate(cases)])
     sched = engine.scheduler
     assert sched.num_swapped_out >= 1, "no swap happened"
     sched.check_integrity()
@@ -265,8 +258,7 @@ def test_engine_seeded_sampling_unchanged_by_swaps(tiny_model_dir):
     same tokens as a run with room for everything (recompute would restart the stream)."""
     from compose.engine import EngineConfig, InProcessEngine
     from proto.messages import NewRequest, SamplingParams
-    from test_engine import Collector
-    from test_fork import run_engine
+    from engine_helpers import Collector, run_engine
     from worker_svc.config import RunnerConfig
 
     rng = random.Random(3)
