@@ -5,8 +5,9 @@ the runner, events straight back to the caller. Tests use it to check scheduling
 real model quickly, and `bench/` uses it as the yardstick for what the service split
 costs (the same cores, minus the transport).
 
-The engine runs its loop on one background thread (so the caller's asyncio loop stays free
-for HTTP); submissions and aborts cross over through a lock-protected inbox, events go out
+The engine loads the model and runs its loop on one background thread, the same one
+(worker_svc/compute_thread.py says why), so the caller's asyncio loop stays free for HTTP;
+submissions and aborts cross over through a lock-protected inbox, events go out
 through a callback the caller supplies (`on_events`, called on the engine thread).
 """
 
@@ -16,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from proto.messages import NewRequest, TokenEvent, WorkerStats
@@ -23,6 +25,7 @@ from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.metrics import WorkerRecorder
 from scheduler_svc.stats import worker_stats
+from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
 
@@ -41,7 +44,12 @@ class EngineConfig:
 
 class InProcessEngine:
     def __init__(self, config: EngineConfig, on_events: EventSink):
-        self.runner = ModelRunner(config.runner, worker_id="in-process")
+        self._compute = ComputeThread("engine")
+        try:
+            self.runner = self._compute.call(ModelRunner, config.runner, worker_id="in-process")
+        except BaseException:
+            self._compute.close()
+            raise
         info = self.runner.describe()
         self.info = info
         self.scheduler = BatchScheduler(config.batching, num_blocks=info.num_blocks,
@@ -52,7 +60,7 @@ class InProcessEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._loop: Future | None = None  # the engine loop, once started
         self.stats: WorkerStats | None = None  # refreshed on the engine thread, read anywhere
         self.recorder = WorkerRecorder()  # request phases and steps, in stats as the service's
         self._stats_at = 0.0
@@ -60,12 +68,12 @@ class InProcessEngine:
     # ---- called from any thread ------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop = self._compute.submit(self._run)
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=30)
+        self._compute.close(timeout=30)
 
     def submit(self, request: NewRequest) -> None:
         with self._lock:
@@ -131,8 +139,8 @@ class InProcessEngine:
         self.recorder.stepped(self.scheduler, step, output.result, finished)
 
     def is_alive(self) -> bool:
-        """True while the engine thread runs."""
-        return self._thread.is_alive()
+        """True while the engine loop runs."""
+        return self._loop is not None and not self._loop.done()
 
     def _fail(self, states, message: str) -> None:
         events: dict[str, list[TokenEvent]] = {}

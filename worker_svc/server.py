@@ -25,6 +25,7 @@ from proto import worker_pb2, worker_pb2_grpc
 from proto.keys import RedisKeys
 from proto.messages import TokenEvent, WorkerRegistration, stream_encoder
 from proto.metrics import StepCollector, StepRecorder, serve_metrics
+from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
 
@@ -48,16 +49,14 @@ class WorkerServiceConfig:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serialises Steps (the runner holds one batch state) and publishes their events.
 
-    Every step runs on one dedicated thread, whichever gRPC thread received it: torch's
-    OpenMP runtime keeps a team of compute threads per calling thread, so steps hopping
-    between the gRPC pool's threads would keep several teams alive, spinning against each
-    other for the same cores."""
+    Every step runs on the compute thread that loaded the runner, whichever gRPC thread
+    received it (worker_svc/compute_thread.py says why)."""
 
-    def __init__(self, runner: ModelRunner, publisher: redis.Redis):
+    def __init__(self, runner: ModelRunner, compute: ComputeThread, publisher: redis.Redis):
         self._runner = runner
+        self._compute = compute
         self._publisher = publisher
         self._lock = threading.Lock()
-        self._step_thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self.steps = StepRecorder()
 
     def Describe(self, request, context):
@@ -70,7 +69,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         with self._lock:
             start = time.perf_counter()
             try:
-                output = self._step_thread.submit(self._runner.step, request).result()
+                output = self._compute.call(self._runner.step, request)
             except Exception as exc:  # a bad step must not kill the server; the scheduler decides
                 log.exception("step %d failed", request.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")
@@ -80,8 +79,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return output.result
 
     def close(self) -> None:
-        """Stop the step thread (after the gRPC server stopped: no step is running)."""
-        self._step_thread.shutdown(wait=True)
+        """Stop the compute thread (after the gRPC server stopped: no step is running)."""
+        self._compute.close()
 
     def _publish(self, events: dict[str, list[TokenEvent]]) -> None:
         if not events:
@@ -134,7 +133,12 @@ class Registration:
 def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
           stop: threading.Event | None = None) -> None:
     """Load the model, start gRPC, register; run until SIGTERM/SIGINT (or `stop` is set)."""
-    runner = ModelRunner(config.runner, worker_id=config.worker_id)
+    compute = ComputeThread("step")
+    try:
+        runner = compute.call(ModelRunner, config.runner, worker_id=config.worker_id)
+    except BaseException:
+        compute.close()
+        raise
     info = runner.describe()
     client = redis.Redis.from_url(config.redis_url)
     server = grpc.server(
@@ -142,7 +146,7 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
         options=[("grpc.max_receive_message_length", 64 << 20),
                  ("grpc.max_send_message_length", 64 << 20)],
     )
-    servicer = WorkerServicer(runner, client)
+    servicer = WorkerServicer(runner, compute, client)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     server.start()
