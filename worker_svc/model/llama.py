@@ -34,14 +34,14 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # shared by all layers; not a submodule (no weights)
         self.backend = backend
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionMetadata,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """`rope`: the step's RotaryEmbedding.tables, shared by every layer."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = self.rotary.rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         self.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         out = self.backend.paged_attention(
             q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
@@ -57,8 +57,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
-    def forward(self, positions, h, attn, k_cache, v_cache):
-        h = h + self.self_attn(positions, self.input_layernorm(h), attn, k_cache, v_cache)
+    def forward(self, rope, h, attn, k_cache, v_cache):
+        h = h + self.self_attn(rope, self.input_layernorm(h), attn, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -92,8 +92,9 @@ class LlamaForCausalLM(nn.Module):
         """Logits [S, vocab] of the rows `logits_indices`; kv_caches = (K per layer, V per layer)."""
         k_caches, v_caches = kv_caches
         h = self.model.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
-            h = layer(positions, h, attn, k_cache, v_cache)
+            h = layer(rope, h, attn, k_cache, v_cache)
         # The final norm is per row, so it may follow the row selection.
         return self.lm_head(self.model.norm(h.index_select(0, logits_indices)))
 
