@@ -2,13 +2,14 @@
 
     python bench/ttft.py --model-dir models/small --num-requests 20 --input-mean 256
 
-1. In process: ModelRunner.step on each prompt alone (the prefill that samples the first
-   token; no scheduler, gateway, Redis or gRPC in the timing), median over the prompts.
-2. The full stack (`pagedserve up` as compose.launcher.Stack starts it: redis-server,
-   worker, scheduler, gateway), one request at a time with bench/serve.py (streaming, the
-   same token-id prompts): median TTFT as the client sees it.
-The ratio (2) / (1) is what the services add to a lone request's first token; the
-issue's target is at most 1.2. Writes JSON with --out.
+For each prompt in turn, interleaved so that both sides see the machine in the same state:
+1. in this process, ModelRunner.step on the prompt alone (the prefill that samples the
+   first token; no scheduler, gateway, Redis or gRPC in the timing);
+2. the same prompt through the full stack (`pagedserve up` as compose.launcher.Stack starts
+   it: redis-server, worker, scheduler, gateway), streamed by bench/serve.py's client: TTFT
+   as the client sees it.
+The ratio of the medians, (2) / (1), is what the services add to a lone request's first
+token; the issue's target is at most 1.2. Writes JSON with --out.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -36,26 +39,49 @@ sys.path.append(str(ROOT / "bench"))  # after ROOT: bench/kernels.py must not sh
 import serve  # noqa: E402
 from workloads import WorkloadSpec, make_workload  # noqa: E402
 
+SETTLE_S = 0.05  # between the two sides: the idle side's OpenMP threads stop spinning
 
-def in_process_prefill(model_dir: str, prompts: list[list[int]]) -> list[float]:
-    """Seconds of the one ModelRunner.step that prefills each prompt and samples."""
-    runner = ModelRunner(RunnerConfig(model=model_dir))
-    info = runner.describe()
-    times = []
-    for i, prompt in enumerate([prompts[0], *prompts]):  # the first one warms up
+
+class InProcessPrefill:
+    """Seconds of the one ModelRunner.step that prefills a prompt alone and samples."""
+
+    def __init__(self, model_dir: str):
+        self.runner = ModelRunner(RunnerConfig(model=model_dir))
+        self.info = self.runner.describe()
+        self.count = 0
+
+    def __call__(self, prompt: list[int]) -> float:
+        info = self.info
         scheduler = BatchScheduler(SchedulerConfig(enable_prefix_caching=False),
                                    num_blocks=info.num_blocks, block_size=info.block_size,
                                    max_model_len=info.max_model_len, num_cpu_blocks=0)
-        scheduler.add_request(NewRequest(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0),
+        self.count += 1
+        scheduler.add_request(NewRequest(f"p{self.count}", prompt, SamplingParams(max_tokens=1, temperature=0),
                                          "ttft", time.time()))
         step = scheduler.schedule()
         if sum(step.num_scheduled_tokens.values()) != len(prompt):
             raise SystemExit("a prompt does not fit one step's token budget: shorten --input-mean")
         start = time.perf_counter()
-        runner.step(step)
-        times.append(time.perf_counter() - start)
-        runner.requests.clear()
-    return times[1:]
+        self.runner.step(step)
+        seconds = time.perf_counter() - start
+        self.runner.requests.clear()
+        return seconds
+
+
+async def interleaved(prefill: InProcessPrefill, stack: Stack, model_dir: str,
+                      prompts: list[list[int]]) -> tuple[list[float], list[float]]:
+    args = serve.build_parser().parse_args(["--model", stack.served_model_name, "--tokenizer", model_dir])
+    in_process, served = [], []
+    async with httpx.AsyncClient(base_url=stack.base_url + "/", timeout=600) as client:
+        for i, prompt in enumerate(prompts):
+            in_process.append(prefill(prompt))
+            await asyncio.sleep(SETTLE_S)
+            result = await serve.one(client, args, prompt, len(prompt), 2)
+            if result.error is not None:
+                raise SystemExit(f"request {i} failed: {result.error}")
+            served.append(result.ttft_s)
+            await asyncio.sleep(SETTLE_S)
+    return in_process, served
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,31 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=20)
     p.add_argument("--input-mean", type=int, default=256)
     p.add_argument("--spread", type=float, default=0.0)
+    p.add_argument("--warmup", type=int, default=2, help="pairs run first and not counted")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    spec = WorkloadSpec(num_requests=args.num_requests, input_mean=args.input_mean, output_mean=2,
-                        spread=args.spread, seed=args.seed)
+    spec = WorkloadSpec(num_requests=args.warmup + args.num_requests, input_mean=args.input_mean,
+                        output_mean=2, spread=args.spread, seed=args.seed)
     prompts = [ids for ids, _ in make_workload(spec, args.model_dir)]
-    prefill = in_process_prefill(args.model_dir, prompts)
-
+    prefill = InProcessPrefill(args.model_dir)
     port = free_port()
     with tempfile.TemporaryDirectory() as run_dir, \
             Stack(StackConfig(model=args.model_dir, port=port, run_dir=Path(run_dir))) as stack:
-        common = ["--base-url", stack.base_url, "--model", stack.served_model_name,
-                  "--tokenizer", args.model_dir, "--concurrency", "1", "--quiet"]
-        asyncio.run(serve.run(serve.build_parser().parse_args(
-            [*common, "--num-requests", "2", "--output-mean", "2"])))  # warm-up
-        served = asyncio.run(serve.run(serve.build_parser().parse_args(
-            [*common, "--num-requests", str(args.num_requests), "--input-mean", str(args.input_mean),
-             "--output-mean", "2", "--spread", str(args.spread), "--seed", str(args.seed)])))
-    if served["failed"]:
-        raise SystemExit(f"{served['failed']} requests failed: {served['errors']}")
+        in_process, served = asyncio.run(interleaved(prefill, stack, args.model_dir, prompts))
+    in_process, served = in_process[args.warmup:], served[args.warmup:]
     result = {
         "num_requests": args.num_requests, "input_mean": args.input_mean,
-        "in_process_prefill_ms": {"p50": statistics.median(prefill) * 1e3,
-                                  "min": min(prefill) * 1e3, "max": max(prefill) * 1e3},
-        "stack_ttft_ms": {k: v * 1e3 for k, v in served["ttft_s"].items()},
+        "in_process_prefill_ms": {"p50": statistics.median(in_process) * 1e3,
+                                  "min": min(in_process) * 1e3, "max": max(in_process) * 1e3},
+        "stack_ttft_ms": {k: v * 1e3 for k, v in serve.percentiles(served).items()},
     }
     result["ratio_p50"] = result["stack_ttft_ms"]["p50"] / result["in_process_prefill_ms"]["p50"]
     print(f"{args.num_requests} prompts of ~{args.input_mean} tokens, one at a time: in-process "
