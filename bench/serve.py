@@ -60,7 +60,9 @@ async def one(client: httpx.AsyncClient, args, prompt, num_prompt_tokens: int, m
         body["return_token_ids"] = True
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "completions", content=msgspec.json.encode(body)) as response:
+        async with client.stream("POST", "completions", content=msgspec.json.encode(body),
+                                 headers={"Authorization": f"Bearer {args.api_key}",
+                                          "Content-Type": "application/json"}) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 raise RuntimeError(f"HTTP {response.status_code}: {text[:200]}")
@@ -79,7 +81,9 @@ async def one(client: httpx.AsyncClient, args, prompt, num_prompt_tokens: int, m
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     result.prompt_tokens = chunk["usage"].get("prompt_tokens") or num_prompt_tokens
-        if result.output_tokens == 0 and result.ttft_s:  # a server that sends no usage: count chunks
+        if result.ttft_s == 0.0:
+            raise RuntimeError("the stream ended without a token")
+        if result.output_tokens == 0:  # a server that sends no usage: count chunks
             result.output_tokens = len(result.itl_s) + 1
     except Exception as exc:  # a failed request is reported, not fatal
         result.error = f"{type(exc).__name__}: {exc}"[:300]
@@ -89,10 +93,14 @@ async def one(client: httpx.AsyncClient, args, prompt, num_prompt_tokens: int, m
 
 async def sse_data(pieces: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
     """The `data:` payloads of a server-sent event stream (its body as it arrives, in pieces
-    of any size), each as soon as its event is complete, up to `[DONE]`. Events end at a
+    of any size), each as soon as its event is complete, up to `[DONE]`; the rest of the
+    body is read and dropped (so the connection goes back to the pool). Events end at a
     blank line (\n\n or \r\n\r\n)."""
     buffer = b""
+    done = False
     async for piece in pieces:
+        if done:
+            continue
         buffer = (buffer + piece).replace(b"\r\n", b"\n")  # the leftover keeps a split \r
         *events, buffer = buffer.split(b"\n\n")
         for event in events:
@@ -100,8 +108,11 @@ async def sse_data(pieces: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
                 if line.startswith(b"data:"):
                     data = line[5:].strip()
                     if data == b"[DONE]":
-                        return
+                        done = True
+                        break
                     yield data
+            if done:
+                break
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -140,10 +151,8 @@ async def run(args) -> dict:
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         prompts = [tokenizer.decode(ids) for ids in prompts]
-    client = httpx.AsyncClient(
-        base_url=args.base_url.rstrip("/") + "/", timeout=3600,
-        headers={"Authorization": f"Bearer {args.api_key}", "Content-Type": "application/json"},
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    client = httpx.AsyncClient(base_url=args.base_url.rstrip("/") + "/", timeout=3600,
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
     gate = asyncio.Semaphore(args.concurrency)
     rng = random.Random(args.seed + 1)
     bar = tqdm(total=len(workload), desc="requests", unit="req", file=sys.stderr, disable=args.quiet)
@@ -160,9 +169,11 @@ async def run(args) -> dict:
         tasks.append(asyncio.create_task(gated(prompt, ids, max_tokens)))
         if args.request_rate != float("inf"):
             await asyncio.sleep(rng.expovariate(args.request_rate))
-    results = await asyncio.gather(*tasks)
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        await client.aclose()
     duration = time.perf_counter() - start
-    await client.aclose()
     bar.close()
     ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_tokens for r in ok)

@@ -36,6 +36,12 @@ STATS_INTERVAL_S = 1.0
 EventSink = Callable[[dict[str, list[TokenEvent]]], None]
 
 
+def _log_crash(loop: Future) -> None:
+    """The engine loop ends only when stopped; anything else it raised must not go unseen."""
+    if not loop.cancelled() and loop.exception() is not None:
+        log.error("the engine loop died", exc_info=loop.exception())
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     runner: RunnerConfig
@@ -47,14 +53,14 @@ class InProcessEngine:
         self._compute = ComputeThread("engine")
         try:
             self.runner = self._compute.call(ModelRunner, config.runner, worker_id="in-process")
+            info = self.runner.describe()
+            self.scheduler = BatchScheduler(config.batching, num_blocks=info.num_blocks,
+                                            block_size=info.block_size, max_model_len=info.max_model_len,
+                                            num_cpu_blocks=info.num_cpu_blocks)
         except BaseException:
-            self._compute.close()
+            self._compute.close(timeout=0)  # Ctrl-C mid-load: do not wait for the load to finish
             raise
-        info = self.runner.describe()
         self.info = info
-        self.scheduler = BatchScheduler(config.batching, num_blocks=info.num_blocks,
-                                        block_size=info.block_size, max_model_len=info.max_model_len,
-                                        num_cpu_blocks=info.num_cpu_blocks)
         self._on_events = on_events
         self._inbox: list[NewRequest | str] = []  # NewRequest to add, str = request id to abort
         self._lock = threading.Lock()
@@ -69,6 +75,7 @@ class InProcessEngine:
 
     def start(self) -> None:
         self._loop = self._compute.submit(self._run)
+        self._loop.add_done_callback(_log_crash)
 
     def stop(self) -> None:
         self._stop.set()

@@ -18,12 +18,18 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 @pytest.fixture(scope="module")
 def serve():
-    sys.path.append(str(BENCH))  # serve.py imports bench/workloads.py as a top-level module
+    # serve.py puts bench/ on sys.path for its workloads.py; put it back afterwards, or
+    # bench/kernels.py would shadow the kernels package for the tests that follow.
+    saved = list(sys.path)
     spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path[:] = saved
+        sys.modules.pop(spec.name, None)
 
 
 async def _collect(serve, pieces: list[bytes]) -> list[bytes]:

@@ -58,6 +58,7 @@ def test_close_finishes_what_was_submitted_then_refuses_more():
     slow = compute.submit(time.sleep, 0.2)
     compute.close()
     assert slow.done() and slow.exception() is None
+    compute.close()  # again: a no-op
     with pytest.raises(RuntimeError, match="after close"):
         compute.submit(print)
 

@@ -37,14 +37,16 @@ class ComputeThread:
     def __init__(self, name: str = "compute"):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._lock = threading.Lock()  # a submit never lands behind close()'s stop marker
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[..., T], *args, **kwargs) -> futures.Future[T]:
-        if self._closed:
-            raise RuntimeError(f"{self._thread.name}: submit after close")
         future: futures.Future[T] = futures.Future()
-        self._queue.put((future, fn, args, kwargs))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self._thread.name}: submit after close")
+            self._queue.put((future, fn, args, kwargs))
         return future
 
     def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
@@ -52,8 +54,10 @@ class ComputeThread:
 
     def close(self, timeout: float | None = None) -> None:
         """Let what was submitted finish (up to `timeout` seconds), then end the thread."""
-        self._closed = True
-        self._queue.put(None)
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
         self._thread.join(timeout)
 
     def _serve(self) -> None:

@@ -137,7 +137,7 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
     try:
         runner = compute.call(ModelRunner, config.runner, worker_id=config.worker_id)
     except BaseException:
-        compute.close()
+        compute.close(timeout=0)  # Ctrl-C mid-load: do not wait for the load to finish
         raise
     info = runner.describe()
     client = redis.Redis.from_url(config.redis_url)
