@@ -51,16 +51,11 @@ class EngineConfig:
 class InProcessEngine:
     def __init__(self, config: EngineConfig, on_events: EventSink):
         self._compute = ComputeThread("engine")
-        try:
-            self.runner = self._compute.call(ModelRunner, config.runner, worker_id="in-process")
-            info = self.runner.describe()
-            self.scheduler = BatchScheduler(config.batching, num_blocks=info.num_blocks,
-                                            block_size=info.block_size, max_model_len=info.max_model_len,
-                                            num_cpu_blocks=info.num_cpu_blocks)
-        except BaseException:
-            self._compute.close(timeout=0)  # Ctrl-C mid-load: do not wait for the load to finish
-            raise
-        self.info = info
+        self.runner = self._compute.setup(ModelRunner, config.runner, worker_id="in-process")
+        self.info = info = self.runner.describe()
+        self.scheduler = BatchScheduler(config.batching, num_blocks=info.num_blocks,
+                                        block_size=info.block_size, max_model_len=info.max_model_len,
+                                        num_cpu_blocks=info.num_cpu_blocks)
         self._on_events = on_events
         self._inbox: list[NewRequest | str] = []  # NewRequest to add, str = request id to abort
         self._lock = threading.Lock()

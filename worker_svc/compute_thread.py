@@ -52,6 +52,15 @@ class ComputeThread:
     def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         return self.submit(fn, *args, **kwargs).result()
 
+    def setup(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """`call` for what the thread exists for (loading the model): if it raises, or the
+        caller is interrupted (Ctrl-C mid-load), the thread is closed without waiting."""
+        try:
+            return self.call(fn, *args, **kwargs)
+        except BaseException:
+            self.close(timeout=0)
+            raise
+
     def close(self, timeout: float | None = None) -> None:
         """Let what was submitted finish (up to `timeout` seconds), then end the thread."""
         with self._lock:

@@ -134,11 +134,7 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
           stop: threading.Event | None = None) -> None:
     """Load the model, start gRPC, register; run until SIGTERM/SIGINT (or `stop` is set)."""
     compute = ComputeThread("step")
-    try:
-        runner = compute.call(ModelRunner, config.runner, worker_id=config.worker_id)
-    except BaseException:
-        compute.close(timeout=0)  # Ctrl-C mid-load: do not wait for the load to finish
-        raise
+    runner = compute.setup(ModelRunner, config.runner, worker_id=config.worker_id)
     info = runner.describe()
     client = redis.Redis.from_url(config.redis_url)
     server = grpc.server(
