@@ -77,3 +77,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-model")
     make_model(out, preset="tiny", seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    """The tiny checkpoint in transformers, the reference for model outputs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    """The official openai client on the calling module's own `stack` fixture."""
+    import openai
+
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)

@@ -28,6 +28,11 @@ def running_stack(model: Path, redis_url: str, run_dir: Path, workers: int = 1,
         yield stack
 
 
+def ids_of(choice) -> list[int]:
+    """The token ids of a choice (the `return_token_ids` extension)."""
+    return choice.model_extra["token_ids"]
+
+
 def worker_stats(stack: Stack) -> dict[str, WorkerStats]:
     client = redis.Redis.from_url(stack.redis_url)
     keys = RedisKeys(stack.config.key_prefix)

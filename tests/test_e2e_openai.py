@@ -22,7 +22,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from compose.launcher import free_port
-from tests.stack_helpers import running_stack, wait_until_idle
+from tests.stack_helpers import ids_of, running_stack, wait_until_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -37,11 +37,6 @@ def stack(tiny_model_dir, redis_url, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
@@ -53,10 +48,6 @@ def complete(client, stack, **kwargs):
 def stream_complete(client, stack, **kwargs):
     return list(client.completions.create(model=stack.served_model_name, stream=True,
                                           **{"prompt": PROMPT, **kwargs}))
-
-
-def ids_of(choice) -> list[int]:
-    return choice.model_extra["token_ids"]
 
 
 # ---- 1. sampling ----------------------------------------------------------------------------

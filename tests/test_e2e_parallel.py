@@ -13,9 +13,8 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from tests.stack_helpers import running_stack, wait_until_idle, worker_stats
+from tests.stack_helpers import ids_of, running_stack, wait_until_idle, worker_stats
 
 pytestmark = pytest.mark.e2e
 
@@ -32,16 +31,6 @@ def stack(tiny_model_dir, redis_url, tmp_path_factory):
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
 def counters(stack) -> dict[str, int]:
     """forks, copies, aborts so far, once every block is free again (integrity checked)."""
     (stats,) = wait_until_idle(stack).values()
@@ -51,10 +40,6 @@ def counters(stack) -> dict[str, int]:
 
 def grew(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in before}
-
-
-def ids_of(choice) -> list[int]:
-    return choice.model_extra["token_ids"]
 
 
 def test_n4_greedy_choices_equal_transformers_through_shared_blocks(stack, client, hf_model):

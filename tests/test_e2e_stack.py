@@ -9,7 +9,7 @@ import random
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tests.stack_helpers import running_stack, wait_until_idle, worker_stats
 
@@ -28,11 +28,6 @@ def stack(tiny_model_dir, redis_url, tmp_path_factory):
                        worker_args=("--num-blocks", str(NUM_BLOCKS)),
                        scheduler_args=("--max-num-batched-tokens", str(TOKEN_BUDGET))) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
