@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import sys
 import tempfile
 import time
@@ -28,7 +26,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compose.launcher import Stack, StackConfig, free_port  # noqa: E402
+from compose.launcher import Stack  # noqa: E402
 from proto.messages import NewRequest, SamplingParams  # noqa: E402
 from scheduler_svc.batching import BatchScheduler  # noqa: E402
 from scheduler_svc.config import SchedulerConfig  # noqa: E402
@@ -37,6 +35,7 @@ from worker_svc.model_runner import ModelRunner  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # after ROOT: bench/kernels.py must not shadow kernels/
 import serve  # noqa: E402
+from kv_common import running_stack, write_json  # noqa: E402
 from workloads import WorkloadSpec, make_workload  # noqa: E402
 
 SETTLE_S = 0.05  # between the two sides: the idle side's OpenMP threads stop spinning
@@ -98,23 +97,19 @@ def main(argv: list[str] | None = None) -> int:
                         output_mean=2, spread=args.spread, seed=args.seed)
     prompts = [ids for ids, _ in make_workload(spec, args.model_dir)]
     prefill = InProcessPrefill(args.model_dir)
-    port = free_port()
-    with tempfile.TemporaryDirectory() as run_dir, \
-            Stack(StackConfig(model=args.model_dir, port=port, run_dir=Path(run_dir))) as stack:
+    with tempfile.TemporaryDirectory() as run_dir, running_stack(args.model_dir, Path(run_dir)) as stack:
         in_process, served = asyncio.run(interleaved(prefill, stack, args.model_dir, prompts))
     in_process, served = in_process[args.warmup:], served[args.warmup:]
     result = {
         "num_requests": args.num_requests, "input_mean": args.input_mean,
-        "in_process_prefill_ms": {"p50": statistics.median(in_process) * 1e3,
-                                  "min": min(in_process) * 1e3, "max": max(in_process) * 1e3},
+        "in_process_prefill_ms": {k: v * 1e3 for k, v in serve.percentiles(in_process).items()},
         "stack_ttft_ms": {k: v * 1e3 for k, v in serve.percentiles(served).items()},
     }
     result["ratio_p50"] = result["stack_ttft_ms"]["p50"] / result["in_process_prefill_ms"]["p50"]
     print(f"{args.num_requests} prompts of ~{args.input_mean} tokens, one at a time: in-process "
           f"prefill p50 {result['in_process_prefill_ms']['p50']:.1f} ms; full stack TTFT p50 "
           f"{result['stack_ttft_ms']['p50']:.1f} ms -> {result['ratio_p50']:.2f}x")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     return 0
 
 
