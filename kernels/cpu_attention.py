@@ -80,6 +80,13 @@ static inline const float *token_row(const void *cache, int64_t base, int64_t n,
     return buf;
 }
 
+/* Element offset of kv head h0 of token l in a [blocks, block_size, kv_heads, head_dim] cache. */
+static inline int64_t slot_offset(const int32_t *table, int64_t l, int64_t block_size,
+                                  int64_t slot_stride, int64_t h0, int64_t head_dim) {
+    return ((int64_t)table[l / block_size] * block_size + l % block_size) * slot_stride
+           + h0 * head_dim;
+}
+
 /* Ask for the K or V vectors of token l + PREFETCH_DISTANCE early: rows of one block are
    contiguous, but blocks are scattered, so the hardware prefetcher stalls at every block. */
 #define PREFETCH_DISTANCE 16 /* tokens: one block at block size 16 */
@@ -87,8 +94,8 @@ static inline void prefetch_row(const void *cache, const int32_t *table, int64_t
                                 int64_t block_size, int64_t slot_stride, int64_t h0,
                                 int64_t head_dim, int64_t width, int64_t elem) {
     if (l >= end) return;
-    const char *p = (const char *)cache + (((int64_t)table[l / block_size] * block_size
-                     + l % block_size) * slot_stride + h0 * head_dim) * elem;
+    const char *p = (const char *)cache
+                    + slot_offset(table, l, block_size, slot_stride, h0, head_dim) * elem;
     for (int64_t b = 0; b < width * elem; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
@@ -97,11 +104,12 @@ static inline void prefetch_row(const void *cache, const int32_t *table, int64_t
 int paged_attention(const void *query, void *out, const void *k_cache, const void *v_cache,
                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                     const int32_t *query_start_loc, const int32_t *reqs, int64_t num_reqs,
+                    int64_t q_row_stride,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t block_size, float scale, int64_t window, float soft_cap,
                     int64_t max_q_len, int64_t max_scores, int64_t splits, int bf16) {
     const int64_t group = num_heads / num_kv_heads, heads = num_kv_heads / splits;
-    const int64_t row_stride = num_heads * head_dim;      /* query and out rows */
+    const int64_t row_stride = num_heads * head_dim;      /* out rows */
     const int64_t slot_stride = num_kv_heads * head_dim;  /* one token in the cache */
     const int64_t max_vecs = max_q_len * heads * group, width = heads * head_dim;
     const int64_t elem = bf16 ? 2 : 4;
@@ -134,7 +142,7 @@ int paged_attention(const void *query, void *out, const void *k_cache, const voi
                 const int32_t *table = block_tables + r * table_stride;
                 /* vector i: query row q0 + i / per_row, head h0 * group + i % per_row */
                 for (int64_t i = 0; i < nv; i++) {
-                    const int64_t src = (q0 + i / per_row) * row_stride
+                    const int64_t src = (q0 + i / per_row) * q_row_stride
                                         + (h0 * group + i % per_row) * head_dim;
                     for (int64_t d = 0; d < head_dim; d++)
                         qv[i * head_dim + d] = load(query, src + d, bf16) * scale;
@@ -143,8 +151,7 @@ int paged_attention(const void *query, void *out, const void *k_cache, const voi
                     pos[i] = ctx0 + i / per_row;                  /* its position */
                 }
                 for (int64_t l = lo; l < seq_len; l++) {
-                    const int64_t base = ((int64_t)table[l / block_size] * block_size
-                                          + l % block_size) * slot_stride + h0 * head_dim;
+                    const int64_t base = slot_offset(table, l, block_size, slot_stride, h0, head_dim);
                     prefetch_row(k_cache, table, l + PREFETCH_DISTANCE, seq_len, block_size,
                                  slot_stride, h0, head_dim, width, elem);
                     const float *k = token_row(k_cache, base, width, buf, bf16);
@@ -167,8 +174,7 @@ int paged_attention(const void *query, void *out, const void *k_cache, const voi
                     for (int64_t l = 0; l < span; l++) si[l] *= inv;
                 }
                 for (int64_t l = lo; l < seq_len; l++) {
-                    const int64_t base = ((int64_t)table[l / block_size] * block_size
-                                          + l % block_size) * slot_stride + h0 * head_dim;
+                    const int64_t base = slot_offset(table, l, block_size, slot_stride, h0, head_dim);
                     prefetch_row(v_cache, table, l + PREFETCH_DISTANCE, seq_len, block_size,
                                  slot_stride, h0, head_dim, width, elem);
                     const float *v = token_row(v_cache, base, width, buf, bf16);
@@ -199,7 +205,7 @@ int paged_attention(const void *query, void *out, const void *k_cache, const voi
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `bf16` flag
 _ARGTYPES = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
-             + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float]
+             + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float]
              + [ctypes.c_int64] * 3 + [ctypes.c_int])
 
 
@@ -282,7 +288,9 @@ class CpuKernels:
             # the C code trusts every id it reads: an id outside the cache is a crash, not an error
             raise ValueError(f"block tables name blocks {plan.min_block_id}..{plan.max_block_id}; "
                              f"the cache has {num_blocks}")
-        for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out),
+        if query.device.type != "cpu" or query.stride(2) != 1 or query.stride(1) != head_dim:
+            raise ValueError("query rows must be contiguous [heads, head_dim] on the CPU")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out),
                         ("block_tables", plan.block_tables), ("seq_lens", plan.seq_lens),
                         ("query_start_loc", plan.query_start_loc), ("short_reqs", plan.short_reqs)):
             if not t.is_contiguous() or t.device.type != "cpu":
@@ -296,7 +304,7 @@ class CpuKernels:
             query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.seq_lens.data_ptr(),
             plan.query_start_loc.data_ptr(), plan.short_reqs.data_ptr(), plan.short_reqs.numel(),
-            num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
+            query.stride(0), num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
             soft_cap or 0.0, plan.max_q_len, plan.max_scores, splits, _DTYPES[query.dtype])
         if status != 0:
             raise MemoryError("the cpu attention kernel could not allocate its scratch memory")
@@ -374,13 +382,15 @@ def paged_attention(kernels: CpuKernels, query: torch.Tensor, k_cache: torch.Ten
     if plan is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], sliding_window)
     if out is None:
-        out = torch.empty_like(query)
+        out = query.new_empty(query.shape)  # contiguous, whatever the query's strides
     if not kernels.supports(query.dtype):
         raise ValueError(f"the cpu backend supports {sorted(map(str, _DTYPES))}, not {query.dtype} "
                          "(the worker picks the torch backend for other dtypes)")
     if plan.short_reqs.numel():
-        kernels.short_attention(query.contiguous(), k_cache, v_cache, plan, scale, sliding_window,
-                                soft_cap, out)
+        # Rows may be spaced apart (a view of the fused q/k projection): no copy needed.
+        rows_ok = query.stride(2) == 1 and query.stride(1) == query.shape[2]
+        kernels.short_attention(query if rows_ok else query.contiguous(), k_cache, v_cache, plan,
+                                scale, sliding_window, soft_cap, out)
     if plan.long.prefills:
         torch_attention.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                         query_start_loc, scale, sliding_window, soft_cap,

@@ -50,6 +50,18 @@ def test_window_and_soft_cap(kernels, name, sliding_window, soft_cap):
     torch.testing.assert_close(out, ref, **FP32)
 
 
+def test_query_rows_spaced_apart_are_read_in_place(kernels):
+    """The model hands over q as a view of its fused q/k projection: rows (heads + kv_heads)
+    * head_dim apart. The kernel reads them where they are."""
+    query, k_cache, v_cache, bt, seq_lens, qsl = make_case(9, CASES["mixed"], num_heads=8, num_kv_heads=2,
+                                                           head_dim=64)
+    wide = torch.cat([query, torch.full_like(query[:, :2], float("nan"))], dim=1)  # + 2 heads of NaN
+    spaced = wide[:, :8]
+    assert not spaced.is_contiguous()
+    out, ref = _run(kernels, (spaced, k_cache, v_cache, bt, seq_lens, qsl), 64 ** -0.5)
+    torch.testing.assert_close(out, ref, **FP32)
+
+
 def test_bf16_close_to_reference(kernels):
     case = make_case(5, CASES["mixed"], dtype=torch.bfloat16, head_dim=64)
     out, ref = _run(kernels, case, 0.15)
