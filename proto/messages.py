@@ -135,7 +135,7 @@ class StepHistograms(msgspec.Struct, frozen=True):
     """The steps run on one worker (proto/metrics.py StepRecorder): the worker keeps its
     own for its /metrics, the scheduler one from each StepResult for WorkerStats."""
 
-    duration: Histogram  # seconds: StepResult.execute_seconds (forward, sampling, publishing)
+    duration: Histogram  # seconds: StepResult.execute_seconds (the step on the compute thread)
     batch_size: Histogram  # requests in the step
     tokens: Histogram  # tokens computed in the step
 
@@ -165,6 +165,7 @@ class WorkerStats(msgspec.Struct, frozen=True):
     num_forks: int = 0  # sequences forked for parallel sampling (n > 1)
     num_cow_copies: int = 0  # shared, partly filled blocks copied on write
     num_aborted: int = 0  # requests aborted while waiting, running or swapped
+    num_steps_ahead: int = 0  # steps planned while the step before ran (async scheduling)
     requests: RequestHistograms | None = None
     steps: StepHistograms | None = None
 

@@ -127,6 +127,8 @@ _COUNTERS: tuple[tuple[str, str, Value], ...] = (
      lambda s: s.num_aborted),
     ("pagedserve:cow_copies", "shared, partly filled blocks copied on write", lambda s: s.num_cow_copies),
     ("pagedserve:scheduler_steps", "steps the scheduler ran on the worker", lambda s: s.num_steps),
+    ("pagedserve:scheduler_steps_ahead", "steps planned while the step before ran (async scheduling)",
+     lambda s: s.num_steps_ahead),
 )
 # Histograms of RequestHistograms: (name, help, field).
 _REQUEST_HISTOGRAMS = (
@@ -138,7 +140,7 @@ _REQUEST_HISTOGRAMS = (
 )
 # Histograms of StepHistograms: (name, help, field).
 _STEP_HISTOGRAMS = (
-    ("pagedserve:step_duration_seconds", "one step on the worker: forward, sampling, publishing", "duration"),
+    ("pagedserve:step_duration_seconds", "one step on the worker: forward and sampling", "duration"),
     ("pagedserve:step_batch_size", "requests in one step", "batch_size"),
     ("pagedserve:iteration_tokens_total", "tokens computed in one step", "tokens"),
 )

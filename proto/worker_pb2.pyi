@@ -96,7 +96,7 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "finished_request_ids", "new_requests", "cached_requests", "num_scheduled_tokens", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "swapped_out_request_ids")
+    __slots__ = ("step_id", "finished_request_ids", "new_requests", "cached_requests", "num_scheduled_tokens", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "swapped_out_request_ids", "after_step_id")
     class NumScheduledTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class StepRequest(_message.Message):
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_OUT_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestData]
@@ -122,7 +123,8 @@ class StepRequest(_message.Message):
     blocks_to_swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockPair]
     swapped_out_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swapped_out_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    after_step_id: int
+    def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swapped_out_request_ids: _Optional[_Iterable[str]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "finish_reason")
@@ -149,7 +151,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "block_size", "num_blocks", "max_model_len", "vocab_size", "eos_token_ids", "num_cpu_blocks")
+    __slots__ = ("worker_id", "model", "block_size", "num_blocks", "max_model_len", "vocab_size", "eos_token_ids", "num_cpu_blocks", "device")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,7 @@ class WorkerInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     block_size: int
@@ -166,7 +169,8 @@ class WorkerInfo(_message.Message):
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cpu_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
+    device: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -30,6 +30,18 @@ invariants, checked by `check_integrity`: scheduler_svc/integrity.py.
 
 Calls alternate: schedule() -> (worker runs the step) -> update(); requests may be added
 or aborted at any time, also while a step is in flight.
+
+Scheduling ahead (vLLM's async scheduling; the scheduler service's default): while one
+step is in flight, `can_schedule_ahead()` says whether schedule() may plan the next one
+now, so the worker finds it queued when it finishes the first. The step ahead assumes
+every request the step in flight samples for gets its token (`num_pending`): a decode
+computes that token, which only the worker knows yet (the step carries `after_step_id`).
+`update()` takes results oldest first and reconciles: a request the step in flight
+finished (EOS, a stop token) was scheduled once more for nothing -- the worker skips it,
+and its blocks were freed at the first update. A step ahead never preempts, swaps or
+forks: a request that cannot grow without a preemption ends the step there (the one
+after it is planned after update(), with nothing in flight, as above), a request about
+to sample its last token (max_tokens) or to fork (n > 1) waits for update().
 """
 
 import bisect
@@ -45,7 +57,7 @@ from scheduler_svc.integrity import IntegrityMixin
 from scheduler_svc.preemption import PreemptionMixin
 from scheduler_svc.request import RequestState, RequestStatus, by_sort_key
 from scheduler_svc.stats import SchedulerStats
-from scheduler_svc.step import StepMixin
+from scheduler_svc.step import InFlightStep, StepMixin
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -55,6 +67,12 @@ def _target_tokens(req: RequestState) -> int:
     n > 1, which stops one short of its prompt and forks (the children compute the last
     prompt token, each sampling its own first output)."""
     return req.num_prompt_tokens - 1 if req.n > 1 else len(req.token_ids)
+
+
+def _samples_its_last_token(req: RequestState) -> bool:
+    """True when the tokens in flight for the request reach its max_tokens: the step in
+    flight finishes it."""
+    return req.num_pending > 0 and req.num_output_tokens + req.num_pending >= req.sampling.max_tokens
 
 
 def _may_use_prefix_cache(req: RequestState) -> bool:
@@ -90,12 +108,15 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
         self._load_tokens = 0  # sum of their num_tokens
         self._finished_ids: list[str] = []  # for the worker to forget in the next step
         self._next_step_id = 1
-        self._in_flight: worker_pb2.StepRequest | None = None  # scheduled, not yet updated
-        self._in_flight_reqs: list[tuple[RequestState, int]] = []  # its requests, tokens
+        self._in_flight: list[InFlightStep] = []  # scheduled, not yet updated; oldest first
+        # A step planned ahead stopped short of a running request (it needed a preemption):
+        # the next step waits for update(), so it may preempt.
+        self._ahead_blocked = False
         # Since this scheduler started, for stats: preemptions, and the tokens admitted
         # requests looked up in the prefix cache and found there.
         self.num_preemptions = 0
         self.num_aborted = 0  # requests aborted while waiting, running or swapped
+        self.num_steps_ahead = 0  # steps planned while one was in flight
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -130,6 +151,17 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
         is in flight)."""
         return bool(self._requests)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Steps scheduled and not updated yet (0, 1, or 2 with a step planned ahead)."""
+        return len(self._in_flight)
+
+    def can_schedule_ahead(self) -> bool:
+        """True when schedule() may plan the next step before update() of the one in
+        flight: exactly one is in flight, no request is swapped out (resuming one waits
+        for update()), and the last step planned ahead had room for every request."""
+        return len(self._in_flight) == 1 and not self.swapped and not self._ahead_blocked
+
     def get_request(self, request_id: str) -> RequestState | None:
         """The unfinished request with this id, if it is here."""
         return self._requests.get(request_id)
@@ -160,7 +192,7 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
             num_swapped=len(self.swapped), num_swapped_out=self.num_swapped_out,
             num_cpu_blocks=kv.num_cpu_blocks, num_free_cpu_blocks=kv.cpu_pool.num_free_blocks,
             num_forks=self.num_forks, num_cow_copies=self.num_cow_copies,
-            num_aborted=self.num_aborted)
+            num_aborted=self.num_aborted, num_steps_ahead=self.num_steps_ahead)
 
     # -- requests in -------------------------------------------------------------------
 
@@ -259,20 +291,27 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
 
     def schedule(self) -> worker_pb2.StepRequest | None:
         """Plan the next step, or None when nothing can run (finished ids then wait for
-        the next step). Raises RuntimeError while the previous step awaits update()."""
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight.step_id} is in flight: call update() first")
+        the next step). With a step in flight, plans the step after it (the module
+        docstring); raises RuntimeError unless can_schedule_ahead()."""
+        ahead = bool(self._in_flight)
+        if ahead and not self.can_schedule_ahead():
+            raise RuntimeError(f"step {self._in_flight[-1].step.step_id} is in flight: "
+                               f"call update() first")
+        self._ahead_blocked = False
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         scheduled: dict[str, int] = {}  # request id -> tokens to compute, in step order
         new_blocks: dict[str, list[int]] = {}  # request id -> block ids allocated now
-        preempted = False
+        full = False  # the pool ran out: a request was preempted, or could not grow ahead
 
         running, allocate, unsent = self.running, self.kv.allocate_slots, self._unsent
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = _target_tokens(req) - req.num_computed_tokens
+            num_new = _target_tokens(req) + req.num_pending - req.num_computed_tokens
+            if ahead and (num_new <= 0 or _samples_its_last_token(req)):
+                i += 1  # it forks, or finishes, when the step in flight comes back
+                continue
             assert num_new > 0, f"request {req.request_id} has nothing to compute"
             if threshold and num_new > threshold:
                 num_new = threshold
@@ -291,12 +330,15 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
                     if ids is not None:
                         break
                 ids = None
+                full = True
+                if ahead:  # no preemption before update(): the step ends here
+                    self._ahead_blocked = True
+                    break
                 victim = running.pop()  # largest key; index >= i, so not scheduled yet
                 self._preempt(victim)
-                preempted = True
                 if victim is req:
                     break
-            if ids is None:  # preempted itself: nothing else can grow this step
+            if ids is None:  # preempted itself, or ahead: nothing else can grow this step
                 break
             scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = ids
@@ -306,7 +348,7 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
         # After a preemption the pool is full: resuming or admitting now would only thrash.
         swapped, max_seqs = self.swapped, self.config.max_num_seqs
         num_seqs = self._num_seqs()
-        while not preempted and swapped and budget > 0 and num_seqs + swapped[0].n <= max_seqs:
+        while not full and swapped and budget > 0 and num_seqs + swapped[0].n <= max_seqs:
             req = swapped[0]
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
             pairs = self.kv.swap_in(req.request_id, req.num_computed_tokens + num_new)
@@ -325,7 +367,7 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
             budget -= num_new
 
         admitted: list[RequestState] = []
-        while (not preempted and not swapped and self.waiting and budget > 0
+        while (not full and not swapped and self.waiting and budget > 0
                and num_seqs + self.waiting[0].n <= max_seqs):
             req = self.waiting[0]
             lookup = self.kv.enable_prefix_caching and _may_use_prefix_cache(req)

@@ -7,7 +7,9 @@ Invariants (checked by `check_integrity`):
 - a waiting request holds no blocks and has num_computed_tokens == 0;
 - a running request's block table covers exactly its computed tokens
   (cdiv(num_computed_tokens, block_size) blocks), and it has tokens left to compute
-  unless the step that catches it up is in flight;
+  (counting those in flight) unless the step that catches it up is in flight; its tokens
+  in flight (num_pending) are the steps in flight that sample for it (at most two steps
+  are in flight); waiting and swapped requests have none;
 - len(running) <= max_num_seqs; load_tokens is the sum of the unfinished requests'
   tokens; the KV manager's own invariants hold.
 """
@@ -53,7 +55,10 @@ class IntegrityMixin:
             assert req.status is RequestStatus.WAITING, f"waiting {req.request_id} is {req.status}"
             assert req.num_computed_tokens == 0, f"waiting {req.request_id} has computed tokens"
             assert not self.kv.block_ids(req.request_id), f"waiting {req.request_id} holds blocks"
-        in_flight = self._in_flight.num_scheduled_tokens if self._in_flight else {}
+        in_flight = {rid for f in self._in_flight for rid in f.step.num_scheduled_tokens}
+        assert len(self._in_flight) <= 2, f"{len(self._in_flight)} steps in flight"
+        for req in self.waiting + self.swapped:
+            assert req.num_pending == 0, f"{req.request_id} is {req.status} with tokens in flight"
         for req in self.running:
             rid = req.request_id
             assert req.status is RequestStatus.RUNNING, f"running {rid} is {req.status}"
@@ -61,8 +66,12 @@ class IntegrityMixin:
             assert num_blocks == cdiv(req.num_computed_tokens, self.kv.block_size), (
                 f"running {rid} holds {num_blocks} blocks for {req.num_computed_tokens} "
                 f"computed tokens (block size {self.kv.block_size})")
-            lacking = req.num_tokens - req.num_computed_tokens
+            samples = sum(entry[3] for f in self._in_flight for entry in f.reqs if entry[0] is req)
+            assert req.num_pending == samples, (
+                f"running {rid} has {req.num_pending} tokens pending, steps in flight sample {samples}")
+            lacking = req.num_tokens + req.num_pending - req.num_computed_tokens
             assert lacking > 0 or (lacking == 0 and rid in in_flight), (
-                f"running {rid} has {req.num_computed_tokens} of {req.num_tokens} tokens computed")
+                f"running {rid} has {req.num_computed_tokens} of {req.num_tokens} "
+                f"(+{req.num_pending} in flight) tokens computed")
         assert set(self.kv.request_ids()) <= set(running_ids), (
             f"blocks held by requests not running: {set(self.kv.request_ids()) - set(running_ids)}")

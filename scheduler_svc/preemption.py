@@ -41,7 +41,7 @@ class PreemptionMixin:
     def drain(self) -> list[RequestState]:
         """Remove and return every unfinished request, in (priority, arrival) order, reset
         to recompute elsewhere (`add_state` on another scheduler); frees every block and
-        forgets the step in flight. Tokens that step sampled are lost and will be sampled
+        forgets the steps in flight. Tokens they sampled are lost and will be sampled
         again, so the gateway may see an output index twice.
 
         If this worker is used again, the next step tells it to forget the drained requests.
@@ -57,6 +57,6 @@ class PreemptionMixin:
         self._unsent, self._children = set(), {}  # children re-route as n == 1 requests
         self._requests.clear()
         self._load_tokens = 0
-        self._in_flight = None
-        self._in_flight_reqs = []
+        self._in_flight = []
+        self._ahead_blocked = False
         return states

@@ -24,8 +24,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class RequestState:
-    """Invariants: 0 <= num_computed_tokens <= len(token_ids); the last token of
-    token_ids has no K/V until a step computes it; num_prompt_tokens <= len(token_ids)."""
+    """Invariants: 0 <= num_computed_tokens <= len(token_ids) + num_pending; the last
+    token (with num_pending, the last token in flight) has no K/V until a step computes
+    it; num_prompt_tokens <= len(token_ids)."""
 
     request_id: str
     token_ids: list[int]  # prompt, then every output token so far
@@ -46,6 +47,10 @@ class RequestState:
     # has n == 1 and names its parent here.
     n: int = 1
     parent_id: str | None = None
+    # Tokens that steps in flight sample for it and update() has not appended yet: with
+    # steps scheduled ahead (scheduler_svc/batching.py), a step computes the token the
+    # step before it samples, which the worker has and the scheduler does not yet.
+    num_pending: int = 0
 
     @classmethod
     def from_new_request(cls, req: NewRequest) -> "RequestState":
@@ -87,6 +92,7 @@ class RequestState:
     def reset_for_recompute(self) -> None:
         """Forget all K/V (preemption or re-routing); the tokens stay."""
         self.num_computed_tokens = 0
+        self.num_pending = 0
         self.status = RequestStatus.WAITING
 
 

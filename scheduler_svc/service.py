@@ -7,7 +7,11 @@ Three kinds of task share one asyncio loop:
   * `_discover_workers` — polls the registry; a new registration gets a WorkerHandle and
     its own step loop, a vanished one is retired and its requests re-routed;
   * `_step_loop` (one per worker) — schedule() → gRPC Step → update(), XACKing finished
-    requests. Only this loop drains its worker, so a step in flight is never torn apart.
+    requests. With async scheduling (by default for accelerator workers), while a step
+    runs on the worker the loop plans and sends the next one
+    (BatchScheduler.can_schedule_ahead), so the worker goes from one step straight into
+    the next instead of waiting a round trip for it.
+    Only this loop drains its worker, so a step in flight is never torn apart.
 
 Worker discovery, joining, retiring and re-routing a lost worker's requests:
 scheduler_svc/workers.py (WorkerHandle, WorkersMixin).
@@ -19,7 +23,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,6 +31,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from proto import worker_pb2
 from proto.keys import SCHEDULER_GROUP, STREAM_FIELD, RedisKeys
 from proto.messages import AbortRequest, NewRequest, TokenEvent, stream_decoder, stream_encoder
 from proto.parallel import parent_request_id
@@ -56,6 +61,21 @@ class SchedulerServiceConfig:
     retired_retry_s: float = 30.0  # a retired worker that still looks registered is redialled after this
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # /metrics (scheduler_svc/metrics.py) on this port; 0 = none
+    # Plan step k+1 while step k runs (scheduler_svc/batching.py): "on", "off", or "auto":
+    # on for a worker that computes on an accelerator, off for one on the CPU, where the
+    # host work it overlaps with a step competes with that step for the same cores
+    # (docs/performance.md has the numbers).
+    async_scheduling: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling must be 'auto', 'on' or 'off', got {self.async_scheduling!r}")
+
+    def schedules_ahead(self, info: worker_pb2.WorkerInfo) -> bool:
+        """Whether steps for this worker are planned while the one before runs."""
+        if self.async_scheduling == "auto":
+            return info.device not in ("", "cpu")
+        return self.async_scheduling == "on"
 
 
 class SchedulerService(WorkersMixin):
@@ -248,38 +268,63 @@ class SchedulerService(WorkersMixin):
                 except Exception:
                     log.exception("re-routing the requests of worker %s failed", handle.worker_id)
 
+    async def _send(self, handle: WorkerHandle, step) -> grpc.aio.UnaryUnaryCall:
+        """Start the Step RPC and let it go out before the caller computes anything else."""
+        handle.recorder.scheduled(handle.scheduler, step)
+        call = handle.stub.Step(step, timeout=self.config.step_timeout_s)
+        await asyncio.sleep(0)  # the call's task sends the request
+        return call
+
     async def _steps(self, handle: WorkerHandle) -> None:
         scheduler = handle.scheduler
-        while not handle.retiring:
-            step = scheduler.schedule()
-            if step is None:
-                # Idle: a consistent moment to self-check; repeated while idle so readers
-                # of the stats can tell fresh from stale by updated_at.
-                await self._write_stats(handle)
-                try:
-                    await asyncio.wait_for(handle.wake.wait(), self.config.idle_stats_interval_s)
-                except TimeoutError:
-                    continue
-                handle.wake.clear()
-                continue
-            handle.recorder.scheduled(scheduler, step)
-            try:
-                result = await handle.stub.Step(step, timeout=self.config.step_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                self._retire(handle, f"Step failed: {exc.code().name} {exc.details()}")
-                break
-            try:
-                finished = scheduler.update(step, result)
-            except ValueError as exc:  # the worker broke the Step contract: stop trusting it
-                self._retire(handle, f"bad StepResult: {exc}")
-                break
-            handle.recorder.stepped(scheduler, step, result, finished)
-            for state in finished:
-                await self._finish(state.request_id)
-                if state.parent_id is not None:
-                    await self._maybe_finish_parent(state.parent_id)
-            if time.monotonic() - handle.stats_at >= self.config.idle_stats_interval_s:
-                await self._write_stats(handle, check=False)  # under load too, about once a second
+        in_flight: deque[tuple] = deque()  # (step, its call), oldest first
+        try:
+            while not handle.retiring:
+                if not in_flight:
+                    step = scheduler.schedule()
+                    if step is None:
+                        # Idle: a consistent moment to self-check; repeated while idle so
+                        # readers of the stats can tell fresh from stale by updated_at.
+                        await self._write_stats(handle)
+                        try:
+                            await asyncio.wait_for(handle.wake.wait(), self.config.idle_stats_interval_s)
+                        except TimeoutError:
+                            continue
+                        handle.wake.clear()
+                        continue
+                    in_flight.append((step, await self._send(handle, step)))
+                if handle.schedules_ahead and scheduler.can_schedule_ahead():
+                    ahead = scheduler.schedule()
+                    if ahead is not None:
+                        in_flight.append((ahead, await self._send(handle, ahead)))
+                step, call = in_flight.popleft()
+                if not await self._update(handle, step, call):
+                    break
+        finally:
+            for _, call in in_flight:  # retired with a step planned ahead: the worker is gone
+                call.cancel()
+
+    async def _update(self, handle: WorkerHandle, step, call) -> bool:
+        """Await the step's result and apply it; False (and the worker retired) if it failed."""
+        scheduler = handle.scheduler
+        try:
+            result = await call
+        except grpc.aio.AioRpcError as exc:
+            self._retire(handle, f"Step failed: {exc.code().name} {exc.details()}")
+            return False
+        try:
+            finished = scheduler.update(step, result)
+        except ValueError as exc:  # the worker broke the Step contract: stop trusting it
+            self._retire(handle, f"bad StepResult: {exc}")
+            return False
+        handle.recorder.stepped(scheduler, step, result, finished)
+        for state in finished:
+            await self._finish(state.request_id)
+            if state.parent_id is not None:
+                await self._maybe_finish_parent(state.parent_id)
+        if time.monotonic() - handle.stats_at >= self.config.idle_stats_interval_s:
+            await self._write_stats(handle, check=False)  # under load too, about once a second
+        return True
 
     def _untransit(self, item: NewRequest | RequestState) -> bool:
         """Take `item` out of `in_transit`; False if it was not there (an abort took it)."""

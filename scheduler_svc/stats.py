@@ -32,6 +32,7 @@ class SchedulerStats:
     num_forks: int = 0  # children forked for parallel sampling (n > 1)
     num_cow_copies: int = 0  # partly filled shared blocks copied on write
     num_aborted: int = 0  # requests aborted while waiting, running or swapped
+    num_steps_ahead: int = 0  # steps planned while the step before ran (async scheduling)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -32,6 +32,7 @@ class WorkerHandle:
     retiring: bool = False
     stats_at: float = 0.0  # time.monotonic() of the last WorkerStats written
     recorder: WorkerRecorder = field(default_factory=WorkerRecorder)  # request and step histograms
+    schedules_ahead: bool = False  # async scheduling (SchedulerServiceConfig.schedules_ahead)
     task: asyncio.Task | None = None
 
     @property
@@ -86,10 +87,12 @@ class WorkersMixin:
         scheduler = BatchScheduler(self.config.batching, num_blocks=info.num_blocks,
                                    block_size=info.block_size, max_model_len=info.max_model_len,
                                    num_cpu_blocks=info.num_cpu_blocks)
-        handle = WorkerHandle(reg, scheduler, channel, stub)
+        handle = WorkerHandle(reg, scheduler, channel, stub,
+                              schedules_ahead=self.config.schedules_ahead(info))
         self.workers[reg.worker_id] = handle
         handle.task = asyncio.create_task(self._step_loop(handle), name=f"steps-{reg.worker_id}")
-        log.info("worker %s joined (%s, %d blocks)", reg.worker_id, reg.address, info.num_blocks)
+        log.info("worker %s joined (%s on %s, %d blocks, async scheduling %s)", reg.worker_id,
+                 reg.address, info.device or "?", info.num_blocks, "on" if handle.schedules_ahead else "off")
         pending, self.unassigned = self.unassigned, []
         await self._route_all(pending)
 

@@ -16,7 +16,9 @@ request keeps its tokens but no block table; on swap-out the fake records the ch
 its blocks held and on swap-in checks the blocks it gets back hold exactly those.
 
 It asserts that every step is consistent with the contract in proto/worker.proto, and that
-no step writes into a block another live request holds (shared blocks are read-only).
+no step writes into a block another live request holds (shared blocks are read-only). A
+step planned ahead (after_step_id) must follow that step, and only such a step may list
+a request that step finished (the fake skips it, as the worker does).
 """
 
 import zlib
@@ -33,6 +35,7 @@ class _WorkerRequest:
     num_computed_tokens: int
     sampling: worker_pb2.SamplingParams
     finished: bool = False
+    finished_in: int = 0  # the step that finished it
     swapped: list | None = None  # while swapped out: its blocks' slot entries, in table order
 
 
@@ -63,6 +66,8 @@ class FakeWorker:
     def step(self, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         assert step.step_id == self.last_step_id + 1, (
             f"step {step.step_id} after {self.last_step_id}")
+        assert step.after_step_id in (0, self.last_step_id), (
+            f"step {step.step_id} planned after step {step.after_step_id} runs after {self.last_step_id}")
         self.last_step_id = step.step_id
         self.steps.append(step)
         out_pairs = [(p.src, p.dst) for p in step.blocks_to_swap_out]
@@ -118,10 +123,14 @@ class FakeWorker:
         assert sum(scheduled.values()) <= self.max_num_batched_tokens, "token budget exceeded"
         holders = self._block_holders()
 
+        finished = {rid for rid in order if self.requests[rid].finished}
+        for request_id in finished:
+            assert self.requests[request_id].finished_in == step.after_step_id, (
+                f"{request_id} scheduled after it finished")
+        order = [rid for rid in order if rid not in finished]
         written: dict[int, tuple[int, int]] = {}
         for request_id in order:
             req, num_new = self.requests[request_id], scheduled[request_id]
-            assert not req.finished, f"{request_id} scheduled after it finished"
             assert num_new > 0, f"{request_id} scheduled for {num_new} tokens"
             end = req.num_computed_tokens + num_new
             assert end <= len(req.token_ids), f"{request_id} scheduled past its last token"
@@ -147,6 +156,7 @@ class FakeWorker:
             req.token_ids.append(token)
             reason = self._finish_reason(req, token)
             req.finished = bool(reason)
+            req.finished_in = step.step_id
             sampled.append(worker_pb2.SampledToken(
                 request_id=request_id, token_id=token, finish_reason=reason))
         return worker_pb2.StepResult(step_id=step.step_id, sampled=sampled)

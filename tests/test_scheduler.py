@@ -2,6 +2,8 @@
 check_integrity() runs after every schedule() and update(), and every scenario ends with
 all blocks free."""
 
+from collections import deque
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,11 +24,14 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int, arrival: flo
 
 
 class Harness:
-    """One scheduler and its fake worker, driven step by step."""
+    """One scheduler and its fake worker, driven step by step. `pipelined`: as the
+    scheduler service drives it, a step planned ahead whenever can_schedule_ahead(); the
+    fake runs every step as soon as it is planned, before the scheduler sees the result of
+    the one before (the most a real worker can be ahead)."""
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
                  vocab_size: int = 1000, eos_token_id: int | None = None,
-                 num_cpu_blocks: int = 0, **config) -> None:
+                 num_cpu_blocks: int = 0, pipelined: bool = False, **config) -> None:
         self.config = SchedulerConfig(**config)
         self.sched = BatchScheduler(self.config, num_blocks, block_size, max_model_len,
                                     num_cpu_blocks=num_cpu_blocks)
@@ -34,30 +39,48 @@ class Harness:
                                  vocab_size, eos_token_id, num_cpu_blocks=num_cpu_blocks)
         self.finished: dict[str, object] = {}
         self.steps: list[worker_pb2.StepRequest] = []
+        self.pipelined = pipelined
+        self.in_flight: deque[tuple[worker_pb2.StepRequest, worker_pb2.StepResult]] = deque()
+        self.num_ahead = 0  # steps planned ahead
 
     def add(self, *requests: NewRequest) -> None:
         for req in requests:
             assert self.sched.add_request(req) is None
         self.sched.check_integrity()
 
-    def step(self) -> worker_pb2.StepRequest | None:
+    def _send(self) -> worker_pb2.StepRequest | None:
         step = self.sched.schedule()
         self.sched.check_integrity()
-        if step is None:
+        if step is not None:
+            self.steps.append(step)
+            self.in_flight.append((step, self.worker.step(step)))
+        return step
+
+    def step(self) -> worker_pb2.StepRequest | None:
+        """Update one step (planning it first if none is in flight; pipelined, planning
+        the next one ahead first when the scheduler allows); the step updated, or None."""
+        if not self.in_flight and self._send() is None:
             return None
-        self.steps.append(step)
-        for req in self.sched.update(step, self.worker.step(step)):
+        if self.pipelined and self.sched.can_schedule_ahead():
+            ahead = self._send()
+            if ahead is not None:
+                assert ahead.after_step_id == self.in_flight[0][0].step_id
+                self.num_ahead += 1
+        step, result = self.in_flight.popleft()
+        for req in self.sched.update(step, result):
             self.finished[req.request_id] = req
         self.sched.check_integrity()
         return step
 
     def run(self, max_steps: int = 2000) -> None:
-        while self.sched.has_work():
+        while self.sched.has_work() or self.in_flight:
             assert self.step() is not None, "work left but nothing scheduled"
             assert len(self.steps) < max_steps, "no progress"
         self.assert_done()
 
     def assert_done(self) -> None:
+        while self.in_flight:  # steps planned ahead for requests finished meanwhile
+            self.step()
         assert not self.sched.has_work()
         assert self.sched.kv.num_free_blocks == self.sched.kv.num_blocks
         assert self.sched.kv.cpu_pool.num_free_blocks == self.sched.kv.num_cpu_blocks
@@ -68,7 +91,8 @@ class Harness:
 
 
 def reference_outputs(*requests: NewRequest) -> dict[str, list[int]]:
-    """Outputs with room for everything: no chunking, no preemption, no prefix caching."""
+    """Outputs with room for everything: no chunking, no preemption, no prefix caching,
+    no step planned ahead."""
     h = Harness(num_blocks=1024, max_model_len=4096, max_num_batched_tokens=100_000,
                 enable_prefix_caching=False)
     h.add(*requests)
@@ -338,17 +362,26 @@ def test_drained_scheduler_tells_its_worker_to_forget_everything():
     h.assert_done()
 
 
-def test_schedule_twice_without_update_is_refused():
+def test_a_third_step_in_flight_is_refused_and_updates_go_oldest_first():
     h = Harness()
     h.add(make_request("a", 4, 5, arrival=0))
     step = h.sched.schedule()
+    assert step.after_step_id == 0 and h.sched.can_schedule_ahead()
+    ahead = h.sched.schedule()
+    assert ahead.after_step_id == step.step_id and not h.sched.can_schedule_ahead()
     with pytest.raises(RuntimeError, match="in flight"):
         h.sched.schedule()
+    first, second = h.worker.step(step), h.worker.step(ahead)  # the worker runs them in order
+    with pytest.raises(ValueError, match="not the oldest step in flight"):
+        h.sched.update(ahead, second)
     bad = worker_pb2.StepResult(step_id=step.step_id)  # a caught-up request without a token
     with pytest.raises(ValueError, match="needs a sampled token"):
         h.sched.update(step, bad)
-    h.sched.update(step, h.worker.step(step))
+    h.sched.update(step, first)
     h.sched.check_integrity()
+    h.sched.update(ahead, second)
+    h.sched.check_integrity()
+    assert h.sched.get_request("a").output_token_ids == h.worker.requests["a"].token_ids[4:]
 
 
 def test_load_counts_tokens_against_capacity():
@@ -360,7 +393,7 @@ def test_load_counts_tokens_against_capacity():
     assert h.sched.load == 0
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     # (prompt length, max_tokens, priority, arrival step, abort 3 steps later?)
     workload=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 16), st.integers(0, 2),
@@ -370,14 +403,15 @@ def test_load_counts_tokens_against_capacity():
     max_num_seqs=st.integers(1, 6),
     num_cpu_blocks=st.sampled_from([0, 3, 40]),  # > 0: swap preemption (3: often full)
     ns=st.lists(st.sampled_from([1, 1, 2, 3]), min_size=10, max_size=10),  # parallel sampling
+    pipelined=st.booleans(),
 )
 def test_random_workloads_finish_with_reference_outputs(workload, num_blocks, budget, max_num_seqs,
-                                                        num_cpu_blocks, ns):
+                                                        num_cpu_blocks, ns, pipelined):
     """Arrivals spread over time, random priorities, some aborts; small pools force
-    preemptions (by recompute, or by swap with a recompute fallback). Unaborted requests
-    must produce the reference outputs."""
+    preemptions (by recompute, or by swap with a recompute fallback); steps planned ahead
+    or not. Unaborted requests must produce the reference outputs."""
     h = Harness(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
-                max_num_seqs=max_num_seqs, num_cpu_blocks=num_cpu_blocks,
+                max_num_seqs=max_num_seqs, num_cpu_blocks=num_cpu_blocks, pipelined=pipelined,
                 preemption_mode="swap" if num_cpu_blocks else "recompute")
     reqs = {f"r{i}": (make_request(f"r{i}", p, m, arrival=float(i), priority=prio), at, abort)
             for i, (p, m, prio, at, abort) in enumerate(workload)}
