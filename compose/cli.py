@@ -88,6 +88,9 @@ def _scheduler_parser(sub) -> None:
     p = sub.add_parser("scheduler", help="the scheduler (continuous batching, block tables)")
     _add_batching_flags(p)
     _add(p, "--consumer-name", help="stream consumer name (default: scheduler-<hostname>)")
+    _add(p, "--async-scheduling", default="auto", choices=["auto", "on", "off"],
+         help="plan each step while the one before runs on the worker (on), or after its "
+              "result (off); auto: on for workers on an accelerator, off on the CPU")
     _add(p, "--metrics-host", default="127.0.0.1", help="bind address of /metrics")
     _add(p, "--metrics-port", type=int, default=0,
          help="serve Prometheus /metrics (every worker's accounting) at this port; 0 = off")

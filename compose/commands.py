@@ -49,7 +49,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
     extra = {"consumer_name": args.consumer_name} if args.consumer_name else {}
     config = SchedulerServiceConfig(batching=_batching_config(args), redis_url=args.redis_url,
                                     key_prefix=args.key_prefix, metrics_host=args.metrics_host,
-                                    metrics_port=args.metrics_port, **extra)
+                                    metrics_port=args.metrics_port,
+                                    async_scheduling=args.async_scheduling, **extra)
 
     async def main() -> None:
         stop = asyncio.Event()

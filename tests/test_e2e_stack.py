@@ -22,11 +22,14 @@ TOKEN_BUDGET = 48  # prompts up to 120 tokens are prefilled in chunks
 LONG_MAX_TOKENS = NUM_BLOCKS * 16 - 32
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model_dir, redis_url, tmp_path_factory):
+@pytest.fixture(scope="module", params=["off", "on"], ids=["lockstep", "async-scheduling"])
+def stack(request, tiny_model_dir, redis_url, tmp_path_factory):
+    """Every test on this stack runs twice: steps planned one at a time (the default on a
+    CPU worker), and each planned while the one before runs (--async-scheduling on)."""
     with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run"),
                        worker_args=("--num-blocks", str(NUM_BLOCKS)),
-                       scheduler_args=("--max-num-batched-tokens", str(TOKEN_BUDGET))) as s:
+                       scheduler_args=("--max-num-batched-tokens", str(TOKEN_BUDGET),
+                                       "--async-scheduling", request.param)) as s:
         yield s
 
 
@@ -85,6 +88,11 @@ def test_greedy_equals_transformers_with_chunking_and_preemption(stack, hf_model
     assert samples['pagedserve:kv_blocks_total{worker="worker-0"}'] == NUM_BLOCKS
     assert samples['pagedserve:kv_cache_usage_perc{worker="worker-0"}'] == 0.0
     assert samples['pagedserve:kv_integrity_ok{worker="worker-0"}'] == 1.0
+    # Steps planned while the one before ran: only with async scheduling on.
+    ahead = samples['pagedserve:scheduler_steps_ahead_total{worker="worker-0"}']
+    assert ahead == only.num_steps_ahead
+    flags = stack.config.scheduler_args
+    assert (ahead > 0) == (dict(zip(flags[::2], flags[1::2]))["--async-scheduling"] == "on")
     assert samples['pagedserve:prefix_cache_queries_total{worker="worker-0"}'] > 0
 
 
@@ -176,12 +184,16 @@ def test_two_workers_share_load_and_survive_sigterm(tiny_model_dir, redis_url, t
         wait_until_idle(stack, ["worker-1"])
 
 
-def test_requests_survive_a_worker_killed_mid_generation(tiny_model_dir, redis_url, tmp_path_factory, hf_model):
-    """SIGKILL (no deregistration): the scheduler sees the Step fail, moves the requests to
-    the other worker, which recomputes them; clients get complete, correct outputs."""
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_requests_survive_a_worker_killed_mid_generation(tiny_model_dir, redis_url, tmp_path_factory, hf_model,
+                                                         async_scheduling):
+    """SIGKILL (no deregistration): the scheduler sees the Step fail (with async scheduling,
+    two steps in flight), moves the requests to the other worker, which recomputes them;
+    clients get complete, correct outputs."""
     import signal
 
-    with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run3"), workers=2) as stack:
+    with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run3"), workers=2,
+                       scheduler_args=("--async-scheduling", async_scheduling)) as stack:
         prompts = [[10 + i, 20 + i, 30 + i, 40 + i] for i in range(6)]
         max_tokens = 120
 

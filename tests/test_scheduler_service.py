@@ -8,6 +8,7 @@ import contextlib
 import time
 import uuid
 
+import pytest
 import redis.asyncio as aioredis
 
 from proto.keys import STREAM_FIELD, RedisKeys
@@ -234,3 +235,16 @@ def test_a_resumed_heartbeat_registers_the_worker_id_again(redis_url):
         registration.stop()
         assert not client.sismember(keys.workers, "w-beat")
         client.close()
+
+
+def test_async_scheduling_auto_is_on_for_accelerators_only():
+    from proto import worker_pb2
+
+    def ahead(setting: str, device: str) -> bool:
+        return SchedulerServiceConfig(async_scheduling=setting).schedules_ahead(worker_pb2.WorkerInfo(device=device))
+
+    assert not ahead("auto", "cpu") and not ahead("auto", "")  # "": a worker that does not say
+    assert ahead("auto", "cuda:0") and ahead("auto", "cuda")
+    assert ahead("on", "cpu") and not ahead("off", "cuda:0")
+    with pytest.raises(ValueError, match="async_scheduling must be"):
+        SchedulerServiceConfig(async_scheduling="yes")

@@ -112,6 +112,7 @@ class ModelRunner:
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
             num_cpu_blocks=self.cpu_cache.num_blocks if self.cpu_cache is not None else 0,
+            device=str(self.device),
         )
 
     def _swap_out(self, request: worker_pb2.StepRequest) -> None:

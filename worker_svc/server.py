@@ -5,6 +5,13 @@ step's TokenEvents to Redis (one PUBLISH per reply channel per step, pipelined),
 registration heartbeat that lets schedulers discover it, and /metrics (each step's
 duration, requests and tokens: proto/metrics.py) when a metrics port is given. All compute
 is ModelRunner's.
+
+Steps run one at a time, in the order they came, on the compute thread. A step planned
+ahead (after_step_id) arrives while the step before it runs and waits in the compute
+thread's queue, so the thread goes from one step straight into the next. A step's events
+go out before its result (a finished request is acknowledged only after its last event
+went out), in step order: from the compute thread itself when no step waits behind it
+(no thread to wake), else from a publishing thread while the next step computes.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import threading
 import time
 import uuid
 from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,9 +35,11 @@ from proto.messages import TokenEvent, WorkerRegistration, stream_encoder
 from proto.metrics import StepCollector, StepRecorder, serve_metrics
 from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
-from worker_svc.model_runner import ModelRunner
+from worker_svc.model_runner import ModelRunner, StepConsistencyError, StepOutput
 
 log = logging.getLogger("pagedserve.worker")
+
+ORDER_TIMEOUT_S = 30.0  # how long a step planned ahead waits for the step it follows
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,8 @@ class WorkerServiceConfig:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Serialises Steps (the runner holds one batch state) and publishes their events.
+    """Queues Steps in order on the compute thread (the runner holds one batch state) and
+    publishes their events.
 
     Every step runs on the compute thread that loaded the runner, whichever gRPC thread
     received it (worker_svc/compute_thread.py says why)."""
@@ -56,7 +67,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._runner = runner
         self._compute = compute
         self._publisher = publisher
-        self._lock = threading.Lock()
+        self._publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # FIFO
+        self._order = threading.Condition()
+        self._last_queued = 0  # id of the last step queued on the compute thread
+        self._failed = 0  # id of the last step that failed (compute thread only)
+        self._handed_off: Future | None = None  # the last publish handed to _publishing
         self.steps = StepRecorder()
 
     def Describe(self, request, context):
@@ -66,21 +81,52 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.HealthReply(ok=True, num_requests=self._runner.num_requests)
 
     def Step(self, request, context):
-        with self._lock:
-            start = time.perf_counter()
-            try:
-                output = self._compute.call(self._runner.step, request)
-            except Exception as exc:  # a bad step must not kill the server; the scheduler decides
-                log.exception("step %d failed", request.step_id)
-                context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")
-            self._publish(output.events)
-            output.result.execute_seconds = time.perf_counter() - start
-            self.steps.observe(request, output.result.execute_seconds)
-            return output.result
+        after = request.after_step_id
+        with self._order:
+            # Planned ahead: its RPC may overtake the one of the step it follows.
+            if after and not self._order.wait_for(lambda: self._last_queued == after, ORDER_TIMEOUT_S):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"step {request.step_id} is planned after step {after}, "
+                              f"which this worker did not receive")
+            self._last_queued = request.step_id
+            done = self._compute.submit(self._run, request)
+            self._order.notify_all()
+        try:
+            output, published = done.result()
+            if published is not None:
+                published.result()
+        except Exception as exc:  # a bad step must not kill the server; the scheduler decides
+            log.exception("step %d failed", request.step_id)
+            context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")
+        self.steps.observe(request, output.result.execute_seconds)
+        return output.result
+
+    def _run(self, request: worker_pb2.StepRequest) -> tuple[StepOutput, Future | None]:
+        """On the compute thread: the step, then its events published, or handed to the
+        publishing thread (that publish's future) when the next step is queued already."""
+        if request.after_step_id and request.after_step_id == self._failed:
+            self._failed = request.step_id  # and so on down the queue
+            raise StepConsistencyError(
+                f"step {request.step_id} is planned after step {request.after_step_id}, which failed")
+        try:
+            output = self._runner.step(request)
+        except Exception:
+            self._failed = request.step_id
+            raise
+        if self._last_queued > request.step_id:  # the next step waits: publish beside it
+            self._handed_off = self._publishing.submit(self._publish, output.events)
+            return output, self._handed_off
+        if self._handed_off is not None:  # an earlier step's events go first
+            self._handed_off.result()
+            self._handed_off = None
+        self._publish(output.events)
+        return output, None
 
     def close(self) -> None:
-        """Stop the compute thread (after the gRPC server stopped: no step is running)."""
+        """Stop the compute and publishing threads (after the gRPC server stopped: no step
+        is running)."""
         self._compute.close()
+        self._publishing.shutdown(wait=True)
 
     def _publish(self, events: dict[str, list[TokenEvent]]) -> None:
         if not events:

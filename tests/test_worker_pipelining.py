@@ -1,0 +1,130 @@
+"""The worker service with steps planned ahead (StepRequest.after_step_id): a real worker
+(tiny model, real Redis, gRPC) driven by a BatchScheduler that keeps two steps in flight."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import msgspec
+import pytest
+import redis
+
+from proto import worker_pb2, worker_pb2_grpc
+from proto.keys import RedisKeys
+from proto.messages import NewRequest, SamplingParams, events_decoder, registration_decoder
+from scheduler_svc.batching import BatchScheduler
+from scheduler_svc.config import SchedulerConfig
+from worker_svc import server
+from worker_svc.config import RunnerConfig
+
+
+@contextlib.contextmanager
+def worker(model_dir, redis_url):
+    """A worker service on a thread; yields (stub, a scheduler for it, the redis client)."""
+    prefix = f"pipelining-{uuid.uuid4().hex[:8]}"
+    config = server.WorkerServiceConfig(runner=RunnerConfig(model=str(model_dir), num_blocks=64),
+                                        port=0, redis_url=redis_url, key_prefix=prefix)
+    ready, stop = threading.Event(), threading.Event()
+    serving = threading.Thread(target=server.serve, args=(config, ready, stop), daemon=True)
+    serving.start()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert ready.wait(timeout=60)
+        reg = registration_decoder.decode(client.get(RedisKeys(prefix).worker(config.worker_id)))
+        scheduler = BatchScheduler(SchedulerConfig(max_num_batched_tokens=16), num_blocks=reg.num_blocks,
+                                   block_size=reg.block_size, max_model_len=reg.max_model_len)
+        with grpc.insecure_channel(reg.address) as channel:
+            yield worker_pb2_grpc.WorkerStub(channel), scheduler, client
+    finally:
+        client.close()
+        stop.set()
+        serving.join(timeout=30)
+
+
+def requests(channel: str) -> list[NewRequest]:
+    return [NewRequest(f"r{i}", [5 + i, 6, 7, 8, 9, 10, 11][: 3 + 2 * i],
+                       SamplingParams(max_tokens=4 + 3 * i, temperature=0.0), channel, time.time())
+            for i in range(3)]
+
+
+def outputs_of(scheduler: BatchScheduler, stub, pipelined: bool, pool: ThreadPoolExecutor):
+    """Run every request to the end; with `pipelined`, a step planned ahead is sent before
+    the one it follows (its RPC overtakes: the worker must still run them in order)."""
+    finished = {}
+    in_flight = []  # (step, future of its result)
+    while scheduler.has_work() or in_flight:
+        if not in_flight:
+            step = scheduler.schedule()
+            ahead = scheduler.schedule() if pipelined and scheduler.can_schedule_ahead() else None
+            if ahead is not None:
+                assert ahead.after_step_id == step.step_id
+                in_flight.append((ahead, pool.submit(stub.Step, ahead, timeout=30)))
+                time.sleep(0.05)  # it reaches the worker first, and waits there
+            in_flight.insert(0, (step, pool.submit(stub.Step, step, timeout=30)))
+        step, call = in_flight.pop(0)
+        for req in scheduler.update(step, call.result()):
+            finished[req.request_id] = req.output_token_ids
+    return finished
+
+
+def test_steps_planned_ahead_give_the_outputs_of_steps_in_lockstep(tiny_model_dir, redis_url):
+    with worker(tiny_model_dir, redis_url) as (stub, scheduler, client), \
+            ThreadPoolExecutor(4) as pool:
+        channel = f"out:{uuid.uuid4().hex[:8]}"
+        events = client.pubsub()
+        events.subscribe(channel)
+        for req in requests(channel):
+            scheduler.add_request(req)
+        lockstep = outputs_of(scheduler, stub, False, pool)
+        for req in requests(channel):
+            scheduler.add_request(msgspec.structs.replace(req, request_id=req.request_id + "-ahead"))
+        ahead = outputs_of(scheduler, stub, True, pool)
+        assert scheduler.num_steps > 0 and len(lockstep) == 3
+        assert {rid.removesuffix("-ahead"): out for rid, out in ahead.items()} == lockstep
+        # Every token went out on pub/sub once, in order, each step's events before the next's.
+        published: dict[str, list[int]] = {}
+        deadline = time.monotonic() + 10
+        while sum(map(len, published.values())) < 2 * sum(map(len, lockstep.values())):
+            assert time.monotonic() < deadline, f"published so far: {published}"
+            message = events.get_message(timeout=1)
+            if message and message["type"] == "message":
+                for event in events_decoder.decode(message["data"]):
+                    seen = published.setdefault(event.request_id, [])
+                    assert event.index == len(seen)
+                    seen.extend(event.token_ids)
+        assert {rid: out for rid, out in published.items() if not rid.endswith("-ahead")} == lockstep
+        events.close()
+
+
+def test_a_step_planned_after_one_never_received_is_refused(tiny_model_dir, redis_url, monkeypatch):
+    monkeypatch.setattr(server, "ORDER_TIMEOUT_S", 0.5)
+    with worker(tiny_model_dir, redis_url) as (stub, _, _):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Step(worker_pb2.StepRequest(step_id=8, after_step_id=7), timeout=30)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "planned after step 7, which this worker did not receive" in err.value.details()
+
+
+def test_a_step_planned_after_a_failed_one_fails_without_running(tiny_model_dir, redis_url):
+    with worker(tiny_model_dir, redis_url) as (stub, _, _), ThreadPoolExecutor(2) as pool:
+        bad = worker_pb2.StepRequest(step_id=1)
+        bad.cached_requests.add(request_id="nobody", num_computed_tokens=0)
+        bad.num_scheduled_tokens["nobody"] = 1
+        after = worker_pb2.StepRequest(step_id=2, after_step_id=1)
+        after.new_requests.add(request_id="x", token_ids=[5, 6], num_prompt_tokens=2, block_ids=[0],
+                               sampling=worker_pb2.SamplingParams(max_tokens=2))
+        after.num_scheduled_tokens["x"] = 2
+        first = pool.submit(stub.Step, bad, timeout=30)
+        time.sleep(0.05)
+        second = pool.submit(stub.Step, after, timeout=30)
+        for call, message in ((first, "unknown to this worker"),
+                              (second, "planned after step 1, which failed")):
+            with pytest.raises(grpc.RpcError) as err:
+                call.result()
+            assert err.value.code() == grpc.StatusCode.INTERNAL and message in err.value.details()
+        assert stub.Health(worker_pb2.HealthRequest(), timeout=5).num_requests == 0  # x never ran
