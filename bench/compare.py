@@ -7,6 +7,8 @@ Contenders, each started here, measured with bench/serve.py (or bench/static_gen
 for the offline one), then stopped before the next starts — one at a time, so none steals
 the other's cores:
   stack          the full pagedserve stack (`pagedserve up`: Redis, worker, scheduler, gateway)
+  stack-async    the same with the scheduler's --async-scheduling on (on a CPU worker the
+                 default is off: each step planned after the previous one's result)
   engine         the in-process engine behind the same gateway (`pagedserve engine`): no
                  Redis, no gRPC — what the service split costs is stack / engine
   hf-serve       `transformers serve --continuous-batching` (Hugging Face's own server)
@@ -32,7 +34,7 @@ from pathlib import Path
 from compose.launcher import free_port
 
 HERE = Path(__file__).resolve().parent
-CONTENDERS = ("stack", "engine", "hf-serve", "hf-static")
+CONTENDERS = ("stack", "engine", "hf-serve", "hf-static", "stack-async")
 
 
 def wait_http(url: str, timeout: float = 600.0) -> None:
@@ -51,10 +53,12 @@ def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Pope
     model = str(Path(args.model_dir).resolve())
     served = Path(model).name
     threads = ["--threads", str(args.threads)] if args.threads else []
-    if name == "stack":
+    if name in ("stack", "stack-async"):
         cmd = [sys.executable, "-m", "compose.cli", "up", "--model", model, "--port", str(port),
                "--run-dir", str(log.parent / f"run-{name}"),
                *(f"--worker-arg={a}" for a in threads)]
+        if name == "stack-async":
+            cmd.append("--scheduler-arg=--async-scheduling=on")
         extra = ["--model", served]
     elif name == "engine":
         cmd = [sys.executable, "-m", "compose.cli", "engine", "--model", model, "--port", str(port), *threads]
@@ -73,7 +77,7 @@ def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Pope
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/v1/models" if name != "hf-serve" else f"{base}/health")
-    if name == "stack":  # the gateway answers before it sees workers: wait for the model too
+    if name.startswith("stack"):  # the gateway answers before it sees workers: wait for the model too
         deadline = time.monotonic() + 600
         while served.encode() not in urllib.request.urlopen(f"{base}/v1/models").read():
             if time.monotonic() > deadline:
@@ -155,18 +159,25 @@ def main(argv: list[str] | None = None) -> int:
             if vals:
                 row[f"{metric}_p50_median"] = statistics.median(vals)
         summary["contenders"][name] = row
+    base_runs = summary["contenders"].get("stack", {}).get("output_throughput_runs")
+    for row in summary["contenders"].values():  # round by round: the same drift on both sides
+        if base_runs:
+            row["stack_over_this_runs"] = [b / x if x else None
+                                           for b, x in zip(base_runs, row["output_throughput_runs"])]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     base = summary["contenders"].get("stack", {}).get("output_throughput_median")
     print(f"\n{args.dataset}, {args.num_requests} requests, concurrency {args.concurrency}, "
           f"input mean {args.input_mean}, output mean {args.output_mean}; medians of {args.runs} runs\n")
-    print("| contender | output tok/s (median) | runs | stack ÷ this | TTFT p50 | TPOT p50 |")
-    print("|---|---|---|---|---|---|")
+    print("| contender | output tok/s (median) | runs | stack ÷ this | per round | TTFT p50 | TPOT p50 |")
+    print("|---|---|---|---|---|---|---|")
     for name, row in summary["contenders"].items():
         ratio = f"{base / row['output_throughput_median']:.2f}×" if base and row["output_throughput_median"] else "—"
         ttft = f"{row['ttft_s_p50_median'] * 1000:.0f} ms" if "ttft_s_p50_median" in row else "—"
         tpot = f"{row['tpot_s_p50_median'] * 1000:.0f} ms" if "tpot_s_p50_median" in row else "—"
         runs_txt = ", ".join(f"{x:.0f}" for x in row["output_throughput_runs"])
-        print(f"| {name} | {row['output_throughput_median']:.1f} | {runs_txt} | {ratio} | {ttft} | {tpot} |")
+        rounds = ", ".join(f"{x:.2f}" for x in row.get("stack_over_this_runs", []) if x)
+        print(f"| {name} | {row['output_throughput_median']:.1f} | {runs_txt} | {ratio} | {rounds or '—'} "
+              f"| {ttft} | {tpot} |")
     return 0
 
 
