@@ -59,6 +59,10 @@ class IntegrityMixin:
         assert len(self._in_flight) <= 2, f"{len(self._in_flight)} steps in flight"
         for req in self.waiting + self.swapped:
             assert req.num_pending == 0, f"{req.request_id} is {req.status} with tokens in flight"
+        sampling: dict[int, int] = {}  # id(request) -> steps in flight that sample for it
+        for f in self._in_flight:
+            for req, _, _, samples in f.reqs:
+                sampling[id(req)] = sampling.get(id(req), 0) + samples
         for req in self.running:
             rid = req.request_id
             assert req.status is RequestStatus.RUNNING, f"running {rid} is {req.status}"
@@ -66,7 +70,7 @@ class IntegrityMixin:
             assert num_blocks == cdiv(req.num_computed_tokens, self.kv.block_size), (
                 f"running {rid} holds {num_blocks} blocks for {req.num_computed_tokens} "
                 f"computed tokens (block size {self.kv.block_size})")
-            samples = sum(entry[3] for f in self._in_flight for entry in f.reqs if entry[0] is req)
+            samples = sampling.get(id(req), 0)
             assert req.num_pending == samples, (
                 f"running {rid} has {req.num_pending} tokens pending, steps in flight sample {samples}")
             lacking = req.num_tokens + req.num_pending - req.num_computed_tokens
