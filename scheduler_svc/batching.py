@@ -31,17 +31,9 @@ invariants, checked by `check_integrity`: scheduler_svc/integrity.py.
 Calls alternate: schedule() -> (worker runs the step) -> update(); requests may be added
 or aborted at any time, also while a step is in flight.
 
-Scheduling ahead (vLLM's async scheduling; the scheduler service's default): while one
-step is in flight, `can_schedule_ahead()` says whether schedule() may plan the next one
-now, so the worker finds it queued when it finishes the first. The step ahead assumes
-every request the step in flight samples for gets its token (`num_pending`): a decode
-computes that token, which only the worker knows yet (the step carries `after_step_id`).
-`update()` takes results oldest first and reconciles: a request the step in flight
-finished (EOS, a stop token) was scheduled once more for nothing -- the worker skips it,
-and its blocks were freed at the first update. A step ahead never preempts, swaps or
-forks: a request that cannot grow without a preemption ends the step there (the one
-after it is planned after update(), with nothing in flight, as above), a request about
-to sample its last token (max_tokens) or to fork (n > 1) waits for update().
+Scheduling ahead (vLLM's async scheduling; on by default for accelerator workers): while
+one step is in flight, `can_schedule_ahead()` says whether schedule() may plan the next one
+now. How a step ahead is planned and reconciled: scheduler_svc/step.py.
 """
 
 import bisect

@@ -7,6 +7,16 @@ when the step is built: the worker computes exactly what was scheduled, and a re
 step catches up counts one token in flight (num_pending) until its result. `update` then
 offers the blocks the step filled to the prefix cache, appends the sampled tokens and
 finishes requests the worker finished.
+
+Steps planned ahead (BatchScheduler.can_schedule_ahead): the worker finds the next step
+queued when it finishes the first. The step ahead assumes every request the step in flight
+samples for gets its token (`num_pending`): a decode computes that token, which only the
+worker knows yet (the step carries `after_step_id`). `update()` takes results oldest first
+and reconciles: a request the step in flight finished (EOS, a stop token) was scheduled once
+more for nothing -- the worker skips it, and its blocks were freed at the first update. A
+step ahead never preempts, swaps or forks: a request that cannot grow without a preemption
+ends the step there (the one after it is planned after update(), with nothing in flight), a
+request about to sample its last token (max_tokens) or to fork (n > 1) waits for update().
 """
 
 from dataclasses import dataclass

@@ -11,7 +11,7 @@ import torch
 
 from kvstore.kv_cache_manager import KVCacheManager
 from proto.messages import NewRequest, SamplingParams
-from test_scheduler import Harness, make_request, reference_outputs, scheduled
+from scheduler_harness import Harness, make_request, reference_outputs, scheduled
 
 
 def refs(kv: KVCacheManager) -> dict[int, int]:

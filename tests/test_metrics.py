@@ -19,7 +19,7 @@ from proto.metrics import HistogramRecorder, WorkerStatsCollector, histogram_fam
 from scheduler_svc.metrics import SchedulerMetrics, WorkerRecorder
 from scheduler_svc.stats import worker_stats
 from tests.stack_helpers import parse_samples
-from test_scheduler import Harness
+from scheduler_harness import Harness
 
 
 def render(collector) -> str:

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvstore.block_hash import hash_block
 from kvstore.kv_cache_manager import KVCacheManager, cdiv
-from test_scheduler import Harness, make_request, reference_outputs, scheduled
+from scheduler_harness import Harness, make_request, reference_outputs, scheduled
 
 BS = 4
 

@@ -4,7 +4,7 @@ import pytest
 
 from scheduler_svc.routing import pick_worker, route_cost
 from test_prefix_cache import BS, P, request
-from test_scheduler import Harness
+from scheduler_harness import Harness
 
 
 def test_routing_prefers_the_cached_prefix_unless_much_more_loaded():

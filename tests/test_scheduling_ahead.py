@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from proto.messages import NewRequest, SamplingParams
 from test_fork import parallel_request
-from test_scheduler import Harness, make_request, reference_outputs, scheduled
+from scheduler_harness import Harness, make_request, reference_outputs, scheduled
 
 
 def test_decode_steps_are_planned_ahead_exact_contents():

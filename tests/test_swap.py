@@ -15,7 +15,7 @@ from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.swap_pool import CpuBlockPool
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import RequestStatus
-from test_scheduler import Harness, make_request, reference_outputs, scheduled
+from scheduler_harness import Harness, make_request, reference_outputs, scheduled
 
 
 # -- kvstore -----------------------------------------------------------------------------
