@@ -8,7 +8,6 @@ The scheduler writes each worker's WorkerStats to Redis about once a second unde
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -93,7 +92,7 @@ class StatsSampler:
 
 def run_load(argv: list[str]) -> dict:
     """bench/serve.py with these flags, in this process; its result dict."""
-    return asyncio.run(serve.run(serve.build_parser().parse_args(argv)))
+    return serve.measure(serve.build_parser().parse_args(argv))
 
 
 def median(values: list[float]) -> float:

@@ -16,7 +16,6 @@ top leaf functions. Raw collapsed stacks are kept in --out-dir for flame graphs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import json
 import os
@@ -110,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             Stack(StackConfig(model=args.model_dir, port=free_port(), run_dir=Path(run_dir))) as stack:
         common = ["--base-url", stack.base_url, "--model", stack.served_model_name,
                   "--tokenizer", args.model_dir]
-        asyncio.run(serve.run(serve.build_parser().parse_args(
-            [*common, "--num-requests", "4", "--concurrency", "4", "--output-mean", "8", "--quiet"])))
+        serve.measure(serve.build_parser().parse_args(
+            [*common, "--num-requests", "4", "--concurrency", "4", "--output-mean", "8", "--quiet"]))
         pids = {name: proc.pid for name, proc in stack.procs.items()
                 if name.split("-")[0] in CATEGORIES}
         spies = {name: subprocess.Popen(
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.0)  # let py-spy attach
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         start = time.perf_counter()
-        served = asyncio.run(serve.run(serve.build_parser().parse_args([*common, *serve_args])))
+        served = serve.measure(serve.build_parser().parse_args([*common, *serve_args]))
         wall = time.perf_counter() - start
         used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
         for spy in spies.values():

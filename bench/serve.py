@@ -14,7 +14,8 @@ take only text). `--ignore-eos` makes output lengths exact on servers that suppo
 The client is plain HTTP (httpx) reading the server-sent events itself, as vLLM's serving
 benchmark does with aiohttp: the official `openai` client spends ~5 ms of CPU per request
 before it sends anything and parses every chunk into pydantic models, which on a 2-core
-machine is time taken from the server under test and added to every TTFT.
+machine is time taken from the server under test and added to every TTFT. For the same
+reason it runs on uvloop.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import msgspec
 import numpy
+import uvloop
 from tqdm import tqdm
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
@@ -240,9 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def measure(args: argparse.Namespace) -> dict:
+    """`run` on its own event loop: uvloop's, which spends less of the cores shared with
+    the server under test on reading the streams than asyncio's (~10% less CPU here)."""
+    return uvloop.run(run(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result = asyncio.run(run(args))
+    result = measure(args)
     print(report(result))
     if args.out:
         with open(args.out, "w") as f:
