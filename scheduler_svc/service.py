@@ -268,16 +268,18 @@ class SchedulerService(WorkersMixin):
                 except Exception:
                     log.exception("re-routing the requests of worker %s failed", handle.worker_id)
 
-    async def _send(self, handle: WorkerHandle, step) -> grpc.aio.UnaryUnaryCall:
-        """Start the Step RPC and let it go out before the caller computes anything else."""
+    async def _send(self, handle: WorkerHandle, step: worker_pb2.StepRequest) -> grpc.aio.UnaryUnaryCall:
+        """Start the Step RPC. Planning ahead, let it go out before the next step is planned
+        (one step at a time, the caller awaits it at once, which sends it as well)."""
         handle.recorder.scheduled(handle.scheduler, step)
         call = handle.stub.Step(step, timeout=self.config.step_timeout_s)
-        await asyncio.sleep(0)  # the call's task sends the request
+        if handle.schedules_ahead:
+            await asyncio.sleep(0)  # the call's task sends the request
         return call
 
     async def _steps(self, handle: WorkerHandle) -> None:
         scheduler = handle.scheduler
-        in_flight: deque[tuple] = deque()  # (step, its call), oldest first
+        in_flight: deque[tuple[worker_pb2.StepRequest, grpc.aio.UnaryUnaryCall]] = deque()  # oldest first
         try:
             while not handle.retiring:
                 if not in_flight:
@@ -304,7 +306,8 @@ class SchedulerService(WorkersMixin):
             for _, call in in_flight:  # retired with a step planned ahead: the worker is gone
                 call.cancel()
 
-    async def _update(self, handle: WorkerHandle, step, call) -> bool:
+    async def _update(self, handle: WorkerHandle, step: worker_pb2.StepRequest,
+                      call: grpc.aio.UnaryUnaryCall) -> bool:
         """Await the step's result and apply it; False (and the worker retired) if it failed."""
         scheduler = handle.scheduler
         try:
