@@ -227,6 +227,21 @@ def test_reads_transformers_v4_config_spelling():
     assert cfg.dtype == torch.bfloat16 and cfg.eos_token_ids == (7, 9)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"num_key_value_heads": 3}, "not a multiple"),
+    ({"head_dim": 5}, "head_dim 5 is odd"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor"),
+    ({"dtype": "int8"}, "unsupported dtype"),
+])
+def test_refuses_configs_it_cannot_run(change, message):
+    raw = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 2, **change}
+    with pytest.raises(ValueError, match=message):
+        DecoderConfig.from_dict(raw)
+
+
 def test_describe_and_consistency_check(tiny_model_dir):
     runner = make_runner(tiny_model_dir, num_blocks=10)
     info = runner.describe()

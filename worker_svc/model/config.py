@@ -31,6 +31,14 @@ class DecoderConfig:
     dtype: torch.dtype  # the checkpoint's own dtype (float32 when it names none)
     eos_token_ids: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        """Shapes the model cannot run refused at load, not met as a wrong answer later."""
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) is not a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} is odd: rotary embeddings rotate pairs of dims")
+
     @classmethod
     def from_dict(cls, raw: dict, generation: dict | None = None) -> "DecoderConfig":
         num_heads = raw["num_attention_heads"]
@@ -40,9 +48,14 @@ class DecoderConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope_type {rope_type!r}")
+        partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:  # rotary on part of each head only (Phi, GPT-NeoX style)
+            raise ValueError(f"unsupported partial_rotary_factor {partial}: rotary covers whole heads here")
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        if dtype_name not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype_name!r}: one of {', '.join(DTYPES)}")
         return cls(
             architecture=(raw.get("architectures") or ["LlamaForCausalLM"])[0],
             vocab_size=raw["vocab_size"],
