@@ -28,6 +28,7 @@ from scheduler_svc.stats import worker_stats
 from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
+from worker_svc.step_gap import StepGap
 
 log = logging.getLogger("pagedserve.engine")
 
@@ -64,6 +65,7 @@ class InProcessEngine:
         self._loop: Future | None = None  # the engine loop, once started
         self.stats: WorkerStats | None = None  # refreshed on the engine thread, read anywhere
         self.recorder = WorkerRecorder()  # request phases and steps, in stats as the service's
+        self._gap = StepGap()  # the engine thread's idle between steps, as a worker's
         self._stats_at = 0.0
 
     # ---- called from any thread ------------------------------------------------------
@@ -129,12 +131,16 @@ class InProcessEngine:
             return
         self._refresh_stats(idle=False)
         self.recorder.scheduled(self.scheduler, step)
+        gap = self._gap.start()
         try:
             output = self.runner.step(step)
         except Exception:  # fail what ran, keep serving the rest
             log.exception("step %d failed", step.step_id)
             self._fail(self.scheduler.drain(), "the model step failed; see the server log")
             return
+        self._gap.end(step, output.result)
+        if gap is not None:
+            output.result.gap_seconds = gap
         if output.events:
             self._on_events(output.events)
         finished = self.scheduler.update(step, output.result)

@@ -138,6 +138,7 @@ class StepHistograms(msgspec.Struct, frozen=True):
     duration: Histogram  # seconds: StepResult.execute_seconds (the step on the compute thread)
     batch_size: Histogram  # requests in the step
     tokens: Histogram  # tokens computed in the step
+    gap: Histogram | None = None  # seconds: StepResult.gap_seconds (idle before the step, work going on)
 
 
 class WorkerStats(msgspec.Struct, frozen=True):

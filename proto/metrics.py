@@ -3,7 +3,8 @@ messages carry, named once here, and the one renderer of them that every service
 
     HistogramRecorder   a fixed-bucket histogram, O(log buckets) per observe; its
                         snapshot() is the `Histogram` message that travels in WorkerStats
-    StepRecorder        one worker's steps: duration, requests, tokens (StepHistograms)
+    StepRecorder        one worker's steps: duration, requests, tokens, the gap before
+                        each (StepHistograms)
     WorkerStatsCollector  renders WorkerStats (the scheduler's per-worker accounting and
                         histograms) at the scheduler's /metrics and the gateway's
     StepCollector       renders a worker's own StepRecorder at the worker's /metrics
@@ -35,6 +36,9 @@ TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
 # Time to first token (vLLM's buckets).
 FIRST_TOKEN_SECONDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                        5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# Idle seconds between two steps (finer still: a GPU step is a few milliseconds).
+GAP_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1,
+               0.25, 1.0)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -60,22 +64,25 @@ class HistogramRecorder:
 
 class StepRecorder:
     """One worker's steps, observed where they run (the worker) and where their results
-    come back (the scheduler, for WorkerStats): the same three histograms either way."""
+    come back (the scheduler, for WorkerStats): the same four histograms either way."""
 
     def __init__(self) -> None:
         self.duration = HistogramRecorder(TOKEN_SECONDS)
         self.batch_size = HistogramRecorder(BATCH_SIZES)
         self.tokens = HistogramRecorder(STEP_TOKENS)
+        self.gap = HistogramRecorder(GAP_SECONDS)
 
-    def observe(self, step: worker_pb2.StepRequest, seconds: float) -> None:
+    def observe(self, step: worker_pb2.StepRequest, result: worker_pb2.StepResult) -> None:
         scheduled = step.num_scheduled_tokens
-        self.duration.observe(seconds)
+        self.duration.observe(result.execute_seconds)
         self.batch_size.observe(len(scheduled))
         self.tokens.observe(sum(scheduled.values()))
+        if result.HasField("gap_seconds"):
+            self.gap.observe(result.gap_seconds)
 
     def snapshot(self) -> StepHistograms:
         return StepHistograms(duration=self.duration.snapshot(), batch_size=self.batch_size.snapshot(),
-                              tokens=self.tokens.snapshot())
+                              tokens=self.tokens.snapshot(), gap=self.gap.snapshot())
 
 
 def histogram_family(name: str, help_text: str, labels: Sequence[str],
@@ -143,6 +150,8 @@ _STEP_HISTOGRAMS = (
     ("pagedserve:step_duration_seconds", "one step on the worker: forward and sampling", "duration"),
     ("pagedserve:step_batch_size", "requests in one step", "batch_size"),
     ("pagedserve:iteration_tokens_total", "tokens computed in one step", "tokens"),
+    ("pagedserve:step_gap_seconds", "the worker idle between two steps while requests went on: "
+     "the round trip between steps (worker_svc/step_gap.py)", "gap"),
 )
 
 
@@ -150,7 +159,8 @@ def step_families(series: Sequence[tuple[str, StepHistograms]]) -> Iterator[Metr
     """The step histograms, one series per (worker id, its StepHistograms)."""
     for name, help_text, field in _STEP_HISTOGRAMS:
         yield histogram_family(name, help_text, ["worker"],
-                               (([worker], getattr(steps, field)) for worker, steps in series))
+                               (([worker], getattr(steps, field)) for worker, steps in series
+                                if getattr(steps, field) is not None))
 
 
 def worker_stats_families(stats: Sequence[WorkerStats]) -> Iterator[Metric]:

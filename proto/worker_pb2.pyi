@@ -137,14 +137,16 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "execute_seconds")
+    __slots__ = ("step_id", "sampled", "execute_seconds", "gap_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ...) -> None: ...
+    gap_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., gap_seconds: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

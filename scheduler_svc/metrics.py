@@ -61,7 +61,7 @@ class WorkerRecorder:
                 finished) -> None:
         """Right after `scheduler.update(step, result)` returned `finished`."""
         now = time.time()
-        self.steps.observe(step, result.execute_seconds)
+        self.steps.observe(step, result)
         scheduled_at, first_token_at = self._scheduled_at, self._first_token_at
         for sampled in result.sampled:
             rid = sampled.request_id

@@ -102,7 +102,8 @@ def test_each_service_counts_what_was_served(stack):
     # The worker: its own steps, the same ones the scheduler counted from their results.
     steps = metric(worker, "pagedserve:step_duration_seconds_count", **w)
     assert steps > 0 and steps == metric(scheduler, "pagedserve:scheduler_steps_total", **w)
-    for name in ("step_duration_seconds", "step_batch_size", "iteration_tokens_total"):
+    assert metric(worker, "pagedserve:step_gap_seconds_count", **w) > 0  # decodes went on between steps
+    for name in ("step_duration_seconds", "step_batch_size", "iteration_tokens_total", "step_gap_seconds"):
         for part in ("count", "sum"):
             assert metric(worker, f"pagedserve:{name}_{part}", **w) == pytest.approx(
                 metric(scheduler, f"pagedserve:{name}_{part}", **w)), name

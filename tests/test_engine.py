@@ -110,3 +110,4 @@ def test_engine_serves_the_openai_api(tiny_model_dir, tmp_path):
     for phase in ("queue", "prefill", "decode"):
         assert metric(samples, f"pagedserve:request_{phase}_time_seconds_count", worker="in-process") == 2
     assert metric(samples, "pagedserve:step_duration_seconds_count", worker="in-process") > 0
+    assert metric(samples, "pagedserve:step_gap_seconds_count", worker="in-process") > 0

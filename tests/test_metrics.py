@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from compose.launcher import free_port
 from gateway.generation import GenerationOutput
 from gateway.metrics import GatewayMetrics
-from proto.messages import NewRequest, SamplingParams, WorkerStats, stats_decoder, stream_encoder
+from proto.messages import NewRequest, SamplingParams, StepHistograms, WorkerStats, stats_decoder, stream_encoder
 from proto.metrics import HistogramRecorder, WorkerStatsCollector, histogram_family
 from scheduler_svc.metrics import SchedulerMetrics, WorkerRecorder
 from scheduler_svc.stats import worker_stats
@@ -56,12 +56,15 @@ def test_worker_recorder_times_every_sequence_once():
     reqs = [_request(f"r{i}", 6 + i, 8, arrival=t0 + i * 1e-3) for i in range(5)]
     reqs.append(_request("fork", 9, 4, arrival=t0 + 0.005, n=3))
     h.add(_request("gone", 5, 30, arrival=t0 - 1), *reqs)
-    num_steps = batch = tokens = 0
+    num_steps = batch = tokens = gaps = 0
     while h.sched.has_work():
         step = h.sched.schedule()
         recorder.scheduled(h.sched, step)
         result = h.worker.step(step)
         result.execute_seconds = 0.01
+        if num_steps % 2:  # a worker sets it only after a step that left work going on
+            result.gap_seconds = 0.002
+            gaps += 1
         finished = h.sched.update(step, result)
         recorder.stepped(h.sched, step, result, finished)
         h.finished.update((r.request_id, r) for r in finished)
@@ -86,6 +89,7 @@ def test_worker_recorder_times_every_sequence_once():
     assert sum(steps.duration.counts) == num_steps == stats.num_steps
     assert steps.duration.sum == pytest.approx(0.01 * num_steps)
     assert (steps.batch_size.sum, steps.tokens.sum) == (batch, tokens)
+    assert sum(steps.gap.counts) == gaps and steps.gap.sum == pytest.approx(0.002 * gaps)
 
     # The message travels through Redis and renders the same at the scheduler and the gateway.
     wire = stats_decoder.decode(stream_encoder.encode(stats))
@@ -98,6 +102,7 @@ def test_worker_recorder_times_every_sequence_once():
     assert got[("pagedserve:request_decode_time_seconds_count", w)] == 8
     assert got[("pagedserve:step_duration_seconds_count", w)] == num_steps
     assert got[("pagedserve:iteration_tokens_total_sum", w)] == tokens
+    assert got[("pagedserve:step_gap_seconds_count", w)] == gaps
     assert got[("pagedserve:num_preemptions_total", w)] == h.sched.num_preemptions
     assert got[("pagedserve:kv_integrity_ok", w)] == 1.0
 
@@ -187,3 +192,16 @@ def test_gateway_meter_counts_unfinished_choices_as_abort_or_error():
     assert got[("pagedserve:request_success_total", (("finished_reason", "error"), m))] == 2
     assert got[("pagedserve:e2e_request_latency_seconds_count", (m,))] == 0
     assert got[("pagedserve:prompt_tokens_total", (m,))] == 3  # the abandoned one had its first token
+
+
+def test_step_histograms_without_a_gap_render_without_one():
+    """WorkerStats from a scheduler that predates the gap histogram: no step_gap series."""
+    empty = HistogramRecorder([1.0]).snapshot()
+    stats = WorkerStats(worker_id="old", num_blocks=1, num_free_blocks=1, num_running=0, num_waiting=0,
+                        num_preemptions=0, num_steps=0,
+                        steps=StepHistograms(duration=empty, batch_size=empty, tokens=empty))
+    collector = WorkerStatsCollector()
+    collector.snapshot = [stats]
+    names = {name for name, _ in parse_samples(render(collector))}
+    assert "pagedserve:step_duration_seconds_count" in names
+    assert not any(name.startswith("pagedserve:step_gap_seconds") for name in names)

@@ -36,6 +36,7 @@ from proto.metrics import StepCollector, StepRecorder, serve_metrics
 from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner, StepConsistencyError, StepOutput
+from worker_svc.step_gap import StepGap
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -72,6 +73,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._last_queued = 0  # id of the last step queued on the compute thread
         self._failed = 0  # id of the last step that failed (compute thread only)
         self._handed_off: Future | None = None  # the last publish handed to _publishing
+        self._gap = StepGap()  # compute thread only
         self.steps = StepRecorder()
 
     def Describe(self, request, context):
@@ -98,7 +100,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as exc:  # a bad step must not kill the server; the scheduler decides
             log.exception("step %d failed", request.step_id)
             context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")
-        self.steps.observe(request, output.result.execute_seconds)
+        self.steps.observe(request, output.result)
         return output.result
 
     def _run(self, request: worker_pb2.StepRequest) -> tuple[StepOutput, Future | None]:
@@ -108,11 +110,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._failed = request.step_id  # and so on down the queue
             raise StepConsistencyError(
                 f"step {request.step_id} is planned after step {request.after_step_id}, which failed")
+        gap = self._gap.start()
         try:
             output = self._runner.step(request)
         except Exception:
             self._failed = request.step_id
             raise
+        self._gap.end(request, output.result)
+        if gap is not None:
+            output.result.gap_seconds = gap
         if self._last_queued > request.step_id:  # the next step waits: publish beside it
             self._handed_off = self._publishing.submit(self._publish, output.events)
             return output, self._handed_off
