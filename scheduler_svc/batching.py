@@ -31,9 +31,8 @@ invariants, checked by `check_integrity`: scheduler_svc/integrity.py.
 Calls alternate: schedule() -> (worker runs the step) -> update(); requests may be added
 or aborted at any time, also while a step is in flight.
 
-Scheduling ahead (vLLM's async scheduling; on by default for accelerator workers): while
-one step is in flight, `can_schedule_ahead()` says whether schedule() may plan the next one
-now. How a step ahead is planned and reconciled: scheduler_svc/step.py.
+Scheduling ahead (vLLM's async scheduling, on for accelerator workers): with a step in
+flight, `can_schedule_ahead()` says whether schedule() may plan the next; see step.py.
 """
 
 import bisect
