@@ -131,7 +131,7 @@ class InProcessEngine:
             return
         self._refresh_stats(idle=False)
         self.recorder.scheduled(self.scheduler, step)
-        gap = self._gap.start()
+        self._gap.start()
         try:
             output = self.runner.step(step)
         except Exception:  # fail what ran, keep serving the rest
@@ -139,8 +139,6 @@ class InProcessEngine:
             self._fail(self.scheduler.drain(), "the model step failed; see the server log")
             return
         self._gap.end(step, output.result)
-        if gap is not None:
-            output.result.gap_seconds = gap
         if output.events:
             self._on_events(output.events)
         finished = self.scheduler.update(step, output.result)

@@ -110,15 +110,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._failed = request.step_id  # and so on down the queue
             raise StepConsistencyError(
                 f"step {request.step_id} is planned after step {request.after_step_id}, which failed")
-        gap = self._gap.start()
+        self._gap.start()
         try:
             output = self._runner.step(request)
         except Exception:
             self._failed = request.step_id
             raise
         self._gap.end(request, output.result)
-        if gap is not None:
-            output.result.gap_seconds = gap
         if self._last_queued > request.step_id:  # the next step waits: publish beside it
             self._handed_off = self._publishing.submit(self._publish, output.events)
             return output, self._handed_off
