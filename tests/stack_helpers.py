@@ -4,13 +4,11 @@ the gateway under uvicorn) through the same launcher `pagedserve up` uses."""
 from __future__ import annotations
 
 import time
-import urllib.request
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from compose.launcher import Stack, StackConfig, free_port
 from proto.keys import RedisKeys
@@ -57,20 +55,3 @@ def wait_until_idle(stack: Stack, worker_ids: list[str] | None = None, timeout: 
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still held after {timeout}s: {stats}")
         time.sleep(0.1)
-
-
-def parse_samples(text: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of a Prometheus exposition by (name, sorted labels), through
-    prometheus_client's own parser (so the text must be valid)."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """A /metrics page's samples (parse_samples)."""
-    return parse_samples(urllib.request.urlopen(url, timeout=10).read().decode())
-
-
-def metric(samples: dict, name: str, **labels) -> float:
-    """The sum of `name`'s samples whose labels include `labels` (0 if none)."""
-    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())

@@ -14,7 +14,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.stack_helpers import metric, running_stack, scrape, wait_until_idle
+from proto.metrics_scrape import metric, scrape
+from tests.stack_helpers import running_stack, wait_until_idle
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 from compose.engine import EngineConfig, InProcessEngine
 from engine_helpers import Collector, serve_on_thread
 from proto.messages import NewRequest, SamplingParams
+from proto.metrics_scrape import metric, scrape
 from scheduler_svc.config import SchedulerConfig
-from tests.stack_helpers import metric, scrape
 from worker_svc.config import RunnerConfig
 
 

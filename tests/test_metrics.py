@@ -16,9 +16,9 @@ from gateway.generation import GenerationOutput
 from gateway.metrics import GatewayMetrics
 from proto.messages import NewRequest, SamplingParams, StepHistograms, WorkerStats, stats_decoder, stream_encoder
 from proto.metrics import HistogramRecorder, WorkerStatsCollector, histogram_family
+from proto.metrics_scrape import parse_samples
 from scheduler_svc.metrics import SchedulerMetrics, WorkerRecorder
 from scheduler_svc.stats import worker_stats
-from tests.stack_helpers import parse_samples
 from scheduler_harness import Harness
 
 
