@@ -15,7 +15,14 @@ the other's cores:
   hf-static      `transformers` generate() with static padded batches, offline
 Rounds interleave the contenders (A B C D, A B C D, …) so slow drifts of a shared machine
 hit all of them alike. Writes every run's JSON, a summary JSON with medians, and prints a
-Markdown table with ratios against the stack.
+Markdown table with ratios against the stack. For the stack and the engine it also reads the
+server's /metrics before and after each measured run: the mean step on the worker
+(`pagedserve:step_duration_seconds`) and the mean gap between two steps
+(`pagedserve:step_gap_seconds`) — the two numbers that say where a difference between the
+stack and the engine comes from.
+
+`--device cuda` runs every contender on a GPU (the stack's and the engine's workers,
+`transformers serve --device`, static generate() with the model there).
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ import urllib.request
 from pathlib import Path
 
 from compose.launcher import free_port
+from proto.metrics_scrape import Samples, metric, scrape
 
 HERE = Path(__file__).resolve().parent
 CONTENDERS = ("stack", "engine", "hf-serve", "hf-static", "stack-async")
+STEPS, GAPS = "pagedserve:step_duration_seconds", "pagedserve:step_gap_seconds"
 
 
 def wait_http(url: str, timeout: float = 600.0) -> None:
@@ -52,19 +61,19 @@ def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Pope
     """Returns (process, base_url, extra bench/serve.py args)."""
     model = str(Path(args.model_dir).resolve())
     served = Path(model).name
-    threads = ["--threads", str(args.threads)] if args.threads else []
+    runner = ["--device", args.device, *(["--threads", str(args.threads)] if args.threads else [])]
     if name in ("stack", "stack-async"):
         cmd = [sys.executable, "-m", "compose.cli", "up", "--model", model, "--port", str(port),
                "--run-dir", str(log.parent / f"run-{name}"),
-               *(f"--worker-arg={a}" for a in threads)]
+               *(f"--worker-arg={a}" for a in runner)]
         if name == "stack-async":
             cmd.append("--scheduler-arg=--async-scheduling=on")
         extra = ["--model", served]
     elif name == "engine":
-        cmd = [sys.executable, "-m", "compose.cli", "engine", "--model", model, "--port", str(port), *threads]
+        cmd = [sys.executable, "-m", "compose.cli", "engine", "--model", model, "--port", str(port), *runner]
         extra = ["--model", served]
     elif name == "hf-serve":
-        cmd = ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--port", str(port), model]
+        cmd = ["transformers", "serve", "--continuous-batching", "--device", args.device, "--port", str(port), model]
         # It takes text only and has no ignore_eos: text prompts, EOS left on (a random model
         # rarely emits it; output throughput counts the tokens actually produced).
         extra = ["--model", model, "--prompt-mode", "text", "--no-ignore-eos", "--no-token-ids"]
@@ -84,6 +93,32 @@ def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Pope
                 raise TimeoutError("stack never listed the model")
             time.sleep(0.5)
     return proc, f"{base}/v1", extra
+
+
+def settled_samples(base: str, timeout_s: float = 15.0) -> Samples:
+    """The server's /metrics once its step count stops moving: the stack's gateway shows
+    the worker's steps as the scheduler last wrote them (about once a second)."""
+    url = f"{base}/metrics"
+    last = scrape(url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(1.2)
+        now = scrape(url)
+        if metric(now, f"{STEPS}_count") == metric(last, f"{STEPS}_count"):
+            return now
+        last = now
+    return last
+
+
+def step_split(before: Samples, after: Samples) -> dict:
+    """Steps between two scrapes, their mean time on the worker and the mean gap between them."""
+    def delta(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    steps, gaps = delta(f"{STEPS}_count"), delta(f"{GAPS}_count")
+    return {"steps": int(steps),
+            "step_mean_s": delta(f"{STEPS}_sum") / steps if steps else None,
+            "gap_mean_s": delta(f"{GAPS}_sum") / gaps if gaps else None}
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -109,7 +144,8 @@ def run_one(name: str, args, round_no: int, out_dir: Path) -> dict:
     log = out_dir / f"{name}.log"
     if name == "hf-static":
         cmd = [sys.executable, str(HERE / "static_generate.py"), "--model-dir", args.model_dir,
-               "--batch-size", str(args.concurrency), *workload_args(args)[2:], "--out", str(out)]
+               "--batch-size", str(args.concurrency), *workload_args(args)[2:], "--out", str(out),
+               "--device", args.device]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         subprocess.run(cmd, check=True)
@@ -120,9 +156,15 @@ def run_one(name: str, args, round_no: int, out_dir: Path) -> dict:
             subprocess.run([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
                             "--tokenizer", args.model_dir, "--num-requests", "4", "--concurrency", "4",
                             "--output-mean", "8", "--quiet"], check=True, stdout=subprocess.DEVNULL)
+            server = base_url.removesuffix("/v1")
+            before = settled_samples(server) if name != "hf-serve" else None
             subprocess.run([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
                             "--label", name, "--concurrency", str(args.concurrency), *workload_args(args),
                             "--out", str(out)], check=True)
+            if before is not None:
+                result = json.loads(out.read_text())
+                result["server_steps"] = step_split(before, settled_samples(server))
+                out.write_text(json.dumps(result, indent=2))
         finally:
             stop(proc)
     return json.loads(out.read_text())
@@ -141,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spread", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads of every contender")
+    p.add_argument("--device", default="cpu", help="cpu|cuda|cuda:N, for every contender")
     p.add_argument("--out-dir", default="bench/results/compare")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
@@ -154,10 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, results in runs.items():
         thr = [r["output_throughput"] for r in results]
         row = {"output_throughput_runs": thr, "output_throughput_median": statistics.median(thr)}
-        for metric in ("ttft_s", "tpot_s", "e2e_latency_s"):
-            vals = [r[metric]["p50"] for r in results if r.get(metric)]
+        for latency in ("ttft_s", "tpot_s", "e2e_latency_s"):
+            vals = [r[latency]["p50"] for r in results if r.get(latency)]
             if vals:
-                row[f"{metric}_p50_median"] = statistics.median(vals)
+                row[f"{latency}_p50_median"] = statistics.median(vals)
+        for key in ("step_mean_s", "gap_mean_s"):
+            vals = [r["server_steps"][key] for r in results if (r.get("server_steps") or {}).get(key)]
+            if vals:
+                row[f"{key}_median"] = statistics.median(vals)
         summary["contenders"][name] = row
     base_runs = summary["contenders"].get("stack", {}).get("output_throughput_runs")
     for row in summary["contenders"].values():  # round by round: the same drift on both sides
@@ -168,16 +215,19 @@ def main(argv: list[str] | None = None) -> int:
     base = summary["contenders"].get("stack", {}).get("output_throughput_median")
     print(f"\n{args.dataset}, {args.num_requests} requests, concurrency {args.concurrency}, "
           f"input mean {args.input_mean}, output mean {args.output_mean}; medians of {args.runs} runs\n")
-    print("| contender | output tok/s (median) | runs | stack ÷ this | per round | TTFT p50 | TPOT p50 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| contender | output tok/s (median) | runs | stack ÷ this | per round | TTFT p50 | TPOT p50 "
+          "| step / gap (mean) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, row in summary["contenders"].items():
         ratio = f"{base / row['output_throughput_median']:.2f}×" if base and row["output_throughput_median"] else "—"
         ttft = f"{row['ttft_s_p50_median'] * 1000:.0f} ms" if "ttft_s_p50_median" in row else "—"
         tpot = f"{row['tpot_s_p50_median'] * 1000:.0f} ms" if "tpot_s_p50_median" in row else "—"
         runs_txt = ", ".join(f"{x:.0f}" for x in row["output_throughput_runs"])
         rounds = ", ".join(f"{x:.2f}" for x in row.get("stack_over_this_runs", []) if x)
+        split = (f"{row['step_mean_s_median'] * 1000:.1f} / {row['gap_mean_s_median'] * 1000:.2f} ms"
+                 if "step_mean_s_median" in row and "gap_mean_s_median" in row else "—")
         print(f"| {name} | {row['output_throughput_median']:.1f} | {runs_txt} | {ratio} | {rounds or '—'} "
-              f"| {ttft} | {tpot} |")
+              f"| {ttft} | {tpot} | {split} |")
     return 0
 
 

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-high", type=int, default=30000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help="cpu|cuda|cuda:N")
     p.add_argument("--label", default="transformers generate (static batches)")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -46,19 +47,20 @@ def main(argv: list[str] | None = None) -> int:
                         output_mean=args.output_mean, spread=args.spread, max_model_len=args.max_model_len,
                         token_high=args.vocab_high, seed=args.seed)
     workload = make_workload(spec, args.model_dir)  # the servers' exact prompts (bench/serve.py --tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").eval()
+    device = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").to(device).eval()
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else 0
     with torch.no_grad():  # warm-up, as the servers get: allocators, lazy init
-        model.generate(input_ids=torch.tensor([workload[0][0][:8]]), max_new_tokens=4, do_sample=False,
+        model.generate(input_ids=torch.tensor([workload[0][0][:8]], device=device), max_new_tokens=4, do_sample=False,
                        pad_token_id=pad)
     useful = 0
     start = time.perf_counter()
     for i in range(0, len(workload), args.batch_size):
         batch = workload[i:i + args.batch_size]
         width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in batch])
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=device)
         new = max(m for _, m in batch)
         with torch.no_grad():
             model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,

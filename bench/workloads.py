@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KINDS = ("random", "shared-prefix", "long-prompt", "sharegpt")
 
@@ -33,14 +33,15 @@ class WorkloadSpec:
 
 
 def make_workload(spec: WorkloadSpec, tokenizer_dir: str | None = None) -> list[tuple[list[int], int]]:
-    """The requests of `spec`. With a tokenizer, every prompt is replaced by the ids its text
+    """The requests of `spec`. With a tokenizer, ids are drawn below its vocabulary's size
+    too (decode drops ids it does not know), and every prompt is replaced by the ids its text
     encodes to (encode(decode(ids))), so a server that takes only text sees the same tokens."""
-    workload = _draw(spec)
     if tokenizer_dir is None:
-        return workload
+        return _draw(spec)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    workload = _draw(replace(spec, token_high=min(spec.token_high, len(tokenizer))))
     return [(tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False), n) for ids, n in workload]
 
 
