@@ -2,10 +2,14 @@
 
     python bench/roofline.py --model-dir models/small                 # decode at batch 64
     python bench/roofline.py --model-dir models/small --workload      # + the serving workload
+    python bench/roofline.py --model-dir models/1b --device cuda      # a GPU, the model's bf16
 
-1. The machine: fp32 matmul rate (a large torch.matmul) and memory read bandwidth (torch.sum
-   over a buffer far larger than the caches), medians of several runs, same threads as the
-   model.
+1. The machine: the matmul rate in the model's dtype (a large torch.matmul) and memory
+   bandwidth, medians of several runs, same threads as the model. On the CPU the bandwidth
+   is torch.sum's read rate over a buffer far larger than the caches; on a GPU it is a
+   device-to-device copy's (read + write bytes over time), the bandwidth a decode step's
+   utilisation is quoted against (`bandwidth_utilisation`: its bytes over its time, over
+   that bandwidth).
 2. Decode steps at `--batch` requests, each with a `--context`-token context: the median
    step time of ModelRunner.step (scheduling not timed) against its floor,
        floor = max(FLOPs / matmul rate, bytes / read bandwidth)
@@ -41,32 +45,54 @@ from scheduler_svc.batching import BatchScheduler  # noqa: E402
 from scheduler_svc.config import SchedulerConfig  # noqa: E402
 from worker_svc.config import RunnerConfig  # noqa: E402
 from worker_svc.model.config import DecoderConfig  # noqa: E402
+from worker_svc.model.loader import resolve_dtype  # noqa: E402
 from worker_svc.model_runner import ModelRunner  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # after ROOT: bench/kernels.py must not shadow kernels/
 from workloads import KINDS, WorkloadSpec, make_workload  # noqa: E402
 
 
-def _median_time(fn, runs: int) -> float:
+def _median_time(fn, runs: int, device: torch.device) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()  # warm up
     times = []
     for _ in range(runs):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def matmul_rate(n: int = 2048, runs: int = 10) -> float:
-    """fp32 FLOP/s of an n x n x n torch.matmul."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _median_time(lambda: a @ b, runs)
+def matmul_rate(n: int = 2048, runs: int = 10, device: torch.device = torch.device("cpu"),
+                dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of an n x n x n torch.matmul."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n**3 / _median_time(lambda: a @ b, runs, device)
 
 
 def read_bandwidth(mib: int = 512, runs: int = 10) -> float:
     """Bytes/s torch.sum reads from a buffer of `mib` MiB (much larger than any cache)."""
     x = torch.ones(mib * 2**20 // 4)
-    return x.numel() * 4 / _median_time(lambda: x.sum(), runs)
+    return x.numel() * 4 / _median_time(lambda: x.sum(), runs, x.device)
+
+
+def copy_bandwidth(device: torch.device, mib: int = 2048, runs: int = 10) -> float:
+    """Bytes/s of a device-to-device copy of `mib` MiB, counting the read and the write."""
+    src = torch.empty(mib * 2**20 // 2, dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / _median_time(lambda: dst.copy_(src), runs, device)
+
+
+def machine_limits(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(matmul FLOP/s in `dtype`, memory bytes/s) of the device the model runs on."""
+    if device.type == "cpu":
+        return matmul_rate(dtype=dtype), read_bandwidth()
+    return matmul_rate(8192, device=device, dtype=dtype), copy_bandwidth(device)
 
 
 @dataclass(frozen=True)
@@ -103,7 +129,8 @@ class Driver:
     def __init__(self, args):
         self.runner = ModelRunner(RunnerConfig(model=args.model_dir,
                                                kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
-                                               attention_backend=args.attention_backend))
+                                               attention_backend=args.attention_backend,
+                                               device=args.device, dtype=args.dtype))
         info = self.runner.describe()
         self.scheduler = BatchScheduler(
             SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
@@ -159,7 +186,8 @@ def decode_roofline(args, rate: float, bandwidth: float) -> dict:
     return dict(batch=args.batch, context=args.context, step_ms=step_s * 1e3,
                 flops=cost.flops, bytes=cost.bytes, compute_ms=cost.flops / rate * 1e3,
                 memory_ms=cost.bytes / bandwidth * 1e3, floor_ms=floor * 1e3,
-                ratio=step_s / floor, tokens_per_s=args.batch / step_s)
+                ratio=step_s / floor, tokens_per_s=args.batch / step_s,
+                bandwidth_utilisation=cost.bytes / step_s / bandwidth)
 
 
 def workload_roofline(args, rate: float, bandwidth: float) -> dict:
@@ -194,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default="models/small")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--device", default="cpu", help="cpu|cuda|cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's)|float32|bfloat16|float16")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=320, help="tokens of context per request")
@@ -213,16 +243,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rate, bandwidth = matmul_rate(), read_bandwidth()
-    result = dict(threads=torch.get_num_threads(), matmul_gflops=rate / 1e9,
-                  read_gbps=bandwidth / 1e9, decode=decode_roofline(args, rate, bandwidth))
-    print(f"machine: fp32 matmul {rate / 1e9:.1f} GFLOP/s, memory read {bandwidth / 1e9:.1f} GB/s "
-          f"({result['threads']} threads)")
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype, DecoderConfig.from_dir(args.model_dir))  # the runner's
+    rate, bandwidth = machine_limits(device, dtype)
+    kind = "memory read" if device.type == "cpu" else "device copy"
+    result = dict(device=str(device), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
+                  matmul_gflops=rate / 1e9, read_gbps=bandwidth / 1e9, bandwidth_kind=kind,
+                  decode=decode_roofline(args, rate, bandwidth))
+    where = f"{result['threads']} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(f"machine: {result['dtype']} matmul {rate / 1e9:.1f} GFLOP/s, {kind} {bandwidth / 1e9:.1f} GB/s "
+          f"({where})")
     d = result["decode"]
-    print(f"decode step, batch {d['batch']}, context ~{d['context']}: {d['step_ms']:.1f} ms "
-          f"(median of {args.steps}); compute floor {d['compute_ms']:.1f} ms "
-          f"({d['flops'] / 1e9:.2f} GFLOP), memory floor {d['memory_ms']:.1f} ms "
-          f"({d['bytes'] / 1e6:.0f} MB) -> {d['ratio']:.2f}x the floor")
+    print(f"decode step, batch {d['batch']}, context ~{d['context']}: {d['step_ms']:.2f} ms "
+          f"(median of {args.steps}); compute floor {d['compute_ms']:.2f} ms "
+          f"({d['flops'] / 1e9:.2f} GFLOP), memory floor {d['memory_ms']:.2f} ms "
+          f"({d['bytes'] / 1e6:.0f} MB) -> {d['ratio']:.2f}x the floor, "
+          f"{d['bandwidth_utilisation']:.0%} of the {kind} bandwidth")
     if args.workload:
         w = result["workload"] = workload_roofline(args, rate, bandwidth)
         print(f"workload ({w['requests']} requests, concurrency {w['concurrency']}, {w['steps']} steps): "

@@ -1,8 +1,11 @@
 """bench/roofline.py's step cost model, against numbers worked out by hand."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
+
+import pytest
 
 from worker_svc.model.config import DecoderConfig
 
@@ -29,3 +32,17 @@ def test_step_cost_counts_weights_attention_and_kv():
     kv_read = (4 + 2) * 2 * 4 * 4 * 2  # tokens in context x (K and V) x kv width x bytes x layers
     kv_written = 3 * 2 * 4 * 4 * 2
     assert cost.bytes == (576 * 2 + 800) * 4 + kv_read + kv_written
+
+
+def test_decode_roofline_runs_and_reports_its_bandwidth_share(tiny_model_dir, tmp_path):
+    roofline = _roofline()
+    out = tmp_path / "roofline.json"
+    assert roofline.main(["--model-dir", str(tiny_model_dir), "--batch", "4", "--context", "16",
+                          "--steps", "3", "--warmup", "1", "--threads", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["dtype"] == "float32"
+    assert result["bandwidth_kind"] == "memory read" and result["read_gbps"] > 0
+    d = result["decode"]
+    assert d["batch"] == 4 and d["floor_ms"] == max(d["compute_ms"], d["memory_ms"])
+    share = d["bytes"] / (d["step_ms"] / 1e3) / (result["read_gbps"] * 1e9)
+    assert d["bandwidth_utilisation"] == pytest.approx(share)
