@@ -1,7 +1,7 @@
 """The scheduler test harness: one BatchScheduler and its fake worker (tests/fake_worker.py)
 driven step by step, with check_integrity() after every schedule() and update(); used by the
-scheduler policy tests (test_scheduler.py, test_swap.py, test_fork.py, test_prefix_cache.py,
-test_scheduling_ahead.py, ...)."""
+scheduler policy tests (test_scheduler.py, test_swap.py, test_fork.py,
+test_prefix_cache_scheduler.py, test_scheduling_ahead.py, ...)."""
 
 from collections import deque
 

@@ -3,7 +3,7 @@
 import pytest
 
 from scheduler_svc.routing import pick_worker, route_cost
-from test_prefix_cache import BS, P, request
+from prefix_cache_helpers import BS, P, request
 from scheduler_harness import Harness
 
 

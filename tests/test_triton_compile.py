@@ -1,0 +1,106 @@
+"""The Triton kernels (kernels/triton_attention.py, kernels/triton_cache.py) compiled ahead
+of time for sm_80/sm_90 on a machine without a GPU, through Triton's own compiler and ptxas,
+specialised as the wrappers would launch them. This catches what the interpreter run of
+tests/test_triton_kernels.py cannot: code the compiler rejects, and tile sizes that spill
+registers (a local-memory stack, read with cuobjdump where Triton ships one)."""
+
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernels import triton_attention, triton_cache  # noqa: E402  (after the importorskip)
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+
+ATTN_POINTERS = ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")
+
+
+def compile_for_cuda(kernel, arch: int, pointer_types: dict, constexprs: dict, floats=(),
+                     options=None):
+    """Triton's ahead-of-time path: source -> TTIR -> PTX -> cubin for sm_`arch`, no GPU.
+    Arguments are specialised as a launch with contiguous bf16 tensors would be: unit
+    strides (`*_dim`) constant, pointers and other strides divisible by 16. Returns
+    (registers, stack bytes) from cuobjdump when Triton ships one, else None."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    constexprs = {**constexprs, **{n: 1 for n in names if n.startswith("stride") and n.endswith("_dim")}}
+    signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "fp32" if n in floats else "i32")
+                 for n in names}
+    aligned = [n for n in names if n not in constexprs and n not in floats
+               and (n in pointer_types or n.startswith("stride")) and n != "stride_bt_req"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    try:
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        target = GPUTarget("cuda", arch, 32)
+    except (TypeError, AttributeError, AssertionError) as exc:
+        pytest.skip(f"this Triton's ahead-of-time API differs: {exc!r}")
+    options = {"enable_fp_fusion": True, **(options or {})}  # the default, said explicitly
+    compiled = triton.compile(source, target=target, options=options)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        return None
+    cubin = Path(tempfile.mkdtemp()) / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
+                           capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+COMPILE_CASES = {  # (dtype, decode_only, head_dim, group, window/soft-cap, arch)
+    "bf16-decode-128-sm90": ("bf16", True, 128, 4, False, 90),
+    "bf16-prefill-128-sm90": ("bf16", False, 128, 4, False, 90),
+    "bf16-decode-128-sm80": ("bf16", True, 128, 4, False, 80),
+    "bf16-prefill-128-sm80-options": ("bf16", False, 128, 4, True, 80),
+    "fp16-prefill-80": ("fp16", False, 80, 4, True, 90),
+    "bf16-decode-256": ("bf16", True, 256, 8, True, 90),
+    "bf16-prefill-256": ("bf16", False, 256, 2, False, 90),
+    "bf16-decode-64-group7": ("bf16", True, 64, 7, False, 90),
+    "bf16-decode-128-group32": ("bf16", True, 128, 32, False, 90),
+    "fp32-prefill-128": ("fp32", False, 128, 4, False, 90),
+    "fp32-decode-256": ("fp32", True, 256, 4, True, 90),
+}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.mark.skipif(INTERPRETER, reason="the interpreter run has no compiled kernels")
+@pytest.mark.parametrize("case", sorted(COMPILE_CASES))
+def test_attention_compiles_for_cuda_without_spills(case):
+    """What the wrapper would launch compiles for Hopper/Ampere, and keeps its tiles in
+    registers (no local-memory stack), on a machine without a GPU."""
+    dtype, decode_only, head_dim, group, options, arch = COMPILE_CASES[case]
+    cfg = triton_attention.launch_config(64 if decode_only else 300, 64, group, head_dim,
+                                         TORCH_DTYPES[dtype])
+    launch = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
+    constexprs = dict(
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=16, USE_WINDOW=options, USE_SOFT_CAP=options,
+        DOT_PRECISION="ieee" if dtype == "fp32" else None, UPCAST_DOT=False, **cfg)
+    pointers = {n: "*" + dtype for n in ATTN_POINTERS}
+    pointers.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")})
+    usage = compile_for_cuda(triton_attention._paged_attention_kernel, arch, pointers, constexprs,
+                             floats=("scale", "soft_cap"), options=launch)
+    if usage is not None:
+        assert usage[1] == 0, f"{case}: {usage[0]} registers and a {usage[1]}-byte stack (spills)"
+
+
+@pytest.mark.skipif(INTERPRETER, reason="the interpreter run has no compiled kernels")
+def test_cache_kernels_compile_for_cuda():
+    pointers = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16",
+                "v_cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"}
+    usage = compile_for_cuda(triton_cache._write_kv_kernel, 90, pointers, dict(
+        NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, HEADS_PAD=8, DIM_PAD=128))
+    assert usage is None or usage[1] == 0
+    pointers = {n: "*bf16" for n in ("src_k_ptr", "src_v_ptr", "dst_k_ptr", "dst_v_ptr")}
+    usage = compile_for_cuda(triton_cache._copy_blocks_kernel, 90, {**pointers, "pairs_ptr": "*i64"},
+                             dict(BLOCK_NUMEL=16 * 8 * 128, CHUNK=4096))
+    assert usage is None or usage[1] == 0
