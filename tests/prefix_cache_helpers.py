@@ -2,12 +2,12 @@
 the routing tests (test_routing.py) share: the block size, a prompt of three full blocks, and
 a greedy request with a prompt of its own."""
 
+from proto.messages import NewRequest, SamplingParams
+
 BS = 4
 P = list(range(100, 112))  # three blocks of 4
 
 
 def request(rid: str, prompt: list[int], max_tokens: int, arrival: float, **sampling):
-    from proto.messages import NewRequest, SamplingParams
-
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
     return NewRequest(rid, prompt, params, "out:gw", arrival)
