@@ -3,7 +3,9 @@ the gateway under uvicorn) through the same launcher `pagedserve up` uses."""
 
 from __future__ import annotations
 
+import subprocess
 import time
+import urllib.request
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,3 +57,15 @@ def wait_until_idle(stack: Stack, worker_ids: list[str] | None = None, timeout: 
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still held after {timeout}s: {stats}")
         time.sleep(0.1)
+
+
+def wait_until_answers(url: str, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    """Poll `url` until it answers; fail with `what` if `proc` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, what
+            time.sleep(0.1)

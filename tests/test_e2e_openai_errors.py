@@ -9,8 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 
 import httpx
 import openai
@@ -18,7 +16,7 @@ import pytest
 
 from compose.launcher import free_port
 from tests.e2e_openai_helpers import stack  # noqa: F401  (the fixture)
-from tests.stack_helpers import running_stack, wait_until_idle
+from tests.stack_helpers import running_stack, wait_until_answers, wait_until_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -87,14 +85,7 @@ def keyed_stack(tiny_model_dir, redis_url, tmp_path_factory):
                  "--redis-url", s.redis_url, "--key-prefix", s.config.key_prefix, "--port", str(port),
                  "--api-key", "key-three"], stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline and proc.poll() is None, "keyed gateway did not start"
-                    time.sleep(0.1)
+            wait_until_answers(f"http://127.0.0.1:{port}/health", proc, 60, "keyed gateway did not start")
             yield s, f"http://127.0.0.1:{port}/v1"
         finally:
             proc.terminate()

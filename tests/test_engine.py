@@ -13,6 +13,7 @@ from engine_helpers import Collector, serve_on_thread
 from proto.messages import NewRequest, SamplingParams
 from proto.metrics_scrape import metric, scrape
 from scheduler_svc.config import SchedulerConfig
+from tests.stack_helpers import wait_until_answers
 from worker_svc.config import RunnerConfig
 
 
@@ -65,7 +66,6 @@ def test_engine_serves_the_openai_api(tiny_model_dir, tmp_path):
     """`pagedserve engine`: the same gateway over the in-process engine, under uvicorn."""
     import subprocess
     import sys
-    import urllib.request
 
     import openai
 
@@ -76,14 +76,7 @@ def test_engine_serves_the_openai_api(tiny_model_dir, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "compose.cli", "engine", "--model", str(tiny_model_dir),
                              "--port", str(port), "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "engine.log").read_text()
-                time.sleep(0.2)
+        wait_until_answers(f"http://127.0.0.1:{port}/v1/models", proc, 120, "the engine did not start")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         prompt = [11, 22, 33, 44, 55]
         resp = client.completions.create(model=tiny_model_dir.name, prompt=prompt, max_tokens=12, temperature=0,
