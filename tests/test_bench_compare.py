@@ -3,6 +3,7 @@ tiny model, and the per-run step / gap reading it takes from each server's /metr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -17,13 +18,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 @pytest.fixture(scope="module")
 def compare():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import compare as module
-        yield module
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("compare", None)
+    spec = importlib.util.spec_from_file_location("bench_compare", BENCH / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # no bench/ on sys.path: bench/kernels.py must not shadow kernels/
+    return module
 
 
 def page(steps: int, step_sum: float, gaps: int, gap_sum: float) -> str:
