@@ -9,8 +9,11 @@ the other's cores:
   stack          the full pagedserve stack (`pagedserve up`: Redis, worker, scheduler, gateway)
   stack-async    the same with the scheduler's --async-scheduling on (on a CPU worker the
                  default is off: each step planned after the previous one's result)
+  stack-1pass    the same with --num-scheduler-steps 1: every step one forward pass (the
+                 default, 4, lets a step planned while nothing waits run up to 4)
   engine         the in-process engine behind the same gateway (`pagedserve engine`): no
                  Redis, no gRPC — what the service split costs is stack / engine
+  engine-1pass   the engine with --num-scheduler-steps 1
   hf-serve       `transformers serve --continuous-batching` (Hugging Face's own server)
   hf-static      `transformers` generate() with static padded batches, offline
 Rounds interleave the contenders (A B C D, A B C D, …) so slow drifts of a shared machine
@@ -42,7 +45,7 @@ from compose.launcher import free_port
 from proto.metrics_scrape import Samples, metric, scrape
 
 HERE = Path(__file__).resolve().parent
-CONTENDERS = ("stack", "engine", "hf-serve", "hf-static", "stack-async")
+CONTENDERS = ("stack", "engine", "hf-serve", "hf-static", "stack-async", "stack-1pass", "engine-1pass")
 STEPS, GAPS = "pagedserve:step_duration_seconds", "pagedserve:step_gap_seconds"
 
 
@@ -62,15 +65,18 @@ def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Pope
     model = str(Path(args.model_dir).resolve())
     served = Path(model).name
     runner = ["--device", args.device, *(["--threads", str(args.threads)] if args.threads else [])]
-    if name in ("stack", "stack-async"):
+    if name in ("stack", "stack-async", "stack-1pass"):
         cmd = [sys.executable, "-m", "compose.cli", "up", "--model", model, "--port", str(port),
                "--run-dir", str(log.parent / f"run-{name}"),
                *(f"--worker-arg={a}" for a in runner)]
         if name == "stack-async":
             cmd.append("--scheduler-arg=--async-scheduling=on")
+        if name == "stack-1pass":
+            cmd.append("--scheduler-arg=--num-scheduler-steps=1")
         extra = ["--model", served]
-    elif name == "engine":
-        cmd = [sys.executable, "-m", "compose.cli", "engine", "--model", model, "--port", str(port), *runner]
+    elif name in ("engine", "engine-1pass"):
+        cmd = [sys.executable, "-m", "compose.cli", "engine", "--model", model, "--port", str(port), *runner,
+               *(["--num-scheduler-steps", "1"] if name == "engine-1pass" else [])]
         extra = ["--model", served]
     elif name == "hf-serve":
         cmd = ["transformers", "serve", "--continuous-batching", "--device", args.device, "--port", str(port), model]

@@ -30,7 +30,8 @@ def _batching_config(args: argparse.Namespace):
     return SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                            max_num_seqs=args.max_num_seqs,
                            enable_prefix_caching=not args.no_prefix_caching,
-                           preemption_mode=args.preemption_mode)
+                           preemption_mode=args.preemption_mode,
+                           num_scheduler_steps=args.num_scheduler_steps)
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -175,6 +175,17 @@ class KVCacheManager:
             chain[1] = pool.cache_block(table[i], block_hash, key)
         chain[0] = num_full
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the blocks of the request's table past the first cdiv(num_tokens): blocks
+        allocated ahead for tokens that were never computed (a multi-step step cut short).
+        They hold no computed token, so none of them is cached."""
+        table = self._tables[request_id]
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < len(table):
+            surplus = table[keep:]
+            del table[keep:]
+            self.block_pool.free_blocks(reversed(surplus))
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks, GPU or CPU (a no-op for a request holding none).
         Cached blocks stay in the cache until evicted.

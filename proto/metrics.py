@@ -73,12 +73,22 @@ class StepRecorder:
         self.gap = HistogramRecorder(GAP_SECONDS)
 
     def observe(self, step: worker_pb2.StepRequest, result: worker_pb2.StepResult) -> None:
+        """One step; a multi-step one (result.passes) counts as each of its passes."""
+        if result.passes:
+            for one in result.passes:
+                self._observe(one.execute_seconds, one.num_requests, one.num_tokens,
+                              one.gap_seconds if one.HasField("gap_seconds") else None)
+            return
         scheduled = step.num_scheduled_tokens
-        self.duration.observe(result.execute_seconds)
-        self.batch_size.observe(len(scheduled))
-        self.tokens.observe(sum(scheduled.values()))
-        if result.HasField("gap_seconds"):
-            self.gap.observe(result.gap_seconds)
+        self._observe(result.execute_seconds, len(scheduled), sum(scheduled.values()),
+                      result.gap_seconds if result.HasField("gap_seconds") else None)
+
+    def _observe(self, seconds: float, num_requests: int, num_tokens: int, gap: float | None) -> None:
+        self.duration.observe(seconds)
+        self.batch_size.observe(num_requests)
+        self.tokens.observe(num_tokens)
+        if gap is not None:
+            self.gap.observe(gap)
 
     def snapshot(self) -> StepHistograms:
         return StepHistograms(duration=self.duration.snapshot(), batch_size=self.batch_size.snapshot(),

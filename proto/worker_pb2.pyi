@@ -96,7 +96,7 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "finished_request_ids", "new_requests", "cached_requests", "num_scheduled_tokens", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "swapped_out_request_ids", "after_step_id")
+    __slots__ = ("step_id", "finished_request_ids", "new_requests", "cached_requests", "num_scheduled_tokens", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "swapped_out_request_ids", "after_step_id", "num_passes")
     class NumScheduledTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class StepRequest(_message.Message):
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_OUT_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PASSES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestData]
@@ -124,7 +125,8 @@ class StepRequest(_message.Message):
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockPair]
     swapped_out_request_ids: _containers.RepeatedScalarFieldContainer[str]
     after_step_id: int
-    def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swapped_out_request_ids: _Optional[_Iterable[str]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
+    num_passes: int
+    def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swapped_out_request_ids: _Optional[_Iterable[str]] = ..., after_step_id: _Optional[int] = ..., num_passes: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "finish_reason")
@@ -137,16 +139,30 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "execute_seconds", "gap_seconds")
+    __slots__ = ("step_id", "sampled", "execute_seconds", "gap_seconds", "passes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
     gap_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., gap_seconds: _Optional[float] = ...) -> None: ...
+    passes: _containers.RepeatedCompositeFieldContainer[StepPass]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., gap_seconds: _Optional[float] = ..., passes: _Optional[_Iterable[_Union[StepPass, _Mapping]]] = ...) -> None: ...
+
+class StepPass(_message.Message):
+    __slots__ = ("execute_seconds", "gap_seconds", "num_requests", "num_tokens")
+    EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    execute_seconds: float
+    gap_seconds: float
+    num_requests: int
+    num_tokens: int
+    def __init__(self, execute_seconds: _Optional[float] = ..., gap_seconds: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -185,3 +201,13 @@ class HealthReply(_message.Message):
     ok: bool
     num_requests: int
     def __init__(self, ok: _Optional[bool] = ..., num_requests: _Optional[int] = ...) -> None: ...
+
+class CutRequest(_message.Message):
+    __slots__ = ("step_id",)
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    def __init__(self, step_id: _Optional[int] = ...) -> None: ...
+
+class CutReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

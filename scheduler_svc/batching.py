@@ -149,9 +149,11 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
 
     def can_schedule_ahead(self) -> bool:
         """True when schedule() may plan the next step before update() of the one in
-        flight: exactly one is in flight, no request is swapped out (resuming one waits
-        for update()), and the last step planned ahead had room for every request."""
-        return len(self._in_flight) == 1 and not self.swapped and not self._ahead_blocked
+        flight: exactly one is in flight and it is not a multi-step one, no request is
+        swapped out (resuming one waits for update()), and the last step planned ahead had
+        room for every request."""
+        return (len(self._in_flight) == 1 and not self.swapped and not self._ahead_blocked
+                and self._in_flight[0].step.num_passes <= 1)
 
     def get_request(self, request_id: str) -> RequestState | None:
         """The unfinished request with this id, if it is here."""
@@ -294,6 +296,10 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
         scheduled: dict[str, int] = {}  # request id -> tokens to compute, in step order
         new_blocks: dict[str, list[int]] = {}  # request id -> block ids allocated now
         full = False  # the pool ran out: a request was preempted, or could not grow ahead
+        # Multi-step (step.py) when nothing waits for a step of its own; `extra`: request
+        # id -> passes after the first it decodes in, within its max_tokens.
+        num_passes = 1 if ahead or self.waiting or self.swapped else self.config.num_scheduler_steps
+        extra: dict[str, int] = {}
 
         running, allocate, unsent = self.running, self.kv.allocate_slots, self._unsent
         i = 0
@@ -308,6 +314,9 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
+            more = 0
+            if num_passes > 1 and req.num_computed_tokens + num_new == req.num_tokens + req.num_pending:
+                more = min(num_passes - 1, req.sampling.max_tokens - req.num_output_tokens - 1)
             while True:
                 # A forked child about to write into its shared, partly filled last block
                 # gets its own copy first.
@@ -317,7 +326,7 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
                     self._copies[req.request_id] = cow
                     self.num_cow_copies += 1
                 if cow is not False:
-                    ids = allocate(req.request_id, req.num_computed_tokens + num_new)
+                    ids = allocate(req.request_id, req.num_computed_tokens + num_new + more)
                     if ids is not None:
                         break
                 ids = None
@@ -333,6 +342,8 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
                 break
             scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = ids
+            if more:
+                extra[req.request_id] = more
             budget -= num_new
             i += 1
 
@@ -384,7 +395,7 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
 
         if not scheduled:
             return None
-        return self._build_step(scheduled, new_blocks, admitted)
+        return self._build_step(scheduled, new_blocks, admitted, extra, num_passes if extra else 1)
 
     def _num_new_tokens(self, req: RequestState, num_computed: int, budget: int) -> int:
         """Tokens a request with `num_computed` tokens computed computes this step: all it

@@ -10,7 +10,9 @@ Three kinds of task share one asyncio loop:
     requests. With async scheduling (by default for accelerator workers), while a step
     runs on the worker the loop plans and sends the next one
     (BatchScheduler.can_schedule_ahead), so the worker goes from one step straight into
-    the next instead of waiting a round trip for it.
+    the next instead of waiting a round trip for it. While a multi-step step runs
+    (--num-scheduler-steps), a request routed to its worker sends Cut, so the step ends
+    after its current pass and the newcomer's prefill comes next.
     Only this loop drains its worker, so a step in flight is never torn apart.
 
 Worker discovery, joining, retiring and re-routing a lost worker's requests:
@@ -238,6 +240,12 @@ class SchedulerService(WorkersMixin):
             return
         self.owner[item.request_id] = handle
         handle.wake.set()
+        if handle.cuttable:  # a multi-step step runs: end it after its current pass
+            step_id, handle.cuttable = handle.cuttable, 0
+            try:
+                await handle.stub.Cut(worker_pb2.CutRequest(step_id=step_id), timeout=5)
+            except grpc.aio.AioRpcError as exc:  # it only ends later: nothing is lost
+                log.warning("Cut of step %d on worker %s failed: %s", step_id, handle.worker_id, exc.code())
 
     # ---- workers ---------------------------------------------------------------------
 
@@ -300,7 +308,10 @@ class SchedulerService(WorkersMixin):
                     if ahead is not None:
                         in_flight.append((ahead, await self._send(handle, ahead)))
                 step, call = in_flight.popleft()
-                if not await self._update(handle, step, call):
+                handle.cuttable = step.step_id if step.num_passes > 1 else 0
+                updated = await self._update(handle, step, call)
+                handle.cuttable = 0
+                if not updated:
                     break
         finally:
             for _, call in in_flight:  # retired with a step planned ahead: the worker is gone

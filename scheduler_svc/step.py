@@ -17,6 +17,15 @@ more for nothing -- the worker skips it, and its blocks were freed at the first 
 step ahead never preempts, swaps or forks: a request that cannot grow without a preemption
 ends the step there (the one after it is planned after update(), with nothing in flight), a
 request about to sample its last token (max_tokens) or to fork (n > 1) waits for update().
+
+Multi-step (SchedulerConfig.num_scheduler_steps > 1): a step planned with nothing in
+flight, nothing waiting and nothing swapped runs up to that many passes on the worker
+(worker_svc/multi_step.py): after the first, each request that sampled decodes on, one
+token a pass, until it finishes or the passes run out. The step allocates blocks for all
+of its passes and counts their tokens in flight; `update()` takes every pass's tokens.
+No step is planned ahead of a multi-step one. A request arriving meanwhile makes the
+scheduler service send Cut: the worker ends the step after the pass that runs, and
+`update()` gives back what the passes that did not run were allocated.
 """
 
 from dataclasses import dataclass
@@ -30,22 +39,27 @@ _RUNNING = RequestStatus.RUNNING
 @dataclass(frozen=True, slots=True)
 class InFlightStep:
     """A step sent and not updated yet, and for each of its requests in step order:
-    (request, tokens it computes, its num_computed_tokens after the step, whether the
-    worker samples a token for it)."""
+    (request, tokens its first pass computes, its num_computed_tokens after the step, the
+    tokens the worker samples for it: 0, 1, or with multi-step up to num_passes)."""
 
     step: worker_pb2.StepRequest
-    reqs: list[tuple[RequestState, int, int, bool]]
+    reqs: list[tuple[RequestState, int, int, int]]
 
 
 class StepMixin:
     """BatchScheduler's `_build_step`, `update` and `_finish`."""
 
     def _build_step(self, scheduled: dict[str, int], new_blocks: dict[str, list[int]],
-                    admitted: list[RequestState]) -> worker_pb2.StepRequest:
+                    admitted: list[RequestState], extra: dict[str, int],
+                    num_passes: int) -> worker_pb2.StepRequest:
         """The step message; advances num_computed_tokens by what it schedules. Running
-        requests come first in `scheduled`, then the admitted ones."""
+        requests come first in `scheduled`, then the admitted ones. Multi-step
+        (`num_passes` > 1): `extra` holds the passes after the first each running request
+        decodes in (blocks allocated for them)."""
         step = worker_pb2.StepRequest(step_id=self._next_step_id,
                                       finished_request_ids=self._finished_ids)
+        if num_passes > 1:
+            step.num_passes = num_passes
         if self._swap_out:
             step.swapped_out_request_ids.extend(self._swap_out)
             for pairs in self._swap_out.values():
@@ -82,7 +96,7 @@ class StepMixin:
                            num_computed_tokens=req.num_computed_tokens)
             else:  # (an empty repeated field costs as much as a full one to pass)
                 add_cached(request_id=request_id, num_computed_tokens=req.num_computed_tokens)
-            reqs.append(_advance(req, num_new))
+            reqs.append(_advance(req, num_new, extra.get(request_id, 0)))
         for req in admitted:
             num_new = scheduled[req.request_id]
             step.new_requests.add(
@@ -91,7 +105,7 @@ class StepMixin:
                 block_ids=self.kv.block_ids(req.request_id),
                 num_computed_tokens=req.num_computed_tokens,
                 sampling=to_pb_sampling(req.sampling), reply_channel=req.reply_channel)
-            reqs.append(_advance(req, num_new))
+            reqs.append(_advance(req, num_new, extra.get(req.request_id, 0)))
         step.num_scheduled_tokens.update(scheduled)
         self._finished_ids = []
         self._next_step_id += 1
@@ -105,49 +119,67 @@ class StepMixin:
         Appends each sampled token; a non-empty finish_reason finishes the request (the
         worker applied the stop rule), freeing its blocks. Tokens of requests aborted while
         the step was in flight are ignored, as is a request a step before finished (the
-        worker samples nothing for it). Returns the requests finished here.
+        worker samples nothing for it). A multi-step step samples a request's tokens in
+        every pass it ran in: all it was scheduled for, or fewer when the last finished
+        it or a Cut ended the step early (`result.passes` says how many ran; its blocks
+        past its computed tokens are then freed). Returns the requests finished here.
         Raises ValueError, changing nothing, when the result breaks the step contract.
         """
         if not self._in_flight or step.step_id != self._in_flight[0].step.step_id:
             raise ValueError(f"step {step.step_id} is not the oldest step in flight")
         if result.step_id != step.step_id:
             raise ValueError(f"result of step {result.step_id} given for step {step.step_id}")
-        sampled = {s.request_id: s for s in result.sampled}
-        if len(sampled) != len(result.sampled):
-            raise ValueError(f"step {step.step_id}: a request sampled twice")
+        # Multi-step: the passes that ran (fewer than planned when a Cut ended it early).
+        passes = len(result.passes) if step.num_passes > 1 else 1
+        if not 1 <= passes <= max(step.num_passes, 1):
+            raise ValueError(f"step {step.step_id}: {passes} passes ran, {step.num_passes} planned")
+        sampled: dict[str, list[worker_pb2.SampledToken]] = {}
+        for token in result.sampled:
+            sampled.setdefault(token.request_id, []).append(token)
         if unscheduled := [rid for rid in sampled if rid not in step.num_scheduled_tokens]:
             raise ValueError(
                 f"step {step.step_id}: tokens for unscheduled requests {sorted(unscheduled)}")
         # Requests aborted, or finished by an earlier step, while this one was in flight
         # are FINISHED: their tokens are dropped.
         live = [entry for entry in self._in_flight[0].reqs if entry[0].status is _RUNNING]
-        for req, _, computed, samples in live:
+        for req, _, computed, num_samples in live:
+            tokens = sampled.get(req.request_id, ())
             # The worker samples exactly when the step catches a request up.
-            if samples != (req.request_id in sampled):
+            if bool(num_samples) != bool(tokens):
                 raise ValueError(
                     f"step {step.step_id}: request {req.request_id} "
-                    f"{'needs' if samples else 'must not get'} a sampled token "
+                    f"{'needs' if num_samples else 'must not get'} a sampled token "
                     f"({computed} of {req.num_tokens} tokens computed)")
+            expected = min(num_samples, passes)  # one a pass it ran in
+            if len(tokens) > expected or any(t.finish_reason for t in tokens[:-1]) or (
+                    len(tokens) < expected and not tokens[-1].finish_reason):
+                raise ValueError(
+                    f"step {step.step_id}: request {req.request_id} got {len(tokens)} tokens, "
+                    f"{expected} expected (fewer only when the last one finishes it)")
 
         self._in_flight.pop(0)
         caching, bs = self.kv.enable_prefix_caching, self.kv.block_size
         finished = []
-        for req, n, computed, _ in live:  # in step order, so finished requests come back in order
+        for req, n, computed, num_samples in live:  # in step order, so finished requests come back in order
+            tokens = sampled.get(req.request_id)
+            if tokens is not None:
+                req.token_ids.extend(token.token_id for token in tokens)
+                req.num_pending -= num_samples
+                self._load_tokens += len(tokens)
+                computed -= num_samples - len(tokens)  # passes it finished before, or cut
+                n += len(tokens) - 1  # the passes after the first computed one token each
+                if len(tokens) < num_samples and not tokens[-1].finish_reason:  # cut short
+                    req.num_computed_tokens = computed
+                    self.kv.trim(req.request_id, computed)  # as the worker did
             if caching and computed % bs < n:  # the step filled a block
                 self.kv.cache_full_blocks(req.request_id, req.token_ids, req.block_hashes, computed)
-            token = sampled.get(req.request_id)
-            if token is None:
+            if tokens is None:
                 if req.n > 1 and computed == req.num_prompt_tokens - 1:
                     self._fork(req)
-                continue
-            req.token_ids.append(token.token_id)
-            req.num_pending -= 1
-            self._load_tokens += 1
-            if token.finish_reason:
-                self._finish(req, token.finish_reason)
+            elif tokens[-1].finish_reason:
+                self._finish(req, tokens[-1].finish_reason)
                 finished.append(req)
         return finished
-
 
     def _finish(self, req: RequestState, reason: str) -> None:
         self._forget_child(req)
@@ -160,12 +192,14 @@ class StepMixin:
         self._finished_ids.append(req.request_id)
 
 
-def _advance(req: RequestState, num_new: int) -> tuple[RequestState, int, int, bool]:
-    """Advance the request past a step that computes `num_new` of its tokens; its entry
-    in that InFlightStep. The step samples when it catches the request up with every
-    token it has or has in flight."""
+def _advance(req: RequestState, num_new: int, extra: int = 0) -> tuple[RequestState, int, int, int]:
+    """Advance the request past a step whose first pass computes `num_new` of its tokens;
+    its entry in that InFlightStep. The step samples when its first pass catches the
+    request up with every token it has or has in flight; a multi-step step then decodes
+    it in `extra` passes more (each computes the token the one before sampled)."""
     computed = req.num_computed_tokens = req.num_computed_tokens + num_new
-    samples = computed == req.num_tokens + req.num_pending
-    if samples:
-        req.num_pending += 1
-    return req, num_new, computed, samples
+    if computed != req.num_tokens + req.num_pending:
+        return req, num_new, computed, 0
+    computed = req.num_computed_tokens = computed + extra
+    req.num_pending += 1 + extra
+    return req, num_new, computed, 1 + extra

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import redis.asyncio as aioredis
@@ -33,6 +33,7 @@ class WorkerHandle:
     stats_at: float = 0.0  # time.monotonic() of the last WorkerStats written
     recorder: WorkerRecorder = field(default_factory=WorkerRecorder)  # request and step histograms
     schedules_ahead: bool = False  # async scheduling (SchedulerServiceConfig.schedules_ahead)
+    cuttable: int = 0  # the multi-step step in flight, until a Cut was sent for it
     task: asyncio.Task | None = None
 
     @property
@@ -84,15 +85,18 @@ class WorkersMixin:
             log.warning("worker %s at %s does not answer: %s", reg.worker_id, reg.address, exc.code())
             await channel.close()
             return
-        scheduler = BatchScheduler(self.config.batching, num_blocks=info.num_blocks,
+        ahead = self.config.schedules_ahead(info)
+        # Steps planned ahead have one pass: multi-step is for steps planned one at a time.
+        batching = replace(self.config.batching, num_scheduler_steps=1) if ahead else self.config.batching
+        scheduler = BatchScheduler(batching, num_blocks=info.num_blocks,
                                    block_size=info.block_size, max_model_len=info.max_model_len,
                                    num_cpu_blocks=info.num_cpu_blocks)
-        handle = WorkerHandle(reg, scheduler, channel, stub,
-                              schedules_ahead=self.config.schedules_ahead(info))
+        handle = WorkerHandle(reg, scheduler, channel, stub, schedules_ahead=ahead)
         self.workers[reg.worker_id] = handle
         handle.task = asyncio.create_task(self._step_loop(handle), name=f"steps-{reg.worker_id}")
-        log.info("worker %s joined (%s on %s, %d blocks, async scheduling %s)", reg.worker_id,
-                 reg.address, info.device or "?", info.num_blocks, "on" if handle.schedules_ahead else "off")
+        log.info("worker %s joined (%s on %s, %d blocks, async scheduling %s, %d passes a step at most)",
+                 reg.worker_id, reg.address, info.device or "?", info.num_blocks,
+                 "on" if ahead else "off", batching.num_scheduler_steps)
         pending, self.unassigned = self.unassigned, []
         await self._route_all(pending)
 

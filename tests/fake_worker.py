@@ -18,7 +18,9 @@ its blocks held and on swap-in checks the blocks it gets back hold exactly those
 It asserts that every step is consistent with the contract in proto/worker.proto, and that
 no step writes into a block another live request holds (shared blocks are read-only). A
 step planned ahead (after_step_id) must follow that step, and only such a step may list
-a request that step finished (the fake skips it, as the worker does).
+a request that step finished (the fake skips it, as the worker does). A multi-step step
+(num_passes) runs its passes as the worker does (worker_svc/multi_step.py), or as
+many as `cut_after` says, as after a Cut.
 """
 
 import zlib
@@ -56,6 +58,8 @@ class FakeWorker:
         self.num_swapped_out = self.num_swapped_in = self.num_copies = 0
         self.last_step_id = 0
         self.steps: list[worker_pb2.StepRequest] = []  # every step applied, for assertions
+        self.cut_after = 0  # > 0: every multi-step step ends after this many passes, as if cut
+        self.num_cuts = 0
 
     def _slot(self, request_id: str, req: _WorkerRequest, pos: int) -> int:
         index = pos // self.block_size
@@ -128,6 +132,29 @@ class FakeWorker:
             assert self.requests[request_id].finished_in == step.after_step_id, (
                 f"{request_id} scheduled after it finished")
         order = [rid for rid in order if rid not in finished]
+        sampled = self._pass(step.step_id, order, scheduled, holders)
+        result = worker_pb2.StepResult(step_id=step.step_id, sampled=sampled)
+        if step.num_passes > 1:
+            result.passes.add(num_requests=len(order))
+        for i in range(1, step.num_passes):  # multi-step: decode on what sampled, unfinished
+            order = [token.request_id for token in sampled if not token.finish_reason]
+            if not order:
+                break
+            if self.cut_after and i >= self.cut_after:  # as after a Cut: drop unused blocks
+                for request_id in order:
+                    req = self.requests[request_id]
+                    del req.block_ids[-(-req.num_computed_tokens // self.block_size):]
+                self.num_cuts += 1
+                break
+            sampled = self._pass(step.step_id, order, dict.fromkeys(order, 1), holders)
+            result.sampled.extend(sampled)
+            result.passes.add(num_requests=len(order))
+        return result
+
+    def _pass(self, step_id: int, order: list[str], scheduled: dict[str, int],
+              holders: dict[int, list[str]]) -> list[worker_pb2.SampledToken]:
+        """One forward pass: K/V of the scheduled tokens written, a token sampled for
+        every request it catches up."""
         written: dict[int, tuple[int, int]] = {}
         for request_id in order:
             req, num_new = self.requests[request_id], scheduled[request_id]
@@ -137,7 +164,7 @@ class FakeWorker:
             sums = _prefix_checksums(req.token_ids)
             for pos in range(req.num_computed_tokens, end):
                 slot = self._slot(request_id, req, pos)
-                assert slot not in written, f"slot {slot} written twice in step {step.step_id}"
+                assert slot not in written, f"slot {slot} written twice in step {step_id}"
                 block_id = slot // self.block_size
                 assert holders[block_id] == [request_id], (
                     f"{request_id} writes position {pos} into block {block_id}, "
@@ -156,10 +183,10 @@ class FakeWorker:
             req.token_ids.append(token)
             reason = self._finish_reason(req, token)
             req.finished = bool(reason)
-            req.finished_in = step.step_id
+            req.finished_in = step_id
             sampled.append(worker_pb2.SampledToken(
                 request_id=request_id, token_id=token, finish_reason=reason))
-        return worker_pb2.StepResult(step_id=step.step_id, sampled=sampled)
+        return sampled
 
     def _check_pairs(self, pairs, num_src: int, num_dst: int, what: str) -> None:
         for src, dst in pairs:

@@ -20,12 +20,14 @@ pytestmark = pytest.mark.e2e
 
 MAX_NUM_SEQS = 8  # an n=8 request fills a step: another n > 1 request must wait (before its fork)
 PROMPT = [(11 * i + 7) % 900 + 3 for i in range(45)]  # 2 full blocks + 13 tokens: copy-on-write
-LONG = 600  # decode steps only an abort ends early
+MAX_MODEL_LEN = 8192  # past the tiny model's 1024 positions: room for LONG
+LONG = MAX_MODEL_LEN - len(PROMPT)  # decode steps only an abort ends early (seconds of them)
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, redis_url, tmp_path_factory):
     with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("parallel"),
+                       worker_args=("--max-model-len", str(MAX_MODEL_LEN)),
                        scheduler_args=("--max-num-batched-tokens", "32",
                                        "--max-num-seqs", str(MAX_NUM_SEQS))) as s:
         yield s

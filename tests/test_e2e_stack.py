@@ -22,14 +22,18 @@ TOKEN_BUDGET = 48  # prompts up to 120 tokens are prefilled in chunks
 LONG_MAX_TOKENS = NUM_BLOCKS * 16 - 32
 
 
-@pytest.fixture(scope="module", params=["off", "on"], ids=["lockstep", "async-scheduling"])
+@pytest.fixture(scope="module", params=[("off", 1), ("on", 1), ("off", 4)],
+                ids=["lockstep", "async-scheduling", "multi-step"])
 def stack(request, tiny_model_dir, redis_url, tmp_path_factory):
-    """Every test on this stack runs twice: steps planned one at a time (the default on a
-    CPU worker), and each planned while the one before runs (--async-scheduling on)."""
+    """Every test on this stack runs three times: steps planned one at a time (the default
+    on a CPU worker), each planned while the one before runs (--async-scheduling on), and
+    steps of up to 4 passes (--num-scheduler-steps 4)."""
+    async_scheduling, num_scheduler_steps = request.param
     with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run"),
                        worker_args=("--num-blocks", str(NUM_BLOCKS)),
                        scheduler_args=("--max-num-batched-tokens", str(TOKEN_BUDGET),
-                                       "--async-scheduling", request.param)) as s:
+                                       "--async-scheduling", async_scheduling,
+                                       "--num-scheduler-steps", str(num_scheduler_steps))) as s:
         yield s
 
 
@@ -91,8 +95,11 @@ def test_greedy_equals_transformers_with_chunking_and_preemption(stack, hf_model
     # Steps planned while the one before ran: only with async scheduling on.
     ahead = samples['pagedserve:scheduler_steps_ahead_total{worker="worker-0"}']
     assert ahead == only.num_steps_ahead
-    flags = stack.config.scheduler_args
-    assert (ahead > 0) == (dict(zip(flags[::2], flags[1::2]))["--async-scheduling"] == "on")
+    flags = dict(zip(stack.config.scheduler_args[::2], stack.config.scheduler_args[1::2]))
+    assert (ahead > 0) == (flags["--async-scheduling"] == "on")
+    # Multi-step: the worker ran more forward passes than the scheduler planned steps.
+    passes = samples['pagedserve:step_duration_seconds_count{worker="worker-0"}']
+    assert (passes > only.num_steps) == (flags["--num-scheduler-steps"] != "1")
     assert samples['pagedserve:prefix_cache_queries_total{worker="worker-0"}'] > 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -17,18 +18,21 @@ from tests.stack_helpers import wait_until_answers
 from worker_svc.config import RunnerConfig
 
 
-def test_engine_greedy_equals_transformers_under_preemption(tiny_model_dir):
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_engine_greedy_equals_transformers_under_preemption(tiny_model_dir, num_scheduler_steps):
     rng = random.Random(1)
     cases = [([rng.randrange(3, 900) for _ in range(rng.randint(2, 90))], rng.randint(1, 30)) for _ in range(16)]
     sink = Collector(len(cases))
     engine = InProcessEngine(EngineConfig(
         runner=RunnerConfig(model=str(tiny_model_dir), num_blocks=24),
-        batching=SchedulerConfig(max_num_batched_tokens=40)), sink)
+        batching=SchedulerConfig(max_num_batched_tokens=40, num_scheduler_steps=num_scheduler_steps)), sink)
     serve_on_thread(engine, sink, [
         NewRequest(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
                    reply_channel="c", arrival_time=time.time())
         for i, (prompt, max_tokens) in enumerate(cases)])
     assert engine.scheduler.num_preemptions >= 1
+    if num_scheduler_steps > 1:  # some steps ran several passes (each recorded as a step)
+        assert sum(engine.recorder.steps.duration.counts) > engine.scheduler.num_steps
     engine.scheduler.check_integrity()
     assert engine.scheduler.kv.num_free_blocks == 24
 

@@ -15,7 +15,8 @@ from compose.launcher import free_port
 from gateway.generation import GenerationOutput
 from gateway.metrics import GatewayMetrics
 from proto.messages import NewRequest, SamplingParams, StepHistograms, WorkerStats, stats_decoder, stream_encoder
-from proto.metrics import HistogramRecorder, WorkerStatsCollector, histogram_family
+from proto import worker_pb2
+from proto.metrics import HistogramRecorder, StepRecorder, WorkerStatsCollector, histogram_family
 from proto.metrics_scrape import parse_samples
 from scheduler_svc.metrics import SchedulerMetrics, WorkerRecorder
 from scheduler_svc.stats import worker_stats
@@ -205,3 +206,22 @@ def test_step_histograms_without_a_gap_render_without_one():
     names = {name for name, _ in parse_samples(render(collector))}
     assert "pagedserve:step_duration_seconds_count" in names
     assert not any(name.startswith("pagedserve:step_gap_seconds") for name in names)
+
+
+def test_a_multi_step_result_counts_as_each_of_its_passes():
+    """StepResult.passes (worker_svc/multi_step.py): each pass is a step in the histograms,
+    with its own requests, tokens and gap; a one-pass result is the step itself."""
+    step = worker_pb2.StepRequest(step_id=1, num_scheduled_tokens={"a": 5, "b": 1}, num_passes=3)
+    result = worker_pb2.StepResult(step_id=1, execute_seconds=0.06, gap_seconds=0.004)
+    result.passes.add(execute_seconds=0.03, num_requests=2, num_tokens=6, gap_seconds=0.004)
+    result.passes.add(execute_seconds=0.02, num_requests=2, num_tokens=2, gap_seconds=0.0002)
+    result.passes.add(execute_seconds=0.01, num_requests=1, num_tokens=1)
+    recorder = StepRecorder()
+    recorder.observe(step, result)
+    recorder.observe(worker_pb2.StepRequest(step_id=2, num_scheduled_tokens={"a": 1}),
+                     worker_pb2.StepResult(step_id=2, execute_seconds=0.01))
+    steps = recorder.snapshot()
+    assert sum(steps.duration.counts) == 4 and steps.duration.sum == pytest.approx(0.07)
+    assert sum(steps.batch_size.counts) == 4 and steps.batch_size.sum == 6
+    assert steps.tokens.sum == 10
+    assert sum(steps.gap.counts) == 2 and steps.gap.sum == pytest.approx(0.0042)

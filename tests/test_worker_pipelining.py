@@ -1,5 +1,6 @@
-"""The worker service with steps planned ahead (StepRequest.after_step_id): a real worker
-(tiny model, real Redis, gRPC) driven by a BatchScheduler that keeps two steps in flight."""
+"""The worker service with steps planned ahead (StepRequest.after_step_id), or running
+several passes (StepRequest.num_passes): a real worker (tiny model, real Redis, gRPC)
+driven by a BatchScheduler that keeps two steps in flight, or plans multi-step steps."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from worker_svc.config import RunnerConfig
 
 
 @contextlib.contextmanager
-def worker(model_dir, redis_url):
+def worker(model_dir, redis_url, batching: SchedulerConfig = SchedulerConfig(max_num_batched_tokens=16)):
     """A worker service on a thread; yields (stub, a scheduler for it, the redis client)."""
     prefix = f"pipelining-{uuid.uuid4().hex[:8]}"
     config = server.WorkerServiceConfig(runner=RunnerConfig(model=str(model_dir), num_blocks=64),
@@ -36,7 +37,7 @@ def worker(model_dir, redis_url):
     try:
         assert ready.wait(timeout=60)
         reg = registration_decoder.decode(client.get(RedisKeys(prefix).worker(config.worker_id)))
-        scheduler = BatchScheduler(SchedulerConfig(max_num_batched_tokens=16), num_blocks=reg.num_blocks,
+        scheduler = BatchScheduler(batching, num_blocks=reg.num_blocks,
                                    block_size=reg.block_size, max_model_len=reg.max_model_len)
         with grpc.insecure_channel(reg.address) as channel:
             yield worker_pb2_grpc.WorkerStub(channel), scheduler, client
@@ -87,18 +88,92 @@ def test_steps_planned_ahead_give_the_outputs_of_steps_in_lockstep(tiny_model_di
         assert scheduler.num_steps > 0 and len(lockstep) == 3
         assert {rid.removesuffix("-ahead"): out for rid, out in ahead.items()} == lockstep
         # Every token went out on pub/sub once, in order, each step's events before the next's.
-        published: dict[str, list[int]] = {}
-        deadline = time.monotonic() + 10
-        while sum(map(len, published.values())) < 2 * sum(map(len, lockstep.values())):
-            assert time.monotonic() < deadline, f"published so far: {published}"
-            message = events.get_message(timeout=1)
-            if message and message["type"] == "message":
-                for event in events_decoder.decode(message["data"]):
-                    seen = published.setdefault(event.request_id, [])
-                    assert event.index == len(seen)
-                    seen.extend(event.token_ids)
+        published = read_published(events, 2 * sum(map(len, lockstep.values())))
         assert {rid: out for rid, out in published.items() if not rid.endswith("-ahead")} == lockstep
         events.close()
+
+
+def read_published(events, num_tokens: int) -> dict[str, list[int]]:
+    """Token ids by request from the subscription until `num_tokens` came, each event
+    checked to come in order."""
+    published: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 10
+    while sum(map(len, published.values())) < num_tokens:
+        assert time.monotonic() < deadline, f"published so far: {published}"
+        message = events.get_message(timeout=1)
+        if message and message["type"] == "message":
+            for event in events_decoder.decode(message["data"]):
+                seen = published.setdefault(event.request_id, [])
+                assert event.index == len(seen)
+                seen.extend(event.token_ids)
+    return published
+
+
+def test_multi_step_steps_give_the_outputs_of_one_pass_steps(tiny_model_dir, redis_url):
+    """Steps of up to 4 passes: the tokens of one pass per step, each pass's published as
+    it ends, and the result's per-pass accounting."""
+    batching = SchedulerConfig(max_num_batched_tokens=16, num_scheduler_steps=4)
+    with worker(tiny_model_dir, redis_url, batching) as (stub, scheduler, client), \
+            ThreadPoolExecutor(4) as pool:
+        channel = f"out:{uuid.uuid4().hex[:8]}"
+        events = client.pubsub()
+        events.subscribe(channel)
+        for req in requests(channel):
+            scheduler.add_request(req)
+        multi_steps, finished = [], {}
+        while scheduler.has_work():
+            step = scheduler.schedule()
+            result = stub.Step(step, timeout=30)
+            if step.num_passes > 1:
+                multi_steps.append((step, result))
+            for req in scheduler.update(step, result):
+                finished[req.request_id] = req.output_token_ids
+        assert multi_steps and all(len(result.passes) > 1 for _, result in multi_steps)
+        for step, result in multi_steps:
+            assert len(result.passes) <= step.num_passes
+            assert result.passes[0].num_requests == len(step.num_scheduled_tokens)
+            assert sum(p.num_requests for p in result.passes) == len(result.sampled)
+            assert result.execute_seconds == pytest.approx(sum(p.execute_seconds for p in result.passes))
+        published = read_published(events, sum(map(len, finished.values())))
+        assert published == finished
+        events.close()
+        assert one_pass_outputs(scheduler, stub, channel, pool) == finished
+
+
+def one_pass_outputs(like: BatchScheduler, stub, channel: str, pool: ThreadPoolExecutor):
+    """The outputs of `requests(channel)` (ids suffixed, so the worker holds both) in
+    steps of one pass, planned by a scheduler for the same worker as `like`."""
+    one_pass = BatchScheduler(SchedulerConfig(max_num_batched_tokens=16), num_blocks=like.kv.num_blocks,
+                              block_size=like.kv.block_size, max_model_len=like.max_model_len)
+    for req in requests(channel):
+        one_pass.add_request(msgspec.structs.replace(req, request_id=req.request_id + "-1"))
+    lockstep = outputs_of(one_pass, stub, False, pool)
+    return {rid.removesuffix("-1"): out for rid, out in lockstep.items()}
+
+
+def test_a_cut_ends_a_multi_step_step_after_its_current_pass(tiny_model_dir, redis_url):
+    """Cut (a request arrived): the worker ends the step after the pass that runs -- here
+    after its first, the Cut having come before the step -- and both sides drop the blocks
+    of the passes that did not run; the outputs are those of one pass per step."""
+    batching = SchedulerConfig(max_num_batched_tokens=16, num_scheduler_steps=8)
+    with worker(tiny_model_dir, redis_url, batching) as (stub, scheduler, _), ThreadPoolExecutor(4) as pool:
+        channel = f"out:{uuid.uuid4().hex[:8]}"
+        for req in requests(channel):
+            scheduler.add_request(req)
+        finished, cut = {}, None
+        while scheduler.has_work():
+            step = scheduler.schedule()
+            if step.num_passes > 1 and cut is None:
+                cut = step.step_id
+                stub.Cut(worker_pb2.CutRequest(step_id=cut), timeout=5)
+            result = stub.Step(step, timeout=30)
+            if step.step_id == cut:
+                assert len(result.passes) == 1 and len(result.sampled) == len(step.num_scheduled_tokens)
+            for req in scheduler.update(step, result):
+                finished[req.request_id] = req.output_token_ids
+            scheduler.check_integrity()
+        assert cut is not None and scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+        assert one_pass_outputs(scheduler, stub, channel, pool) == finished
 
 
 def test_a_step_planned_after_one_never_received_is_refused(tiny_model_dir, redis_url, monkeypatch):

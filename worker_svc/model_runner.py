@@ -159,6 +159,15 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
 
+    def trim_block_tables(self, request_ids) -> None:
+        """Drop the blocks past each request's computed tokens: blocks allocated for the
+        passes of a multi-step step that a Cut ended early (the scheduler drops them too)."""
+        bs = self.config.block_size
+        for request_id in request_ids:
+            state = self.requests.get(request_id)
+            if state is not None:
+                del state.block_ids[-(-state.num_computed_tokens // bs):]
+
     def step(self, request: worker_pb2.StepRequest) -> StepOutput:
         start = time.perf_counter()
         with torch.inference_mode():

@@ -1,6 +1,6 @@
 """The worker service: a gRPC shell around ModelRunner.
 
-It owns the transport only: the gRPC server (Describe / Step / Health), publishing each
+It owns the transport only: the gRPC server (Describe / Step / Health / Cut), publishing each
 step's TokenEvents to Redis (one PUBLISH per reply channel per step, pipelined), the
 registration heartbeat that lets schedulers discover it, and /metrics (each step's
 duration, requests and tokens: proto/metrics.py) when a metrics port is given. All compute
@@ -11,7 +11,10 @@ ahead (after_step_id) arrives while the step before it runs and waits in the com
 thread's queue, so the thread goes from one step straight into the next. A step's events
 go out before its result (a finished request is acknowledged only after its last event
 went out), in step order: from the compute thread itself when no step waits behind it
-(no thread to wake), else from a publishing thread while the next step computes.
+(no thread to wake), else from a publishing thread while the next step computes. A
+multi-step step (num_passes > 1: worker_svc/multi_step.py) publishes each pass's events
+from the publishing thread while the next pass computes, the last pass's as above; a Cut
+ends it after the pass that runs.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from proto.metrics import StepCollector, StepRecorder, serve_metrics
 from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner, StepConsistencyError, StepOutput
+from worker_svc.multi_step import run_passes
 from worker_svc.step_gap import StepGap
 
 log = logging.getLogger("pagedserve.worker")
@@ -74,6 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._failed = 0  # id of the last step that failed (compute thread only)
         self._handed_off: Future | None = None  # the last publish handed to _publishing
         self._gap = StepGap()  # compute thread only
+        self._cut = 0  # the latest step a Cut asked to end early (set by a gRPC thread)
         self.steps = StepRecorder()
 
     def Describe(self, request, context):
@@ -81,6 +86,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Health(self, request, context):
         return worker_pb2.HealthReply(ok=True, num_requests=self._runner.num_requests)
+
+    def Cut(self, request, context):
+        self._cut = max(self._cut, request.step_id)
+        return worker_pb2.CutReply()
 
     def Step(self, request, context):
         after = request.after_step_id
@@ -110,13 +119,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._failed = request.step_id  # and so on down the queue
             raise StepConsistencyError(
                 f"step {request.step_id} is planned after step {request.after_step_id}, which failed")
-        self._gap.start()
         try:
-            output = self._runner.step(request)
+            output = run_passes(self._runner, request, self._gap, self._hand_off,
+                                lambda: self._cut >= request.step_id)
         except Exception:
             self._failed = request.step_id
             raise
-        self._gap.end(request, output.result)
         if self._last_queued > request.step_id:  # the next step waits: publish beside it
             self._handed_off = self._publishing.submit(self._publish, output.events)
             return output, self._handed_off
@@ -125,6 +133,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._handed_off = None
         self._publish(output.events)
         return output, None
+
+    def _hand_off(self, _: worker_pb2.StepRequest, output: StepOutput) -> None:
+        """On the compute thread: a pass of a multi-step step ended, the next follows at
+        once; its events go out from the publishing thread meanwhile."""
+        self._handed_off = self._publishing.submit(self._publish, output.events)
 
     def close(self) -> None:
         """Stop the compute and publishing threads (after the gRPC server stopped: no step
