@@ -33,6 +33,8 @@ or aborted at any time, also while a step is in flight.
 
 Scheduling ahead (vLLM's async scheduling, on for accelerator workers): with a step in
 flight, `can_schedule_ahead()` says whether schedule() may plan the next; see step.py.
+Multi-step (num_scheduler_steps > 1): a step planned with nothing in flight and nothing
+waiting or swapped lets each decode run several passes on the worker; see step.py too.
 """
 
 import bisect
@@ -47,7 +49,7 @@ from scheduler_svc.fork import ForkMixin
 from scheduler_svc.integrity import IntegrityMixin
 from scheduler_svc.preemption import PreemptionMixin
 from scheduler_svc.request import RequestState, RequestStatus, by_sort_key
-from scheduler_svc.stats import SchedulerStats
+from scheduler_svc.stats import SchedulerStats, scheduler_stats
 from scheduler_svc.step import InFlightStep, StepMixin
 
 _RUNNING = RequestStatus.RUNNING
@@ -166,26 +168,9 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
         return len(self.kv.find_cached_prefix(token_ids, [])) * self.kv.block_size
 
     def stats(self) -> SchedulerStats:
-        """Block pool and prefix cache accounting now (O(num_blocks); call it when idle
-        or now and then, not every step)."""
-        kv, pool = self.kv, self.kv.block_pool
-        used = kv.num_blocks - kv.num_free_blocks
-        # Shared blocks are full: subtract the tokens block tables count more than once.
-        held = (sum(req.num_computed_tokens for req in self.running)
-                - kv.block_size * kv.num_shared_references())
-        slots = used * kv.block_size
-        return SchedulerStats(
-            num_blocks=kv.num_blocks, num_used_blocks=used,
-            num_cached_blocks=pool.num_cached_free_blocks(), num_free_blocks=kv.num_free_blocks,
-            num_running=self.num_running, num_waiting=self.num_waiting,
-            num_preemptions=self.num_preemptions, num_steps=self.num_steps,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits, num_evicted_blocks=pool.num_evictions,
-            kv_waste=1.0 - held / slots if slots else 0.0,
-            num_swapped=len(self.swapped), num_swapped_out=self.num_swapped_out,
-            num_cpu_blocks=kv.num_cpu_blocks, num_free_cpu_blocks=kv.cpu_pool.num_free_blocks,
-            num_forks=self.num_forks, num_cow_copies=self.num_cow_copies,
-            num_aborted=self.num_aborted, num_steps_ahead=self.num_steps_ahead)
+        """Block pool and prefix cache accounting now (scheduler_stats: O(num_blocks); call
+        it when idle or now and then, not every step)."""
+        return scheduler_stats(self)
 
     # -- requests in -------------------------------------------------------------------
 
