@@ -242,10 +242,13 @@ class SchedulerService(WorkersMixin):
         handle.wake.set()
         if handle.cuttable:  # a multi-step step runs: end it after its current pass
             step_id, handle.cuttable = handle.cuttable, 0
-            try:
-                await handle.stub.Cut(worker_pb2.CutRequest(step_id=step_id), timeout=5)
-            except grpc.aio.AioRpcError as exc:  # it only ends later: nothing is lost
-                log.warning("Cut of step %d on worker %s failed: %s", step_id, handle.worker_id, exc.code())
+            handle.cut_task = asyncio.create_task(self._cut(handle, step_id))  # routing goes on
+
+    async def _cut(self, handle: WorkerHandle, step_id: int) -> None:
+        try:
+            await handle.stub.Cut(worker_pb2.CutRequest(step_id=step_id), timeout=5)
+        except grpc.aio.AioRpcError as exc:  # the step only ends later: nothing is lost
+            log.warning("Cut of step %d on worker %s failed: %s", step_id, handle.worker_id, exc.code())
 
     # ---- workers ---------------------------------------------------------------------
 
