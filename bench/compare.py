@@ -9,11 +9,10 @@ the other's cores:
   stack          the full pagedserve stack (`pagedserve up`: Redis, worker, scheduler, gateway)
   stack-async    the same with the scheduler's --async-scheduling on (on a CPU worker the
                  default is off: each step planned after the previous one's result)
-  stack-1pass    the same with --num-scheduler-steps 1: every step one forward pass (the
-                 default, 4, lets a step planned while nothing waits run up to 4)
+  stack-multistep  the same with the scheduler's --num-scheduler-steps (this script's flag,
+                 default 4): a step planned while nothing waits runs up to that many passes
   engine         the in-process engine behind the same gateway (`pagedserve engine`): no
                  Redis, no gRPC — what the service split costs is stack / engine
-  engine-1pass   the engine with --num-scheduler-steps 1
   hf-serve       `transformers serve --continuous-batching` (Hugging Face's own server)
   hf-static      `transformers` generate() with static padded batches, offline
 Rounds interleave the contenders (A B C D, A B C D, …) so slow drifts of a shared machine
@@ -45,7 +44,7 @@ from compose.launcher import free_port
 from proto.metrics_scrape import Samples, metric, scrape
 
 HERE = Path(__file__).resolve().parent
-CONTENDERS = ("stack", "engine", "hf-serve", "hf-static", "stack-async", "stack-1pass", "engine-1pass")
+CONTENDERS = ("stack", "engine", "hf-serve", "hf-static", "stack-async", "stack-multistep")
 STEPS, GAPS = "pagedserve:step_duration_seconds", "pagedserve:step_gap_seconds"
 
 
@@ -65,18 +64,17 @@ def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Pope
     model = str(Path(args.model_dir).resolve())
     served = Path(model).name
     runner = ["--device", args.device, *(["--threads", str(args.threads)] if args.threads else [])]
-    if name in ("stack", "stack-async", "stack-1pass"):
+    if name in ("stack", "stack-async", "stack-multistep"):
         cmd = [sys.executable, "-m", "compose.cli", "up", "--model", model, "--port", str(port),
                "--run-dir", str(log.parent / f"run-{name}"),
                *(f"--worker-arg={a}" for a in runner)]
         if name == "stack-async":
             cmd.append("--scheduler-arg=--async-scheduling=on")
-        if name == "stack-1pass":
-            cmd.append("--scheduler-arg=--num-scheduler-steps=1")
+        if name == "stack-multistep":
+            cmd.append(f"--scheduler-arg=--num-scheduler-steps={args.num_scheduler_steps}")
         extra = ["--model", served]
-    elif name in ("engine", "engine-1pass"):
-        cmd = [sys.executable, "-m", "compose.cli", "engine", "--model", model, "--port", str(port), *runner,
-               *(["--num-scheduler-steps", "1"] if name == "engine-1pass" else [])]
+    elif name == "engine":
+        cmd = [sys.executable, "-m", "compose.cli", "engine", "--model", model, "--port", str(port), *runner]
         extra = ["--model", served]
     elif name == "hf-serve":
         cmd = ["transformers", "serve", "--continuous-batching", "--device", args.device, "--port", str(port), model]
@@ -191,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch threads of every contender")
     p.add_argument("--device", default="cpu", help="cpu|cuda|cuda:N, for every contender")
     p.add_argument("--out-dir", default="bench/results/compare")
+    p.add_argument("--num-scheduler-steps", type=int, default=4,
+                   help="the scheduler's --num-scheduler-steps for the stack-multistep contender")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -70,7 +70,7 @@ def _add_batching_flags(p: argparse.ArgumentParser) -> None:
                    help="compute every prompt in full (env PAGEDSERVE_NO_PREFIX_CACHING=1)")
     _add(p, "--preemption-mode", default="recompute", choices=["recompute", "swap"],
          help="free a preempted request's blocks (recompute) or move them to the worker's CPU swap space")
-    _add(p, "--num-scheduler-steps", type=int, default=4,
+    _add(p, "--num-scheduler-steps", type=int, default=1,
          help="multi-step decoding: a step planned while no request waits runs up to this many "
               "forward passes, one scheduler round trip for all of them; a request arriving "
               "ends it after the current pass. 1 = off. Steps planned ahead (--async-scheduling) "
