@@ -175,16 +175,17 @@ class KVCacheManager:
             chain[1] = pool.cache_block(table[i], block_hash, key)
         chain[0] = num_full
 
-    def trim(self, request_id: str, num_tokens: int) -> None:
+    def trim(self, request_id: str, num_tokens: int) -> int:
         """Free the blocks of the request's table past the first cdiv(num_tokens): blocks
-        allocated ahead for tokens that were never computed (a multi-step step cut short).
-        They hold no computed token, so none of them is cached."""
+        allocated ahead for tokens that were never computed (a multi-step step cut short,
+        or not made after all). They hold no computed token, so none of them is cached.
+        Returns how many were freed."""
         table = self._tables[request_id]
         keep = cdiv(num_tokens, self.block_size)
-        if keep < len(table):
-            surplus = table[keep:]
-            del table[keep:]
-            self.block_pool.free_blocks(reversed(surplus))
+        surplus = table[keep:]
+        del table[keep:]
+        self.block_pool.free_blocks(reversed(surplus))
+        return len(surplus)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, GPU or CPU (a no-op for a request holding none).

@@ -33,8 +33,9 @@ or aborted at any time, also while a step is in flight.
 
 Scheduling ahead (vLLM's async scheduling, on for accelerator workers): with a step in
 flight, `can_schedule_ahead()` says whether schedule() may plan the next; see step.py.
-Multi-step (num_scheduler_steps > 1): a step planned with nothing in flight and nothing
-waiting or swapped lets each decode run several passes on the worker; see step.py too.
+Multi-step (num_scheduler_steps > 1): a step planned with nothing in flight, nothing
+waiting or swapped and no preemption lets its decodes run several passes on the worker;
+see step.py too.
 """
 
 import bisect
@@ -281,10 +282,6 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
         scheduled: dict[str, int] = {}  # request id -> tokens to compute, in step order
         new_blocks: dict[str, list[int]] = {}  # request id -> block ids allocated now
         full = False  # the pool ran out: a request was preempted, or could not grow ahead
-        # Multi-step (step.py) when nothing waits for a step of its own; `extra`: request
-        # id -> passes after the first it decodes in, within its max_tokens.
-        num_passes = 1 if ahead or self.waiting or self.swapped else self.config.num_scheduler_steps
-        extra: dict[str, int] = {}
 
         running, allocate, unsent = self.running, self.kv.allocate_slots, self._unsent
         i = 0
@@ -299,9 +296,6 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
-            more = 0
-            if num_passes > 1 and req.num_computed_tokens + num_new == req.num_tokens + req.num_pending:
-                more = min(num_passes - 1, req.sampling.max_tokens - req.num_output_tokens - 1)
             while True:
                 # A forked child about to write into its shared, partly filled last block
                 # gets its own copy first.
@@ -311,7 +305,7 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
                     self._copies[req.request_id] = cow
                     self.num_cow_copies += 1
                 if cow is not False:
-                    ids = allocate(req.request_id, req.num_computed_tokens + num_new + more)
+                    ids = allocate(req.request_id, req.num_computed_tokens + num_new)
                     if ids is not None:
                         break
                 ids = None
@@ -327,8 +321,6 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
                 break
             scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = ids
-            if more:
-                extra[req.request_id] = more
             budget -= num_new
             i += 1
 
@@ -380,7 +372,10 @@ class BatchScheduler(StepMixin, PreemptionMixin, ForkMixin, IntegrityMixin):
 
         if not scheduled:
             return None
-        return self._build_step(scheduled, new_blocks, admitted, extra, num_passes if extra else 1)
+        # Multi-step (step.py) when nothing waits for a step of its own.
+        multi_step = not (ahead or full or admitted or self.waiting or self.swapped)
+        extra = self._extra_passes(scheduled, new_blocks) if multi_step else {}
+        return self._build_step(scheduled, new_blocks, admitted, extra)
 
     def _num_new_tokens(self, req: RequestState, num_computed: int, budget: int) -> int:
         """Tokens a request with `num_computed` tokens computed computes this step: all it

@@ -19,10 +19,11 @@ ends the step there (the one after it is planned after update(), with nothing in
 request about to sample its last token (max_tokens) or to fork (n > 1) waits for update().
 
 Multi-step (SchedulerConfig.num_scheduler_steps > 1): a step planned with nothing in
-flight, nothing waiting and nothing swapped runs up to that many passes on the worker
-(worker_svc/multi_step.py): after the first, each request that sampled decodes on, one
-token a pass, until it finishes or the passes run out. The step allocates blocks for all
-of its passes and counts their tokens in flight; `update()` takes every pass's tokens.
+flight, nothing waiting or swapped and no preemption, in which every request samples,
+runs up to that many passes on the worker (worker_svc/multi_step.py): after the first,
+each request decodes on, one token a pass, until it finishes or the passes run out. The
+step allocates blocks for all of its passes when the pool has room for them (else it has
+one), and counts their tokens in flight; `update()` takes every pass's tokens.
 No step is planned ahead of a multi-step one. A request arriving meanwhile makes the
 scheduler service send Cut: the worker ends the step after the pass that runs, and
 `update()` gives back what the passes that did not run were allocated.
@@ -49,17 +50,39 @@ class InFlightStep:
 class StepMixin:
     """BatchScheduler's `_build_step`, `update` and `_finish`."""
 
+    def _extra_passes(self, scheduled: dict[str, int], new_blocks: dict[str, list[int]]) -> dict[str, int]:
+        """Multi-step: request id -> the passes after the first it decodes in (up to
+        num_scheduler_steps - 1, within its max_tokens), its blocks for them allocated and
+        appended to new_blocks. Empty, with nothing allocated, unless every request of the
+        step samples in the first pass (no prefill chunk waits behind the passes) and the
+        pool has room for all of them (no preemption for passes that may not run)."""
+        limit = self.config.num_scheduler_steps - 1
+        extra: dict[str, int] = {}
+        for request_id, num_new in scheduled.items() if limit else ():
+            req = self._requests[request_id]
+            computed = req.num_computed_tokens + num_new
+            more = min(limit, req.sampling.max_tokens - req.num_output_tokens - req.num_pending - 1)
+            samples = computed == req.num_tokens + req.num_pending
+            ids = self.kv.allocate_slots(request_id, computed + more) if samples and more > 0 else []
+            if not samples or ids is None:  # one pass after all: give back what was taken
+                for rid in extra:
+                    taken = self.kv.trim(rid, self._requests[rid].num_computed_tokens + scheduled[rid])
+                    del new_blocks[rid][len(new_blocks[rid]) - taken:]
+                return {}
+            if more > 0:
+                new_blocks[request_id] = [*new_blocks[request_id], *ids]
+                extra[request_id] = more
+        return extra
+
     def _build_step(self, scheduled: dict[str, int], new_blocks: dict[str, list[int]],
-                    admitted: list[RequestState], extra: dict[str, int],
-                    num_passes: int) -> worker_pb2.StepRequest:
+                    admitted: list[RequestState], extra: dict[str, int]) -> worker_pb2.StepRequest:
         """The step message; advances num_computed_tokens by what it schedules. Running
-        requests come first in `scheduled`, then the admitted ones. Multi-step
-        (`num_passes` > 1): `extra` holds the passes after the first each running request
-        decodes in (blocks allocated for them)."""
+        requests come first in `scheduled`, then the admitted ones. Multi-step: `extra`
+        (from _extra_passes) holds the passes after the first each request decodes in."""
         step = worker_pb2.StepRequest(step_id=self._next_step_id,
                                       finished_request_ids=self._finished_ids)
-        if num_passes > 1:
-            step.num_passes = num_passes
+        if extra:
+            step.num_passes = 1 + max(extra.values())
         if self._swap_out:
             step.swapped_out_request_ids.extend(self._swap_out)
             for pairs in self._swap_out.values():

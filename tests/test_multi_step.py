@@ -36,8 +36,8 @@ def test_the_last_passes_stop_at_max_tokens():
     h.run()
     s1, s2, s3 = h.steps
     assert s2.num_passes == 4  # outputs 2..5
-    # Two outputs left: one pass more than the first, and no blocks beyond the last token.
-    assert s3.num_passes == 4 and h.sched.kv.num_free_blocks == h.sched.kv.num_blocks
+    # Two outputs left: one pass after the first, and no blocks beyond the last token.
+    assert s3.num_passes == 2 and h.sched.kv.num_free_blocks == h.sched.kv.num_blocks
     assert len(h.worker.steps) == 3
     assert h.outputs() == reference_outputs(make_request("a", 6, 7, arrival=0))
 
@@ -48,6 +48,36 @@ def test_a_step_with_one_pass_left_is_a_plain_step():
     h.run()
     assert [s.num_passes for s in h.steps] == [0, 3, 0]  # outputs 1; 2, 3, 4; 5
     assert h.outputs() == reference_outputs(make_request("a", 4, 5, arrival=0))
+
+
+def test_a_prefill_chunk_keeps_its_step_to_one_pass():
+    """A chunked prefill is running, not waiting: its next chunk must not wait behind the
+    decodes' passes, so a step with a chunk in it has one pass."""
+    h = Harness(block_size=4, max_num_batched_tokens=8, num_scheduler_steps=4)
+    h.add(make_request("a", 3, 12, arrival=0), make_request("b", 20, 3, arrival=1))
+    while "b" not in h.finished:
+        step = h.step()
+        chunk = scheduled(step).get("b", 0) > 1
+        assert not (chunk and step.num_passes), f"step {step.step_id} holds a chunk of b's prompt"
+    h.run()
+    assert any(s.num_passes for s in h.steps)
+    assert h.outputs() == reference_outputs(make_request("a", 3, 12, arrival=0), make_request("b", 20, 3, arrival=1))
+
+
+@pytest.mark.parametrize("num_blocks", [4, 5])
+def test_no_room_for_the_later_passes_means_one_pass_and_no_preemption(num_blocks):
+    """Blocks for passes that may not run are taken only from free ones: with 4 blocks
+    neither request has room for them; with 5 the first gets them, the second does not,
+    and the first gives them back."""
+    h = Harness(num_blocks=num_blocks, block_size=4, num_scheduler_steps=4)
+    h.add(make_request("a", 6, 8, arrival=0), make_request("b", 7, 8, arrival=1))
+    h.step()
+    step = h.step()
+    assert step.num_passes == 0 and h.sched.num_preemptions == 0
+    assert all(not c.new_block_ids for c in step.cached_requests)
+    assert h.sched.kv.num_free_blocks == num_blocks - 4
+    h.run()
+    assert h.outputs() == reference_outputs(make_request("a", 6, 8, arrival=0), make_request("b", 7, 8, arrival=1))
 
 
 def test_an_arrival_gets_a_step_of_its_own_next():
