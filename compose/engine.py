@@ -21,7 +21,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from proto.messages import NewRequest, TokenEvent, WorkerStats
-from proto.worker_pb2 import StepRequest
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.metrics import WorkerRecorder
@@ -148,7 +147,7 @@ class InProcessEngine:
         finished = self.scheduler.update(step, output.result)
         self.recorder.stepped(self.scheduler, step, output.result, finished)
 
-    def _pass_done(self, _: StepRequest, output: StepOutput) -> None:
+    def _pass_done(self, output: StepOutput) -> None:
         """A pass of a multi-step step (worker_svc/multi_step.py) ended: its events out."""
         if output.events:
             self._on_events(output.events)

@@ -98,6 +98,7 @@ class SchedulerService(WorkersMixin):
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
         self.in_transit: list[NewRequest | RequestState] = []  # being routed by _route_all
         self.metrics = SchedulerMetrics()
+        self._cuts: set[asyncio.Task] = set()  # Cut RPCs under way
         self._stopping = False
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -242,7 +243,9 @@ class SchedulerService(WorkersMixin):
         handle.wake.set()
         if handle.cuttable:  # a multi-step step runs: end it after its current pass
             step_id, handle.cuttable = handle.cuttable, 0
-            handle.cut_task = asyncio.create_task(self._cut(handle, step_id))  # routing goes on
+            task = asyncio.create_task(self._cut(handle, step_id))  # routing goes on meanwhile
+            self._cuts.add(task)  # held until done: the loop keeps only weak references
+            task.add_done_callback(self._cuts.discard)
 
     async def _cut(self, handle: WorkerHandle, step_id: int) -> None:
         try:

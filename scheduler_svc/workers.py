@@ -34,7 +34,6 @@ class WorkerHandle:
     recorder: WorkerRecorder = field(default_factory=WorkerRecorder)  # request and step histograms
     schedules_ahead: bool = False  # async scheduling (SchedulerServiceConfig.schedules_ahead)
     cuttable: int = 0  # the multi-step step in flight, until a Cut was sent for it
-    cut_task: asyncio.Task | None = None  # the last Cut sent (held: a task needs a reference)
     task: asyncio.Task | None = None
 
     @property

@@ -11,7 +11,7 @@ pass's events are streamed as it ends (`on_pass`; the last pass's come back with
 result, to go out as a single step's do). The scheduler gets one StepResult with every
 pass's tokens, and per-pass timings in `passes`.
 
-    output = run_passes(runner, step, gap, on_pass, cut)  # on_pass(pass request, its output)
+    output = run_passes(runner, step, gap, on_pass, cut)  # on_pass(a pass's StepOutput)
 
 A request arriving while such a step runs would wait for all of its passes: the scheduler
 then sends Cut (proto/worker.proto), and `cut()` ends the step after the pass that runs, so
@@ -31,7 +31,7 @@ from proto import worker_pb2
 from worker_svc.model_runner import ModelRunner, StepOutput
 from worker_svc.step_gap import StepGap
 
-PassSink = Callable[[worker_pb2.StepRequest, StepOutput], None]
+PassSink = Callable[[StepOutput], None]
 
 
 def run_passes(runner: ModelRunner, step: worker_pb2.StepRequest, gap: StepGap,
@@ -54,7 +54,7 @@ def run_passes(runner: ModelRunner, step: worker_pb2.StepRequest, gap: StepGap,
         if cut():  # blocks were allocated for passes that will not run: drop them
             runner.trim_block_tables(go_on)
             break
-        on_pass(request, output)
+        on_pass(output)
         request = worker_pb2.StepRequest(step_id=step.step_id, num_scheduled_tokens=go_on)
     if step.num_passes <= 1:
         return output

@@ -78,7 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._failed = 0  # id of the last step that failed (compute thread only)
         self._handed_off: Future | None = None  # the last publish handed to _publishing
         self._gap = StepGap()  # compute thread only
-        self._cut = 0  # the latest step a Cut asked to end early (set by a gRPC thread)
+        self._cut = 0  # the step the last Cut asked to end early (set by a gRPC thread)
         self.steps = StepRecorder()
 
     def Describe(self, request, context):
@@ -88,7 +88,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.HealthReply(ok=True, num_requests=self._runner.num_requests)
 
     def Cut(self, request, context):
-        self._cut = max(self._cut, request.step_id)
+        # The id alone, not "this one and all before": a restarted scheduler counts from 1.
+        self._cut = request.step_id
         return worker_pb2.CutReply()
 
     def Step(self, request, context):
@@ -121,7 +122,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 f"step {request.step_id} is planned after step {request.after_step_id}, which failed")
         try:
             output = run_passes(self._runner, request, self._gap, self._hand_off,
-                                lambda: self._cut >= request.step_id)
+                                lambda: self._cut == request.step_id)
         except Exception:
             self._failed = request.step_id
             raise
@@ -134,7 +135,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._publish(output.events)
         return output, None
 
-    def _hand_off(self, _: worker_pb2.StepRequest, output: StepOutput) -> None:
+    def _hand_off(self, output: StepOutput) -> None:
         """On the compute thread: a pass of a multi-step step ended, the next follows at
         once; its events go out from the publishing thread meanwhile."""
         self._handed_off = self._publishing.submit(self._publish, output.events)
