@@ -47,6 +47,17 @@ def worker(model_dir, redis_url, batching: SchedulerConfig = SchedulerConfig(max
         serving.join(timeout=30)
 
 
+def subscribed(client, scheduler: BatchScheduler):
+    """A fresh reply channel, subscribed to, and `requests(channel)` added to `scheduler`;
+    returns (channel, the subscription)."""
+    channel = f"out:{uuid.uuid4().hex[:8]}"
+    events = client.pubsub()
+    events.subscribe(channel)
+    for req in requests(channel):
+        scheduler.add_request(req)
+    return channel, events
+
+
 def requests(channel: str) -> list[NewRequest]:
     return [NewRequest(f"r{i}", [5 + i, 6, 7, 8, 9, 10, 11][: 3 + 2 * i],
                        SamplingParams(max_tokens=4 + 3 * i, temperature=0.0), channel, time.time())
@@ -76,11 +87,7 @@ def outputs_of(scheduler: BatchScheduler, stub, pipelined: bool, pool: ThreadPoo
 def test_steps_planned_ahead_give_the_outputs_of_steps_in_lockstep(tiny_model_dir, redis_url):
     with worker(tiny_model_dir, redis_url) as (stub, scheduler, client), \
             ThreadPoolExecutor(4) as pool:
-        channel = f"out:{uuid.uuid4().hex[:8]}"
-        events = client.pubsub()
-        events.subscribe(channel)
-        for req in requests(channel):
-            scheduler.add_request(req)
+        channel, events = subscribed(client, scheduler)
         lockstep = outputs_of(scheduler, stub, False, pool)
         for req in requests(channel):
             scheduler.add_request(msgspec.structs.replace(req, request_id=req.request_id + "-ahead"))
@@ -115,11 +122,7 @@ def test_multi_step_steps_give_the_outputs_of_one_pass_steps(tiny_model_dir, red
     batching = SchedulerConfig(max_num_batched_tokens=16, num_scheduler_steps=4)
     with worker(tiny_model_dir, redis_url, batching) as (stub, scheduler, client), \
             ThreadPoolExecutor(4) as pool:
-        channel = f"out:{uuid.uuid4().hex[:8]}"
-        events = client.pubsub()
-        events.subscribe(channel)
-        for req in requests(channel):
-            scheduler.add_request(req)
+        channel, events = subscribed(client, scheduler)
         multi_steps, finished = [], {}
         while scheduler.has_work():
             step = scheduler.schedule()
