@@ -48,7 +48,7 @@ class InFlightStep:
 
 
 class StepMixin:
-    """BatchScheduler's `_build_step`, `update` and `_finish`."""
+    """BatchScheduler's `_extra_passes`, `_build_step`, `update` and `_finish`."""
 
     def _extra_passes(self, scheduled: dict[str, int], new_blocks: dict[str, list[int]]) -> dict[str, int]:
         """Multi-step: request id -> the passes after the first it decodes in (up to
