@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=proto_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/pagedserve.Worker/Steps',
+                request_serializer=proto_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.StepResult.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pagedserve.Worker/Health',
                 request_serializer=proto_dot_worker__pb2.HealthRequest.SerializeToString,
@@ -66,7 +71,21 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One step: for tools and tests. The scheduler uses Steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Steps(self, request_iterator, context):
+        """The scheduler's steps to this worker, one stream for as long as it drives the worker:
+        a StepResult for each StepRequest, in the order they were sent. Steps run as Step runs
+        them (planned-ahead steps queue behind the one they follow); a step that fails ends
+        the stream with that step's status (INTERNAL, or FAILED_PRECONDITION for one planned
+        after a step the worker did not receive), and the steps after it get no result. A
+        stream costs about half a unary call per step (no call set up and torn down each
+        time: docs/performance.md, "One stream for the steps").
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -93,6 +112,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=proto_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.StepResult.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
                     request_deserializer=proto_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.StepResult.SerializeToString,
             ),
@@ -159,6 +183,33 @@ class Worker:
             request,
             target,
             '/pagedserve.Worker/Step',
+            proto_dot_worker__pb2.StepRequest.SerializeToString,
+            proto_dot_worker__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedserve.Worker/Steps',
             proto_dot_worker__pb2.StepRequest.SerializeToString,
             proto_dot_worker__pb2.StepResult.FromString,
             options,

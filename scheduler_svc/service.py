@@ -6,8 +6,8 @@ Three kinds of task share one asyncio loop:
     the request;
   * `_discover_workers` — polls the registry; a new registration gets a WorkerHandle and
     its own step loop, a vanished one is retired and its requests re-routed;
-  * `_step_loop` (one per worker) — schedule() → gRPC Step → update(), XACKing finished
-    requests. With async scheduling (by default for accelerator workers), while a step
+  * `_step_loop` (one per worker) — schedule() → the worker's Steps stream (gRPC) →
+    update(), XACKing finished requests. With async scheduling (by default for accelerator workers), while a step
     runs on the worker the loop plans and sends the next one
     (BatchScheduler.can_schedule_ahead), so the worker goes from one step straight into
     the next instead of waiting a round trip for it. While a multi-step step runs
@@ -247,12 +247,6 @@ class SchedulerService(WorkersMixin):
             self._cuts.add(task)  # held until done: the loop keeps only weak references
             task.add_done_callback(self._cuts.discard)
 
-    async def _cut(self, handle: WorkerHandle, step_id: int) -> None:
-        try:
-            await handle.stub.Cut(worker_pb2.CutRequest(step_id=step_id), timeout=5)
-        except grpc.aio.AioRpcError as exc:  # the step only ends later: nothing is lost
-            log.warning("Cut of step %d on worker %s failed: %s", step_id, handle.worker_id, exc.code())
-
     # ---- workers ---------------------------------------------------------------------
 
     async def _route_all(self, items: list[NewRequest | RequestState]) -> None:
@@ -282,18 +276,17 @@ class SchedulerService(WorkersMixin):
                 except Exception:
                     log.exception("re-routing the requests of worker %s failed", handle.worker_id)
 
-    async def _send(self, handle: WorkerHandle, step: worker_pb2.StepRequest) -> grpc.aio.UnaryUnaryCall:
-        """Start the Step RPC. Planning ahead, let it go out before the next step is planned
-        (one step at a time, the caller awaits it at once, which sends it as well)."""
+    async def _send(self, handle: WorkerHandle, steps: grpc.aio.StreamStreamCall,
+                    step: worker_pb2.StepRequest) -> worker_pb2.StepRequest:
+        """Send the step on the worker's stream (on its way once this returns)."""
         handle.recorder.scheduled(handle.scheduler, step)
-        call = handle.stub.Step(step, timeout=self.config.step_timeout_s)
-        if handle.schedules_ahead:
-            await asyncio.sleep(0)  # the call's task sends the request
-        return call
+        await steps.write(step)
+        return step
 
     async def _steps(self, handle: WorkerHandle) -> None:
         scheduler = handle.scheduler
-        in_flight: deque[tuple[worker_pb2.StepRequest, grpc.aio.UnaryUnaryCall]] = deque()  # oldest first
+        steps = handle.stub.Steps()  # results come back in the order the steps went
+        in_flight: deque[worker_pb2.StepRequest] = deque()  # oldest first
         try:
             while not handle.retiring:
                 if not in_flight:
@@ -308,29 +301,35 @@ class SchedulerService(WorkersMixin):
                             continue
                         handle.wake.clear()
                         continue
-                    in_flight.append((step, await self._send(handle, step)))
+                    in_flight.append(await self._send(handle, steps, step))
                 if handle.schedules_ahead and scheduler.can_schedule_ahead():
                     ahead = scheduler.schedule()
                     if ahead is not None:
-                        in_flight.append((ahead, await self._send(handle, ahead)))
-                step, call = in_flight.popleft()
+                        in_flight.append(await self._send(handle, steps, ahead))
+                step = in_flight.popleft()
                 handle.cuttable = step.step_id if step.num_passes > 1 else 0
-                updated = await self._update(handle, step, call)
+                updated = await self._update(handle, step, steps)
                 handle.cuttable = 0
                 if not updated:
                     break
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:  # a write to a broken stream
+            self._retire(handle, f"Steps stream failed: {exc}")
         finally:
-            for _, call in in_flight:  # retired with a step planned ahead: the worker is gone
-                call.cancel()
+            steps.cancel()  # retired with steps in flight: the worker is gone
 
     async def _update(self, handle: WorkerHandle, step: worker_pb2.StepRequest,
-                      call: grpc.aio.UnaryUnaryCall) -> bool:
+                      steps: grpc.aio.StreamStreamCall) -> bool:
         """Await the step's result and apply it; False (and the worker retired) if it failed."""
         scheduler = handle.scheduler
         try:
-            result = await call
-        except grpc.aio.AioRpcError as exc:
-            self._retire(handle, f"Step failed: {exc.code().name} {exc.details()}")
+            async with asyncio.timeout(self.config.step_timeout_s):
+                result = await steps.read()
+            if result is grpc.aio.EOF:
+                raise EOFError("the worker ended the Steps stream")
+        except (grpc.aio.AioRpcError, TimeoutError, EOFError) as exc:
+            why = (f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError)
+                   else str(exc) or f"no result in {self.config.step_timeout_s} s")
+            self._retire(handle, f"step {step.step_id} failed: {why}")
             return False
         try:
             finished = scheduler.update(step, result)

@@ -1,7 +1,8 @@
 """The scheduler service's worker membership, a mixin of SchedulerService
 (scheduler_svc/service.py), whose state it reads and changes: discovering workers in the
 registry, joining a new one (a WorkerHandle with its own BatchScheduler and step loop),
-retiring a lost one and re-routing its unfinished requests to live workers.
+cutting its multi-step steps short, retiring a lost one and re-routing its unfinished
+requests to live workers.
 """
 
 from __future__ import annotations
@@ -99,6 +100,13 @@ class WorkersMixin:
                  "on" if ahead else "off", batching.num_scheduler_steps)
         pending, self.unassigned = self.unassigned, []
         await self._route_all(pending)
+
+    async def _cut(self, handle: WorkerHandle, step_id: int) -> None:
+        """End the worker's multi-step step after its current pass (a request arrived)."""
+        try:
+            await handle.stub.Cut(worker_pb2.CutRequest(step_id=step_id), timeout=5)
+        except grpc.aio.AioRpcError as exc:  # the step only ends later: nothing is lost
+            log.warning("Cut of step %d on worker %s failed: %s", step_id, handle.worker_id, exc.code())
 
     def _retire(self, handle: WorkerHandle, why: str) -> None:
         if not handle.retiring:

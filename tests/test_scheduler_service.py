@@ -169,9 +169,17 @@ def test_abort_of_a_parent_reaches_children_in_transit(redis_url):
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 
 
-class _CrashingStub:
-    async def Step(self, step, timeout=None):  # noqa: N802 (gRPC's name)
+class _CrashingSteps:
+    async def write(self, step):
         raise RuntimeError("not an RPC error: a bug")
+
+    def cancel(self):
+        return True
+
+
+class _CrashingStub:
+    def Steps(self):  # noqa: N802 (gRPC's name)
+        return _CrashingSteps()
 
 
 class _Channel:

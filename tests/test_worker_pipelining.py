@@ -1,10 +1,13 @@
 """The worker service with steps planned ahead (StepRequest.after_step_id), or running
-several passes (StepRequest.num_passes): a real worker (tiny model, real Redis, gRPC)
-driven by a BatchScheduler that keeps two steps in flight, or plans multi-step steps."""
+several passes (StepRequest.num_passes), one call a step (Step) or on one stream (Steps,
+the scheduler's way): a real worker (tiny model, real Redis, gRPC) driven by a
+BatchScheduler that keeps two steps in flight, or plans multi-step steps."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import queue
 import threading
 import time
 import uuid
@@ -100,6 +103,42 @@ def test_steps_planned_ahead_give_the_outputs_of_steps_in_lockstep(tiny_model_di
         events.close()
 
 
+def streamed_outputs(scheduler: BatchScheduler, stub):
+    """Every request to the end over one Steps stream, a step planned ahead whenever the
+    scheduler can (sent before the result of the one it follows is read)."""
+    sent: queue.SimpleQueue = queue.SimpleQueue()
+    results = stub.Steps(iter(sent.get, None), timeout=60)
+    finished, in_flight, ahead_steps = {}, collections.deque(), 0
+    while scheduler.has_work() or in_flight:
+        if not in_flight:
+            in_flight.append(scheduler.schedule())
+            sent.put(in_flight[-1])
+        if scheduler.can_schedule_ahead() and (ahead := scheduler.schedule()) is not None:
+            in_flight.append(ahead)
+            sent.put(ahead)
+            ahead_steps += 1
+        step = in_flight.popleft()
+        result = next(results)
+        assert result.step_id == step.step_id
+        for req in scheduler.update(step, result):
+            finished[req.request_id] = req.output_token_ids
+    sent.put(None)  # the stream ends cleanly once the last result is in
+    assert next(results, None) is None and ahead_steps > 0
+    return finished
+
+
+def test_the_steps_stream_gives_the_outputs_of_one_call_a_step(tiny_model_dir, redis_url):
+    with worker(tiny_model_dir, redis_url) as (stub, scheduler, client), \
+            ThreadPoolExecutor(4) as pool:
+        channel, events = subscribed(client, scheduler)
+        streamed = streamed_outputs(scheduler, stub)
+        assert len(streamed) == 3
+        assert one_pass_outputs(scheduler, stub, channel, pool) == streamed
+        published = read_published(events, 2 * sum(map(len, streamed.values())))
+        assert {rid: out for rid, out in published.items() if not rid.endswith("-1")} == streamed
+        events.close()
+
+
 def read_published(events, num_tokens: int) -> dict[str, list[int]]:
     """Token ids by request from the subscription until `num_tokens` came, each event
     checked to come in order."""
@@ -186,22 +225,42 @@ def test_a_cut_ends_a_multi_step_step_after_its_current_pass(tiny_model_dir, red
 
 def test_a_step_planned_after_one_never_received_is_refused(tiny_model_dir, redis_url, monkeypatch):
     monkeypatch.setattr(server, "ORDER_TIMEOUT_S", 0.5)
+    orphan = worker_pb2.StepRequest(step_id=8, after_step_id=7)
     with worker(tiny_model_dir, redis_url) as (stub, _, _):
+        for call in (lambda: stub.Step(orphan, timeout=30), lambda: next(stub.Steps(iter([orphan]), timeout=30))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "planned after step 7, which this worker did not receive" in err.value.details()
+
+
+def bad_step_and_one_after() -> tuple[worker_pb2.StepRequest, worker_pb2.StepRequest]:
+    """Step 1 names a request the worker does not hold; step 2, planned after it, is fine."""
+    bad = worker_pb2.StepRequest(step_id=1)
+    bad.cached_requests.add(request_id="nobody", num_computed_tokens=0)
+    bad.num_scheduled_tokens["nobody"] = 1
+    after = worker_pb2.StepRequest(step_id=2, after_step_id=1)
+    after.new_requests.add(request_id="x", token_ids=[5, 6], num_prompt_tokens=2, block_ids=[0],
+                           sampling=worker_pb2.SamplingParams(max_tokens=2))
+    after.num_scheduled_tokens["x"] = 2
+    return bad, after
+
+
+def test_a_failed_step_ends_the_steps_stream_with_its_status(tiny_model_dir, redis_url):
+    with worker(tiny_model_dir, redis_url) as (stub, _, _):
+        results = stub.Steps(iter(bad_step_and_one_after()), timeout=30)
         with pytest.raises(grpc.RpcError) as err:
-            stub.Step(worker_pb2.StepRequest(step_id=8, after_step_id=7), timeout=30)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "planned after step 7, which this worker did not receive" in err.value.details()
+            next(results)
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "unknown to this worker" in err.value.details()
+        assert stub.Health(worker_pb2.HealthRequest(), timeout=5).num_requests == 0  # x never ran
+        _, fine = bad_step_and_one_after()
+        fine.step_id, fine.after_step_id = 3, 0
+        assert [r.step_id for r in stub.Steps(iter([fine]), timeout=30)] == [3]  # a new stream works
 
 
 def test_a_step_planned_after_a_failed_one_fails_without_running(tiny_model_dir, redis_url):
     with worker(tiny_model_dir, redis_url) as (stub, _, _), ThreadPoolExecutor(2) as pool:
-        bad = worker_pb2.StepRequest(step_id=1)
-        bad.cached_requests.add(request_id="nobody", num_computed_tokens=0)
-        bad.num_scheduled_tokens["nobody"] = 1
-        after = worker_pb2.StepRequest(step_id=2, after_step_id=1)
-        after.new_requests.add(request_id="x", token_ids=[5, 6], num_prompt_tokens=2, block_ids=[0],
-                               sampling=worker_pb2.SamplingParams(max_tokens=2))
-        after.num_scheduled_tokens["x"] = 2
+        bad, after = bad_step_and_one_after()
         first = pool.submit(stub.Step, bad, timeout=30)
         time.sleep(0.05)
         second = pool.submit(stub.Step, after, timeout=30)

@@ -1,16 +1,18 @@
 """The worker service: a gRPC shell around ModelRunner.
 
-It owns the transport only: the gRPC server (Describe / Step / Health / Cut), publishing each
-step's TokenEvents to Redis (one PUBLISH per reply channel per step, pipelined), the
-registration heartbeat that lets schedulers discover it, and /metrics (each step's
-duration, requests and tokens: proto/metrics.py) when a metrics port is given. All compute
-is ModelRunner's.
+It owns the transport only: the gRPC server (Describe / Step / Steps / Health / Cut),
+publishing each step's TokenEvents to Redis (one PUBLISH per reply channel per step,
+pipelined: worker_svc/event_publisher.py), the registration heartbeat that lets
+schedulers discover it, and /metrics (each step's duration, requests and tokens:
+proto/metrics.py) when a metrics port is given. All compute is ModelRunner's.
 
-Steps run one at a time, in the order they came, on the compute thread. A step planned
+Steps come one at a time (Step) or on the scheduler's stream (Steps) and run one at a time,
+in the order they came, on the compute thread. A step planned
 ahead (after_step_id) arrives while the step before it runs and waits in the compute
 thread's queue, so the thread goes from one step straight into the next. A step's events
 go out before its result (a finished request is acknowledged only after its last event
-went out), in step order: from the compute thread itself when no step waits behind it
+went out; worker_svc/event_publisher.py writes them without waiting for Redis's replies),
+in step order: from the compute thread itself when no step waits behind it
 (no thread to wake), else from a publishing thread while the next step computes. A
 multi-step step (num_passes > 1: worker_svc/multi_step.py) publishes each pass's events
 from the publishing thread while the next pass computes, the last pass's as above; a Cut
@@ -20,6 +22,7 @@ ends it after the pass that runs.
 from __future__ import annotations
 
 import logging
+import queue
 import signal
 import socket
 import threading
@@ -38,6 +41,7 @@ from proto.messages import TokenEvent, WorkerRegistration, stream_encoder
 from proto.metrics import StepCollector, StepRecorder, serve_metrics
 from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
+from worker_svc.event_publisher import EventPublisher
 from worker_svc.model_runner import ModelRunner, StepConsistencyError, StepOutput
 from worker_svc.multi_step import run_passes
 from worker_svc.step_gap import StepGap
@@ -45,6 +49,10 @@ from worker_svc.step_gap import StepGap
 log = logging.getLogger("pagedserve.worker")
 
 ORDER_TIMEOUT_S = 30.0  # how long a step planned ahead waits for the step it follows
+
+
+class StepOrderError(Exception):
+    """A step planned after one this worker never received."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     Every step runs on the compute thread that loaded the runner, whichever gRPC thread
     received it (worker_svc/compute_thread.py says why)."""
 
-    def __init__(self, runner: ModelRunner, compute: ComputeThread, publisher: redis.Redis):
+    def __init__(self, runner: ModelRunner, compute: ComputeThread, publisher: EventPublisher):
         self._runner = runner
         self._compute = compute
         self._publisher = publisher
@@ -93,16 +101,49 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.CutReply()
 
     def Step(self, request, context):
+        try:
+            done = self._queue(request)
+        except StepOrderError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return self._result(request, done, context)
+
+    def Steps(self, requests, context):
+        """The scheduler's stream: each request queued as it arrives (a reader thread, so a
+        step planned ahead queues while the one before it runs), each result sent when
+        its step is done, in order."""
+        queued: queue.SimpleQueue = queue.SimpleQueue()
+
+        def read() -> None:
+            try:
+                for request in requests:
+                    queued.put((request, self._queue(request)))
+            except StepOrderError as exc:
+                queued.put(exc)
+            except grpc.RpcError:  # the scheduler went away (or the stream was aborted)
+                pass
+            queued.put(None)
+
+        threading.Thread(target=read, name="steps-reader", daemon=True).start()
+        while (item := queued.get()) is not None:
+            if isinstance(item, StepOrderError):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(item))
+            yield self._result(*item, context)
+
+    def _queue(self, request: worker_pb2.StepRequest) -> Future:
+        """Queue the step on the compute thread, behind the step it was planned after."""
         after = request.after_step_id
         with self._order:
             # Planned ahead: its RPC may overtake the one of the step it follows.
             if after and not self._order.wait_for(lambda: self._last_queued == after, ORDER_TIMEOUT_S):
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"step {request.step_id} is planned after step {after}, "
-                              f"which this worker did not receive")
+                raise StepOrderError(f"step {request.step_id} is planned after step {after}, "
+                                     f"which this worker did not receive")
             self._last_queued = request.step_id
             done = self._compute.submit(self._run, request)
             self._order.notify_all()
+        return done
+
+    def _result(self, request: worker_pb2.StepRequest, done: Future, context) -> worker_pb2.StepResult:
+        """The queued step's result, once its events went out; a failed step aborts the call."""
         try:
             output, published = done.result()
             if published is not None:
@@ -145,14 +186,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         is running)."""
         self._compute.close()
         self._publishing.shutdown(wait=True)
+        self._publisher.close()
 
     def _publish(self, events: dict[str, list[TokenEvent]]) -> None:
-        if not events:
-            return
-        pipe = self._publisher.pipeline(transaction=False)
-        for channel, batch in events.items():
-            pipe.publish(channel, stream_encoder.encode(batch))
-        pipe.execute()
+        self._publisher.publish(events)
 
 
 class Registration:
@@ -202,11 +239,11 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
     info = runner.describe()
     client = redis.Redis.from_url(config.redis_url)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4),
+        futures.ThreadPoolExecutor(max_workers=8),  # a Steps stream holds one for its life
         options=[("grpc.max_receive_message_length", 64 << 20),
                  ("grpc.max_send_message_length", 64 << 20)],
     )
-    servicer = WorkerServicer(runner, compute, client)
+    servicer = WorkerServicer(runner, compute, EventPublisher(client))
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     server.start()

@@ -1,0 +1,92 @@
+"""worker_svc/event_publisher.py against a real redis-server: events in order, none lost to
+a broken connection, a refused command raised one publish late."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from proto.messages import TokenEvent, events_decoder
+from worker_svc.event_publisher import EventPublisher
+
+
+def received(subscription, count: int) -> list[TokenEvent]:
+    """`count` events off the subscription, in the order they came."""
+    events: list[TokenEvent] = []
+    deadline = time.monotonic() + 10
+    while len(events) < count:
+        assert time.monotonic() < deadline, f"{len(events)} of {count} events came"
+        message = subscription.get_message(timeout=1)
+        if message and message["type"] == "message":
+            events.extend(events_decoder.decode(message["data"]))
+    return events
+
+
+def batch(channels: list[str], index: int) -> dict[str, list[TokenEvent]]:
+    return {channel: [TokenEvent(channel, index, [index])] for channel in channels}
+
+
+@pytest.fixture
+def channels(redis_url):
+    """Two fresh channels, a subscription to both and a plain client."""
+    client = redis.Redis.from_url(redis_url)
+    names = [f"events-{uuid.uuid4().hex[:8]}-{i}" for i in range(2)]
+    subscription = client.pubsub()
+    subscription.subscribe(*names)
+    while len([m for m in iter(lambda: subscription.get_message(timeout=1), None)
+               if m["type"] == "subscribe"]) < 2:
+        pass
+    yield names, subscription, client
+    subscription.close()
+    client.close()
+
+
+def test_events_go_out_in_publish_order_on_every_channel(redis_url, channels):
+    names, subscription, _ = channels
+    publisher = EventPublisher(redis.Redis.from_url(redis_url))
+    for index in range(50):
+        publisher.publish(batch(names, index))
+    publisher.flush()  # every reply read: nothing was refused
+    events = received(subscription, 100)
+    for name in names:
+        assert [e.index for e in events if e.request_id == name] == list(range(50))
+    publisher.close()
+
+
+def test_a_broken_connection_loses_no_events(redis_url, channels):
+    names, subscription, client = channels
+    publisher = EventPublisher(redis.Redis.from_url(redis_url, client_name="events-under-test"))
+    publisher.publish(batch(names, 0))
+    publisher.flush()
+    killed = [c for c in client.client_list() if c.get("name") == "events-under-test"]
+    assert len(killed) == 1
+    client.client_kill(killed[0]["addr"])
+    for index in range(1, 4):  # the first of these is written to the dead socket
+        publisher.publish(batch(names, index))
+    publisher.flush()
+    events = received(subscription, 8)
+    for name in names:  # written again on a new connection; a repeat is allowed, a gap is not
+        indexes = [e.index for e in events if e.request_id == name]
+        assert sorted(set(indexes)) == [0, 1, 2, 3] and indexes == sorted(indexes)
+    publisher.close()
+
+
+def test_a_refused_publish_raises_from_the_next_one(redis_url, channels):
+    names, subscription, client = channels
+    user = f"limited-{uuid.uuid4().hex[:6]}"
+    client.execute_command("ACL", "SETUSER", user, "on", ">secret", "resetchannels",
+                           f"&{names[0]}", "+@all", "~*")
+    try:
+        publisher = EventPublisher(redis.Redis.from_url(redis_url, username=user, password="secret"))
+        publisher.publish(batch(names, 0))  # names[1] is not this user's to publish to
+        with pytest.raises(redis.ResponseError, match="permission"):
+            publisher.publish(batch(names[:1], 1))
+        publisher.publish(batch(names[:1], 2))  # the connection is still in step
+        publisher.flush()
+        assert [e.index for e in received(subscription, 2)] == [0, 2]
+        publisher.close()
+    finally:
+        client.execute_command("ACL", "DELUSER", user)
