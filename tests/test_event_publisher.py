@@ -56,21 +56,43 @@ def test_events_go_out_in_publish_order_on_every_channel(redis_url, channels):
     publisher.close()
 
 
-def test_a_broken_connection_loses_no_events(redis_url, channels):
-    names, subscription, client = channels
-    publisher = EventPublisher(redis.Redis.from_url(redis_url, client_name="events-under-test"))
-    publisher.publish(batch(names, 0))
-    publisher.flush()
-    killed = [c for c in client.client_list() if c.get("name") == "events-under-test"]
+def kill(client, name: str) -> None:
+    """Close the connection named `name` from Redis's side."""
+    killed = [c for c in client.client_list() if c.get("name") == name]
     assert len(killed) == 1
     client.client_kill(killed[0]["addr"])
-    for index in range(1, 4):  # the first of these is written to the dead socket
+
+
+def test_a_broken_connection_loses_no_events(redis_url, channels):
+    names, subscription, client = channels
+    publisher = EventPublisher(redis.Redis.from_url(redis_url, client_name="events-broken"))
+    publisher.publish(batch(names, 0))
+    publisher.flush()
+    kill(client, "events-broken")
+    publisher.publish(batch(names, 1))  # written into the closed connection: no error yet
+    with pytest.raises(redis.ConnectionError):
+        publisher.flush()  # its replies never come
+    for index in (2, 3):
         publisher.publish(batch(names, index))
     publisher.flush()
     events = received(subscription, 8)
     for name in names:  # written again on a new connection; a repeat is allowed, a gap is not
         indexes = [e.index for e in events if e.request_id == name]
         assert sorted(set(indexes)) == [0, 1, 2, 3] and indexes == sorted(indexes)
+    publisher.close()
+
+
+def test_a_batch_that_finishes_a_request_is_out_when_publish_returns(redis_url, channels):
+    """The scheduler acknowledges a finished request once the step's result is back: its
+    last events must not wait in a closed connection for a publish that may never come."""
+    names, subscription, client = channels
+    publisher = EventPublisher(redis.Redis.from_url(redis_url, client_name="events-finishing"))
+    publisher.publish(batch(names, 0))
+    publisher.flush()
+    kill(client, "events-finishing")
+    publisher.publish({names[0]: [TokenEvent(names[0], 1, [1], finish_reason="length")]})
+    last = received(subscription, 3)[-1]  # no flush, no publish after it
+    assert (last.request_id, last.index, last.finish_reason) == (names[0], 1, "length")
     publisher.close()
 
 
@@ -83,10 +105,10 @@ def test_a_refused_publish_raises_from_the_next_one(redis_url, channels):
         publisher = EventPublisher(redis.Redis.from_url(redis_url, username=user, password="secret"))
         publisher.publish(batch(names, 0))  # names[1] is not this user's to publish to
         with pytest.raises(redis.ResponseError, match="permission"):
-            publisher.publish(batch(names[:1], 1))
+            publisher.publish(batch(names[:1], 1))  # raises once its own events are written
         publisher.publish(batch(names[:1], 2))  # the connection is still in step
         publisher.flush()
-        assert [e.index for e in received(subscription, 2)] == [0, 2]
+        assert [e.index for e in received(subscription, 3)] == [0, 1, 2]
         publisher.close()
     finally:
         client.execute_command("ACL", "DELUSER", user)

@@ -252,21 +252,29 @@ def test_a_failed_step_ends_the_steps_stream_with_its_status(tiny_model_dir, red
         with pytest.raises(grpc.RpcError) as err:
             next(results)
         assert err.value.code() == grpc.StatusCode.INTERNAL and "unknown to this worker" in err.value.details()
-        assert stub.Health(worker_pb2.HealthRequest(), timeout=5).num_requests == 0  # x never ran
-        _, fine = bad_step_and_one_after()
-        fine.step_id, fine.after_step_id = 3, 0
+        fine = worker_pb2.StepRequest(step_id=3)  # queued behind step 2, if that was queued
+        fine.new_requests.add(request_id="y", token_ids=[5, 6], num_prompt_tokens=2, block_ids=[1],
+                              sampling=worker_pb2.SamplingParams(max_tokens=2))
+        fine.num_scheduled_tokens["y"] = 2
         assert [r.step_id for r in stub.Steps(iter([fine]), timeout=30)] == [3]  # a new stream works
+        assert stub.Health(worker_pb2.HealthRequest(), timeout=5).num_requests == 1  # y; x never ran
 
 
 def test_a_step_planned_after_a_failed_one_fails_without_running(tiny_model_dir, redis_url):
-    with worker(tiny_model_dir, redis_url) as (stub, _, _), ThreadPoolExecutor(2) as pool:
+    with worker(tiny_model_dir, redis_url) as (stub, scheduler, _), ThreadPoolExecutor(2) as pool:
         bad, after = bad_step_and_one_after()
+        bad.step_id, after.step_id, after.after_step_id = 2, 3, 2
         first = pool.submit(stub.Step, bad, timeout=30)
         time.sleep(0.05)
         second = pool.submit(stub.Step, after, timeout=30)
         for call, message in ((first, "unknown to this worker"),
-                              (second, "planned after step 1, which failed")):
+                              (second, "planned after step 2, which failed")):
             with pytest.raises(grpc.RpcError) as err:
                 call.result()
             assert err.value.code() == grpc.StatusCode.INTERNAL and message in err.value.details()
         assert stub.Health(worker_pb2.HealthRequest(), timeout=5).num_requests == 0  # x never ran
+        # A scheduler starting over (step ids from 1 again; step 4 is planned after step 3)
+        # is not refused for the failure of the steps 2 and 3 of the one before.
+        for req in requests(f"out:{uuid.uuid4().hex[:8]}"):
+            scheduler.add_request(req)
+        assert len(outputs_of(scheduler, stub, True, pool)) == 3 and scheduler.num_steps > 2

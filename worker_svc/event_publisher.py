@@ -13,8 +13,12 @@ Nothing is lost to a broken connection: a batch counts as published once its rep
 read, and when the connection breaks every batch not confirmed yet is written again, in
 order, on a new one (Redis may have run some of them already: the gateway drops the
 events it has, by index). If that fails too the publish raises, and the batches are
-written again by the next publish that gets through. A command Redis refused (an ACL)
-raises from the publish after it, its replies read, the connection still in step.
+written again by the next publish that gets through. A write into a connection Redis has
+closed succeeds, so a break shows only when the replies are read: a batch that finishes a
+request (whose stream entry the scheduler acknowledges once the step's result is back)
+waits for its replies, as every publish used to; the others do not. A command Redis
+refused (an ACL) raises from the publish after it, once that one's events are written,
+the connection still in step.
 
 Ordering: one connection, written by one thread at a time, so the channels see the events
 in publish order; a step's events are on Redis's socket before its result leaves the
@@ -45,44 +49,75 @@ class EventPublisher:
         self._lock = threading.Lock()  # the compute and publishing threads take turns
 
     def publish(self, events: dict[str, list[TokenEvent]]) -> None:
+        """Write the events; when one finishes its request (the scheduler acknowledges it once
+        the step's result is back), wait for the replies, so that it is surely out."""
         if not events:
             return
         batch = (self._conn.pack_commands(
             [("PUBLISH", channel, stream_encoder.encode(b)) for channel, b in events.items()]), len(events))
+        finishes = any(e.finish_reason is not None for b in events.values() for e in b)
         with self._lock:
+            refused, written = None, False
             try:
                 if self._broken:
                     raise redis.ConnectionError("the connection to Redis broke")
-                self._confirm()
-                self._write([batch])
-            except (redis.ConnectionError, redis.TimeoutError):
-                unconfirmed, self._sent = [*self._sent, batch], []
-                self._conn.disconnect()
-                try:  # once more, on a new connection
-                    self._write(unconfirmed)
-                    self._broken = False
-                except (redis.ConnectionError, redis.TimeoutError):
-                    self._conn.disconnect()
-                    self._sent, self._broken = unconfirmed, True
-                    raise
+                refused = self._confirm()
+                self._write(batch)
+                written = True
+                if finishes:
+                    refused = self._confirm() or refused
+            except Exception:  # broken (redis-py may fail in other ways than ConnectionError then)
+                self._rewrite([*self._sent, *([] if written else [batch])], confirm=finishes)
+            if refused is not None:
+                raise refused
 
     def flush(self) -> None:
         """Read the replies still owed (a refused command raises here)."""
         with self._lock:
-            if not self._broken:
-                self._confirm()
+            if self._broken:
+                return
+            try:
+                refused = self._confirm()
+            except Exception:  # the next publish writes what is unconfirmed again
+                self._conn.disconnect()
+                self._broken = True
+                raise
+            if refused is not None:
+                raise refused
 
     def close(self) -> None:
+        """Read what is owed, then disconnect (what is still unread could be lost with it)."""
         with self._lock:
+            try:
+                if not self._broken:
+                    self._confirm()
+            except Exception:  # closing anyway
+                pass
             self._conn.disconnect()
 
-    def _write(self, batches: list[Batch]) -> None:
-        for batch in batches:
-            self._conn.send_packed_command(batch[0], check_health=False)  # connects if need be
-            self._sent.append(batch)
+    def _rewrite(self, unconfirmed: list[Batch], confirm: bool) -> None:
+        """Every batch not confirmed, again, in order, on a new connection; if that fails too,
+        they stay for the next publish and this one raises."""
+        self._sent = []
+        self._conn.disconnect()
+        try:
+            for batch in unconfirmed:
+                self._write(batch)
+            refused = self._confirm() if confirm else None
+        except Exception:
+            self._conn.disconnect()
+            self._sent, self._broken = unconfirmed, True
+            raise
+        self._broken = False
+        if refused is not None:
+            raise refused
 
-    def _confirm(self) -> None:
-        """Read the replies of every batch written; the first refusal raises once all are read."""
+    def _write(self, batch: Batch) -> None:
+        self._conn.send_packed_command(batch[0], check_health=False)  # connects if need be
+        self._sent.append(batch)
+
+    def _confirm(self) -> redis.ResponseError | None:
+        """Read the replies of every batch written; returns the first refusal."""
         refused = None
         while self._sent:
             for _ in range(self._sent[0][1]):
@@ -91,5 +126,4 @@ class EventPublisher:
                 except redis.ResponseError as exc:
                     refused = refused or exc
             self._sent.pop(0)
-        if refused is not None:
-            raise refused
+        return refused

@@ -117,16 +117,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 for request in requests:
                     queued.put((request, self._queue(request)))
-            except StepOrderError as exc:
-                queued.put(exc)
             except grpc.RpcError:  # the scheduler went away (or the stream was aborted)
                 pass
-            queued.put(None)
+            except Exception as exc:  # a step out of order, or the worker shutting down
+                queued.put(exc)
+            finally:
+                queued.put(None)
 
         threading.Thread(target=read, name="steps-reader", daemon=True).start()
         while (item := queued.get()) is not None:
-            if isinstance(item, StepOrderError):
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(item))
+            if isinstance(item, Exception):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION if isinstance(item, StepOrderError)
+                              else grpc.StatusCode.INTERNAL, str(item))
             yield self._result(*item, context)
 
     def _queue(self, request: worker_pb2.StepRequest) -> Future:
@@ -167,12 +169,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception:
             self._failed = request.step_id
             raise
+        self._failed = 0  # step ids start again at 1 with a new scheduler
         if self._last_queued > request.step_id:  # the next step waits: publish beside it
             self._handed_off = self._publishing.submit(self._publish, output.events)
             return output, self._handed_off
         if self._handed_off is not None:  # an earlier step's events go first
-            self._handed_off.result()
-            self._handed_off = None
+            handed_off, self._handed_off = self._handed_off, None
+            handed_off.result()  # (if that publish failed, this step fails: once)
         self._publish(output.events)
         return output, None
 
