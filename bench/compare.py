@@ -21,7 +21,9 @@ Markdown table with ratios against the stack. For the stack and the engine it al
 server's /metrics before and after each measured run: the mean step on the worker
 (`pagedserve:step_duration_seconds`) and the mean gap between two steps
 (`pagedserve:step_gap_seconds`) — the two numbers that say where a difference between the
-stack and the engine comes from.
+stack and the engine comes from. And for every server, the CPU seconds each of its
+processes used during the measured run (bench/proc_cpu.py: worker, scheduler, gateway,
+redis-server …), with the benchmark client's own.
 
 `--device cuda` runs every contender on a GPU (the stack's and the engine's workers,
 `transformers serve --device`, static generate() with the model there).
@@ -44,6 +46,8 @@ from compose.launcher import free_port
 from proto.metrics_scrape import Samples, metric, scrape
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # after the repository: bench/kernels.py must not shadow kernels/
+from proc_cpu import cpu_by_process, cpu_used  # noqa: E402
 CONTENDERS = ("stack", "engine", "hf-serve", "hf-static", "stack-async", "stack-multistep")
 STEPS, GAPS = "pagedserve:step_duration_seconds", "pagedserve:step_gap_seconds"
 
@@ -162,16 +166,31 @@ def run_one(name: str, args, round_no: int, out_dir: Path) -> dict:
                             "--output-mean", "8", "--quiet"], check=True, stdout=subprocess.DEVNULL)
             server = base_url.removesuffix("/v1")
             before = settled_samples(server) if name != "hf-serve" else None
+            cpu_before = cpu_by_process(proc.pid)
             subprocess.run([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
                             "--label", name, "--concurrency", str(args.concurrency), *workload_args(args),
                             "--out", str(out)], check=True)
+            result = json.loads(out.read_text())
+            result["server_cpu_s"] = cpu_used(cpu_before, cpu_by_process(proc.pid))
             if before is not None:
-                result = json.loads(out.read_text())
                 result["server_steps"] = step_split(before, settled_samples(server))
-                out.write_text(json.dumps(result, indent=2))
+            out.write_text(json.dumps(result, indent=2))
         finally:
             stop(proc)
     return json.loads(out.read_text())
+
+
+def cpu_medians(results: list[dict]) -> dict[str, float]:
+    """Per process name, the median over runs of the CPU seconds it used in the measured run
+    (the server's processes, then the benchmark client's, which shares the machine)."""
+    names = sorted({proc for r in results for proc in r.get("server_cpu_s", {})},
+                   key=lambda proc: -max(r.get("server_cpu_s", {}).get(proc, 0.0) for r in results))
+    medians = {proc: statistics.median(r.get("server_cpu_s", {}).get(proc, 0.0) for r in results)
+               for proc in names}
+    clients = [r["client_cpu_s"] for r in results if "client_cpu_s" in r]
+    if clients:
+        medians["benchmark client"] = statistics.median(clients)
+    return medians
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             vals = [r["server_steps"][key] for r in results if (r.get("server_steps") or {}).get(key)]
             if vals:
                 row[f"{key}_median"] = statistics.median(vals)
+        row["cpu_s_median"] = cpu_medians(results)
         summary["contenders"][name] = row
     base_runs = summary["contenders"].get("stack", {}).get("output_throughput_runs")
     for row in summary["contenders"].values():  # round by round: the same drift on both sides
@@ -234,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                  if "step_mean_s_median" in row and "gap_mean_s_median" in row else "—")
         print(f"| {name} | {row['output_throughput_median']:.1f} | {runs_txt} | {ratio} | {rounds or '—'} "
               f"| {ttft} | {tpot} | {split} |")
+    print("\nCPU seconds used during the measured run (medians), by process:\n")
+    for name, row in summary["contenders"].items():
+        if row["cpu_s_median"]:
+            print(f"- {name}: " + ", ".join(
+                  f"{proc} {sec:.2f}" for proc, sec in row["cpu_s_median"].items()))
     return 0
 
 

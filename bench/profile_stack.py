@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -34,6 +33,7 @@ from compose.launcher import Stack, StackConfig, free_port  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # after ROOT: bench/kernels.py must not shadow kernels/
 import serve  # noqa: E402
+from proc_cpu import cpu_seconds  # noqa: E402
 
 # (label, substring of a py-spy frame "function (file:line)"), per service; a sample counts
 # for a label when any frame of its stack contains the substring.
@@ -62,12 +62,6 @@ CATEGORIES = {
         ("metrics", "metrics.py"),
     ],
 }
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summarize(collapsed: Path, categories: list[tuple[str, str]], top: int) -> dict:

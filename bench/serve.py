@@ -165,7 +165,7 @@ async def run(args) -> dict:
         bar.update(1)
         return r
 
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     tasks = []
     for prompt, (ids, max_tokens) in zip(prompts, workload):
         tasks.append(asyncio.create_task(gated(prompt, ids, max_tokens)))
@@ -175,7 +175,7 @@ async def run(args) -> dict:
         results = await asyncio.gather(*tasks)
     finally:
         await client.aclose()
-    duration = time.perf_counter() - start
+    duration, client_cpu = time.perf_counter() - start, time.process_time() - start_cpu
     bar.close()
     ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -189,6 +189,7 @@ async def run(args) -> dict:
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
         "total_output_tokens": out_tokens,
+        "client_cpu_s": client_cpu,  # this process's CPU over the run: it shares the machine
         "goodput": (sum(meets(r, slos) for r in ok) / duration) if slos else None, "slos": slos,
         "ttft_s": percentiles([r.ttft_s for r in ok]), "tpot_s": percentiles(tpot),
         "itl_s": percentiles([x for r in ok for x in r.itl_s]),

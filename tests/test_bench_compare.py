@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,37 @@ def test_step_split_is_the_difference_of_two_scrapes(compare):
     assert compare.step_split(before, before) == {"steps": 0, "step_mean_s": None, "gap_mean_s": None}
 
 
+@pytest.fixture(scope="module")
+def proc_cpu():
+    spec = importlib.util.spec_from_file_location("bench_proc_cpu", BENCH / "proc_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_by_process_counts_a_child_by_what_it_runs(proc_cpu, tmp_path):
+    script = tmp_path / "spin.py"
+    script.write_text("import sys, time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
+                      "sys.stdin.read()\n")  # then waits, so it is still there to be read
+    before = proc_cpu.cpu_by_process(os.getpid())
+    child = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while (used := proc_cpu.cpu_used(before, proc_cpu.cpu_by_process(os.getpid()))).get("spin.py", 0) < 0.35:
+            assert time.monotonic() < deadline, used
+            time.sleep(0.1)
+        assert used["spin.py"] < 5 and child.pid in proc_cpu.cpu_by_process(os.getpid())
+    finally:
+        child.communicate(b"")
+    def name(*argv: str) -> str:
+        return proc_cpu.process_name(b"\x00".join(a.encode() for a in argv) + b"\x00")
+
+    assert name("/v/bin/python", "-m", "compose.cli", "worker", "--port", "1") == "worker"
+    assert name("/usr/bin/python3.11", "-m", "uvicorn", "app") == "uvicorn"
+    assert name("/v/bin/python", "/v/bin/transformers", "serve") == "transformers"
+    assert name("/usr/bin/redis-server 127.0.0.1:6379") == "redis-server"  # its own title
+
+
 @pytest.mark.e2e
 def test_one_round_of_stack_and_engine(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
@@ -61,6 +94,10 @@ def test_one_round_of_stack_and_engine(tiny_model_dir, tmp_path):
         assert steps["step_mean_s"] > 0 and steps["gap_mean_s"] >= 0, (name, steps)
         row = summary["contenders"][name]
         assert row["step_mean_s_median"] == steps["step_mean_s"]
+        cpu = run["server_cpu_s"]  # the server's processes over the measured run, by name
+        expected = {"worker", "scheduler", "gateway", "redis-server"} if name == "stack" else {"engine"}
+        assert expected <= cpu.keys() and all(cpu[p] > 0 for p in expected - {"redis-server"}), (name, cpu)
+        assert run["client_cpu_s"] > 0 and row["cpu_s_median"]["benchmark client"] == run["client_cpu_s"]
     assert summary["contenders"]["engine"]["stack_over_this_runs"][0] > 0
     assert "| step / gap (mean) |" in done.stdout
     assert done.stdout.count(" ms |") >= 2  # both rows have their step / gap cell
