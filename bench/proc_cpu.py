@@ -24,9 +24,13 @@ def cpu_seconds(pid: int) -> float:
     return _stat(pid)[1]
 
 
-def cpu_by_process(root: int) -> dict[int, tuple[str, float]]:
-    """{pid: (name, CPU seconds so far)} for `root` and all its descendants."""
-    table: dict[int, tuple[int, float]] = {}
+Reading = dict[tuple[int, int], tuple[str, float]]  # (pid, start time) -> (name, CPU seconds)
+
+
+def cpu_by_process(root: int) -> Reading:
+    """(name, CPU seconds so far) of `root` and all its descendants, by (pid, start time):
+    a pid used again by a later process is another key."""
+    table: dict[int, tuple[int, float, int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -35,23 +39,24 @@ def cpu_by_process(root: int) -> dict[int, tuple[str, float]]:
                 pass
     tree, grew = {root}, True
     while grew:
-        grown = {pid for pid, (parent, _) in table.items() if parent in tree}
+        grown = {pid for pid, (parent, _, _) in table.items() if parent in tree}
         grew = not grown <= tree
         tree |= grown
     named = {}
     for pid in tree & table.keys():
         try:
-            named[pid] = (process_name(Path(f"/proc/{pid}/cmdline").read_bytes()), table[pid][1])
+            name = process_name(Path(f"/proc/{pid}/cmdline").read_bytes())
         except OSError:
-            pass
+            continue
+        named[(pid, table[pid][2])] = (name, table[pid][1])
     return named
 
 
-def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+def cpu_used(before: Reading, after: Reading) -> dict[str, float]:
     """CPU seconds used between two readings, summed by process name."""
     used: dict[str, float] = defaultdict(float)
-    for pid, (name, seconds) in after.items():
-        used[name] += seconds - (before[pid][1] if pid in before else 0.0)
+    for key, (name, seconds) in after.items():
+        used[name] += seconds - (before[key][1] if key in before else 0.0)
     return dict(used)
 
 
@@ -59,14 +64,18 @@ def process_name(cmdline: bytes) -> str:
     argv = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
     if not argv:
         return "?"
-    if os.path.basename(argv[0]).startswith("python") and len(argv) > 1:  # what it runs
-        if argv[1] == "-m" and len(argv) > 2:
-            return argv[3] if argv[2] == "compose.cli" and len(argv) > 3 else argv[2]
-        return os.path.basename(argv[1])
-    return os.path.basename(argv[0].split(" ")[0])  # redis-server sets its title: "path host:port"
+    program = os.path.basename(argv[0].split(" ")[0])  # redis-server sets its title: "path host:port"
+    if not program.startswith("python"):
+        return program
+    rest = argv[1:]  # what the interpreter runs, past its options (-u, -X opt, ...)
+    while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+        rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]
+    if len(rest) > 1 and rest[0] == "-m":
+        return rest[2] if rest[1] == "compose.cli" and len(rest) > 2 else rest[1]
+    return os.path.basename(rest[0]) if rest and rest[0] != "-c" else program
 
 
-def _stat(pid: int) -> tuple[int, float]:
-    """(parent pid, CPU seconds so far) from /proc/<pid>/stat."""
+def _stat(pid: int) -> tuple[int, float, int]:
+    """(parent pid, CPU seconds so far, start time in ticks) from /proc/<pid>/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK, int(fields[19])

@@ -46,6 +46,7 @@ class EventPublisher:
         self._conn = client.connection_pool.make_connection()  # its own: nobody else reads our replies
         self._sent: list[Batch] = []  # written, replies not read yet (oldest first)
         self._broken = False  # the connection broke and the batches in _sent were not rewritten
+        self._refused: redis.ResponseError | None = None  # the first refusal read, not raised yet
         self._lock = threading.Lock()  # the compute and publishing threads take turns
 
     def publish(self, events: dict[str, list[TokenEvent]]) -> None:
@@ -57,19 +58,18 @@ class EventPublisher:
             [("PUBLISH", channel, stream_encoder.encode(b)) for channel, b in events.items()]), len(events))
         finishes = any(e.finish_reason is not None for b in events.values() for e in b)
         with self._lock:
-            refused, written = None, False
+            written = False
             try:
                 if self._broken:
                     raise redis.ConnectionError("the connection to Redis broke")
-                refused = self._confirm()
+                self._confirm()
                 self._write(batch)
                 written = True
                 if finishes:
-                    refused = self._confirm() or refused
+                    self._confirm()
             except Exception:  # broken (redis-py may fail in other ways than ConnectionError then)
-                self._rewrite([*self._sent, *([] if written else [batch])], confirm=finishes)
-            if refused is not None:
-                raise refused
+                self._rewrite([*self._sent, *([] if written else [batch])])
+            self._raise_refusal()
 
     def flush(self) -> None:
         """Read the replies still owed (a refused command raises here)."""
@@ -77,13 +77,12 @@ class EventPublisher:
             if self._broken:
                 return
             try:
-                refused = self._confirm()
+                self._confirm()
             except Exception:  # the next publish writes what is unconfirmed again
                 self._conn.disconnect()
                 self._broken = True
                 raise
-            if refused is not None:
-                raise refused
+            self._raise_refusal()
 
     def close(self) -> None:
         """Read what is owed, then disconnect (what is still unread could be lost with it)."""
@@ -95,20 +94,24 @@ class EventPublisher:
                 pass
             self._conn.disconnect()
 
-    def _rewrite(self, unconfirmed: list[Batch], confirm: bool) -> None:
-        """Every batch not confirmed, again, in order, on a new connection; if that fails too,
-        they stay for the next publish and this one raises."""
+    def _rewrite(self, unconfirmed: list[Batch]) -> None:
+        """Every batch not confirmed, again, in order, on a new connection, and confirmed
+        (one may finish a request); if that fails too, they stay for the next publish and
+        this one raises."""
         self._sent = []
         self._conn.disconnect()
         try:
             for batch in unconfirmed:
                 self._write(batch)
-            refused = self._confirm() if confirm else None
+            self._confirm()
         except Exception:
             self._conn.disconnect()
             self._sent, self._broken = unconfirmed, True
             raise
         self._broken = False
+
+    def _raise_refusal(self) -> None:
+        refused, self._refused = self._refused, None
         if refused is not None:
             raise refused
 
@@ -116,14 +119,12 @@ class EventPublisher:
         self._conn.send_packed_command(batch[0], check_health=False)  # connects if need be
         self._sent.append(batch)
 
-    def _confirm(self) -> redis.ResponseError | None:
-        """Read the replies of every batch written; returns the first refusal."""
-        refused = None
+    def _confirm(self) -> None:
+        """Read the replies of every batch written; the first refusal is kept to be raised."""
         while self._sent:
             for _ in range(self._sent[0][1]):
                 try:
                     self._conn.read_response()
                 except redis.ResponseError as exc:
-                    refused = refused or exc
+                    self._refused = self._refused or exc
             self._sent.pop(0)
-        return refused

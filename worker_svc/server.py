@@ -175,7 +175,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return output, self._handed_off
         if self._handed_off is not None:  # an earlier step's events go first
             handed_off, self._handed_off = self._handed_off, None
-            handed_off.result()  # (if that publish failed, this step fails: once)
+            handed_off.result()  # if that publish failed, this step fails too, not the ones after
         self._publish(output.events)
         return output, None
 
