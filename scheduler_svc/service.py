@@ -7,10 +7,10 @@ Three kinds of task share one asyncio loop:
   * `_discover_workers` — polls the registry; a new registration gets a WorkerHandle and
     its own step loop, a vanished one is retired and its requests re-routed;
   * `_step_loop` (one per worker) — schedule() → the worker's Steps stream (gRPC) →
-    update(), XACKing finished requests. With async scheduling (by default for accelerator workers), while a step
-    runs on the worker the loop plans and sends the next one
-    (BatchScheduler.can_schedule_ahead), so the worker goes from one step straight into
-    the next instead of waiting a round trip for it. While a multi-step step runs
+    update(), XACKing finished requests. With async scheduling (by default for
+    accelerator workers), while a step runs on the worker the loop plans and sends the
+    next one (BatchScheduler.can_schedule_ahead), so the worker goes from one step
+    straight into the next instead of waiting a round trip for it. While a multi-step step runs
     (--num-scheduler-steps), a request routed to its worker sends Cut, so the step ends
     after its current pass and the newcomer's prefill comes next.
     Only this loop drains its worker, so a step in flight is never torn apart.
