@@ -6,8 +6,7 @@
 
 A process is named by what it runs: the service of `python -m compose.cli <service>`, the
 module of `python -m <module>`, the script of `python <script>`, else its program's file
-name (redis-server). Processes that end between the two
-readings are not counted.
+name (redis-server). Processes that end between the two readings are not counted.
 """
 
 from __future__ import annotations

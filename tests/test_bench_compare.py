@@ -18,12 +18,18 @@ from proto.metrics_scrape import parse_samples
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
+def bench_module(name: str):
+    """bench/<name>.py, loaded from its file: no bench/ on sys.path, where bench/kernels.py
+    would shadow kernels/."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("bench_compare", BENCH / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # no bench/ on sys.path: bench/kernels.py must not shadow kernels/
-    return module
+    return bench_module("compare")
 
 
 def page(steps: int, step_sum: float, gaps: int, gap_sum: float) -> str:
@@ -45,10 +51,7 @@ def test_step_split_is_the_difference_of_two_scrapes(compare):
 
 @pytest.fixture(scope="module")
 def proc_cpu():
-    spec = importlib.util.spec_from_file_location("bench_proc_cpu", BENCH / "proc_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("proc_cpu")
 
 
 def test_cpu_by_process_counts_a_child_by_what_it_runs(proc_cpu, tmp_path):
