@@ -4,18 +4,23 @@ import os
 import shutil
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 from compose.launcher import free_port
 
+REDIS_IMAGE = "redis:7"
 
-def _docker_answers() -> bool:
+
+def _local_docker_image(name: str) -> bool:
+    """True when a Docker engine answers and already holds image `name`. Nothing is pulled:
+    an engine that answers may still be unable to reach a registry (no Docker Hub here)."""
     try:
         import docker
 
-        docker.from_env(timeout=2).ping()
+        docker.from_env(timeout=2).images.get(name)
         return True
     except Exception:
         return False
@@ -35,24 +40,40 @@ def _wait_for_redis(url: str, timeout: float = 10.0) -> None:
             time.sleep(0.05)
 
 
+def _redis_container():
+    """Yield a container's URL (once), or return False when it cannot be started here."""
+    from testcontainers.core.config import testcontainers_config
+    from testcontainers.redis import RedisContainer
+
+    if not _local_docker_image(testcontainers_config.ryuk_image):
+        testcontainers_config.ryuk_disabled = True  # its reaper image cannot be pulled either
+    container = RedisContainer(REDIS_IMAGE)
+    try:
+        container.start()
+    except Exception as exc:  # an engine that cannot run it: fall back to the binary
+        warnings.warn(f"Redis container could not start ({exc}); using redis-server")
+        return False
+    try:
+        yield f"redis://{container.get_container_host_ip()}:{container.get_exposed_port(6379)}/0"
+    finally:
+        container.stop()
+    return True
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
-    """A real Redis: REDIS_URL if set, else testcontainers where a Docker engine answers,
-    else a redis-server binary started here on a free loopback port."""
+    """A real Redis: REDIS_URL if set, else a `redis:7` container where the engine has that
+    image already, else a redis-server binary started here on a free loopback port."""
     if os.environ.get("REDIS_URL"):
         yield os.environ["REDIS_URL"]
         return
-    if _docker_answers():
-        from testcontainers.redis import RedisContainer
-
-        with RedisContainer("redis:7") as container:
-            host = container.get_container_host_ip()
-            port = container.get_exposed_port(6379)
-            yield f"redis://{host}:{port}/0"
-        return
+    if _local_docker_image(REDIS_IMAGE):
+        served = yield from _redis_container()
+        if served:
+            return
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.fail("no redis-server on PATH and no Docker engine: run `make test` (it installs one)")
+        pytest.fail("no redis-server on PATH: run `make test` (it installs one) or set REDIS_URL")
     port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
