@@ -101,6 +101,21 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_model_dir(tmp_path_factory):
+    """`family_model_dir(arch)`: that family's `tiny` checkpoint, made once per session."""
+    from worker_svc.make_model import make_model
+
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_model(tmp_path_factory.mktemp(f"tiny-{arch}"), preset="tiny", arch=arch)
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_model_dir):
     """The tiny checkpoint in transformers, the reference for model outputs."""
     import torch

@@ -9,10 +9,8 @@ its token list samples one token from the logits of its last row (`logits_indice
 Built with per-request Python work and vectorised torch ops for everything per token.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from worker_svc.request_state import RequestState
@@ -24,7 +22,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [R, max_blocks], padded with 0 (a finite block)
     seq_lens: torch.Tensor  # int32 [R]
     query_start_loc: torch.Tensor  # int32 [R + 1]
-    plan: Any  # the attention backend's per-step plan, shared by every layer
+    plans: dict  # window (None: full attention) -> the backend's plan for this step, shared by its layers
 
 
 @dataclass(frozen=True)
@@ -37,11 +35,13 @@ class FlatBatch:
 
 
 def build_flat_batch(scheduled: Sequence[tuple[RequestState, int]], block_size: int,
-                     plan_fn, device: torch.device) -> FlatBatch:
+                     plan_fn, device: torch.device,
+                     windows: Iterable[int | None] = (None,)) -> FlatBatch:
     """`scheduled`: (request, number of tokens to compute this step), in batch order.
-    `plan_fn` is the attention backend's `plan`."""
+    `plan_fn` is the attention backend's `plan`, called once for each of the model's
+    attention `windows` (None: full attention)."""
     ids: list[int] = []
-    q_lens, computed, tables, samplers, sample_rows = [], [], [], [], []
+    q_lens, computed, ends, tables, samplers, sample_rows = [], [], [], [], [], []
     row = 0
     for req, n in scheduled:
         start = req.num_computed_tokens
@@ -58,6 +58,7 @@ def build_flat_batch(scheduled: Sequence[tuple[RequestState, int]], block_size: 
         ids.extend(req.token_ids[start:end])
         q_lens.append(n)
         computed.append(start)
+        ends.append(end)
         tables.append(req.block_ids[:num_blocks])
         row += n
         if end == req.num_tokens:
@@ -89,8 +90,21 @@ def build_flat_batch(scheduled: Sequence[tuple[RequestState, int]], block_size: 
             block_tables=block_tables,
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
-            plan=plan_fn(block_tables, seq_lens, query_start_loc, block_size),
+            plans=_plans(windows, max(end for end in ends), plan_fn,
+                         (block_tables, seq_lens, query_start_loc, block_size)),
         ),
         logits_indices=torch.tensor(sample_rows, dtype=torch.long).to(device),
         sampling_requests=tuple(samplers),
     )
+
+
+def _plans(windows: Iterable[int | None], max_seq_len: int, plan_fn, args: tuple) -> dict:
+    """One plan per window; a window no context this step outgrows is full attention for
+    this step (same result; full attention takes SDPA's causal fast path)."""
+    plans: dict = {}
+    for window in windows:
+        effective = None if window is None or window >= max_seq_len else window
+        if effective not in plans:
+            plans[effective] = plan_fn(*args, effective)
+        plans[window] = plans[effective]
+    return plans

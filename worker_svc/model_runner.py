@@ -207,7 +207,7 @@ class ModelRunner:
     def _execute(self, scheduled: list[tuple[RequestState, int]]) -> list[_Produced]:
         """Forward the flat batch, advance num_computed_tokens, sample, gather logprobs."""
         batch = build_flat_batch(scheduled, self.config.block_size, self.plan_attention,
-                                 self.device)
+                                 self.device, self.model.windows)
         prompt_rows, prompt_targets, prompt_ks, prompt_parts = self._prompt_logprob_rows(scheduled)
         indices = batch.logits_indices
         if prompt_rows:

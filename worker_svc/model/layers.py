@@ -1,7 +1,9 @@
 """Building blocks shared by decoder families, written to match transformers' numerics
 (same op order, fp32 where it computes in fp32) so greedy outputs agree token for token."""
 
+import functools
 import math
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +26,36 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class GemmaRMSNorm(nn.Module):
+    """(x / rms(x)) * (1 + weight), all in fp32 and cast back at the end, as transformers'
+    Gemma3RMSNorm (the weight is stored as an offset from 1)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+def rms_norm(cfg, size: int) -> nn.Module:
+    """The family's RMSNorm over `size` features (cfg: a DecoderConfig)."""
+    return (GemmaRMSNorm if cfg.gemma_norms else RMSNorm)(size, cfg.rms_norm_eps)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies of RoPE (fp32), with Llama 3's frequency-dependent scaling when
-    `scaling["rope_type"] == "llama3"`: long wavelengths are divided by `factor`, short
-    ones kept, the band between interpolated."""
+    """Inverse frequencies of RoPE (fp32). `scaling["rope_type"]`: "linear" divides every
+    frequency by `factor` (positions interpolated); "llama3" is Llama 3's frequency-dependent
+    scaling: long wavelengths divided by `factor`, short ones kept, the band between
+    interpolated."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -127,17 +152,23 @@ def pack_linears(model: nn.Module) -> int:
     return len(names)
 
 
+ACTIVATIONS = MappingProxyType({"silu": F.silu,
+                                "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")})
+
+
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act is SiLU
+    (Llama, Qwen, Mistral) or tanh-approximated GELU (Gemma)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str):
         super().__init__()
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {sorted(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[act]
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

@@ -1,11 +1,19 @@
-"""Build a decoder from a Hugging Face checkpoint folder (config.json + *.safetensors).
+"""Build a decoder from a Hugging Face checkpoint folder (config.json + safetensors).
 
 The module is built on the meta device (no memory, no random init), materialised empty
 on the target device in the target dtype, then every parameter is filled from the
 safetensors files; `load_weights` refuses a checkpoint that leaves anything unfilled.
 On the CPU the linear layers' weights are then packed for oneDNN (layers.PackedLinear).
+
+Which files: those `model.safetensors.index.json` names (sharded checkpoints), else
+`model.safetensors`, else every `*.safetensors` in the folder. (Some repositories carry a
+second copy of the weights in another layout next to the shards, e.g. Mistral's
+`consolidated.safetensors`: the index keeps it out.) Each file's progress is logged.
 """
 
+import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +22,11 @@ from safetensors import safe_open
 
 from kernels.backend import AttentionBackend
 from worker_svc.model.config import DTYPES, DecoderConfig
+from worker_svc.model.decoder import DecoderForCausalLM
 from worker_svc.model.layers import can_pack_linears, pack_linears
-from worker_svc.model.llama import LlamaForCausalLM
 
-ARCHITECTURES = {"LlamaForCausalLM": LlamaForCausalLM}
+INDEX_FILE = "model.safetensors.index.json"
+log = logging.getLogger(__name__)
 
 
 def resolve_dtype(name: str, cfg: DecoderConfig) -> torch.dtype:
@@ -29,25 +38,44 @@ def resolve_dtype(name: str, cfg: DecoderConfig) -> torch.dtype:
     return DTYPES[name]
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every *.safetensors file, files in name order."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files that hold the checkpoint's weights, in load order."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (model_dir / n).exists()]
+        if missing:
+            raise FileNotFoundError(f"{index} names {len(missing)} files that are not there, "
+                                    f"e.g. {missing[0]}")
+        return [model_dir / n for n in names]
+    if (model_dir / "model.safetensors").exists():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    for path in files:
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint, logging each file as it is read."""
+    files = weight_files(model_dir)
+    total = sum(f.stat().st_size for f in files)
+    done, start = 0, time.monotonic()
+    for i, path in enumerate(files, 1):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+        done += path.stat().st_size
+        log.info("loading weights: %d/%d files, %.2f of %.2f GiB, %.1f s", i, len(files),
+                 done / 2**30, total / 2**30, time.monotonic() - start)
 
 
 def load_model(model_dir: str | Path, cfg: DecoderConfig, backend: AttentionBackend,
                max_positions: int, dtype: torch.dtype,
-               device: torch.device) -> LlamaForCausalLM:
-    if cfg.architecture not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {cfg.architecture!r}; "
-                         f"supported: {sorted(ARCHITECTURES)}")
+               device: torch.device) -> DecoderForCausalLM:
     with torch.device("meta"):
-        model = ARCHITECTURES[cfg.architecture](cfg, backend, max_positions, dtype, device)
+        model = DecoderForCausalLM(cfg, backend, max_positions, dtype, device)
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each parameter its own memory: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -1,0 +1,190 @@
+"""The decoder every family runs, over the paged KV cache; DecoderConfig's switches say how
+a family differs (worker_svc/model/config.py).
+
+forward(input_ids [T], positions [T], attn metadata, kv cache, logits_indices [S]):
+    h = embed(input_ids) (* embedding_scale)
+    per layer i:
+        a = o_proj(paged_attention(rope_i(norm_q(q)), write_kv(rope_i(norm_k(k)), v),
+                                   window_i, soft_cap))          on input_layernorm(h)
+        h += a                        (Gemma: h += post_attention_layernorm(a))
+        h += mlp(post_attention_layernorm(h))
+                                      (Gemma: h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))))
+    logits = lm_head(norm(h[logits_indices]))  (* final soft-cap: c * tanh(logits / c))
+
+Parameter names follow transformers' <Family>ForCausalLM, except q/k/v and gate/up, which
+are stacked into one matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps the
+checkpoint's separate tensors into their slices. Every op is written in transformers'
+order and precision, so greedy outputs agree token for token in fp32.
+"""
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kernels.backend import AttentionBackend
+from worker_svc.batch import AttentionMetadata
+from worker_svc.model.config import DecoderConfig
+from worker_svc.model.layers import GatedMLP, RotaryEmbedding, rms_norm
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int, rope_index: int, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.scale
+        self.window = cfg.sliding_windows[layer]
+        self.soft_cap = cfg.attn_logit_softcap
+        self.rope_index = rope_index  # which of the model's RoPE tables this layer rotates by
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = rms_norm(cfg, cfg.head_dim)
+            self.k_norm = rms_norm(cfg, cfg.head_dim)
+        self.qk_norm = cfg.qk_norm
+        self.backend = backend
+
+    def forward(self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
+                attn: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """`ropes`: the step's RotaryEmbedding.tables of each RoPE spec, shared by every layer."""
+        num_tokens = x.shape[0]
+        rope = ropes[self.rope_index]
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            q = RotaryEmbedding.rotate(self.q_norm(q), rope)
+            k = RotaryEmbedding.rotate(self.k_norm(k), rope)
+        else:  # q and k heads rotated together: one set of elementwise ops for both
+            q, k = RotaryEmbedding.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        out = self.backend.paged_attention(
+            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+            self.scale, sliding_window=self.window, soft_cap=self.soft_cap,
+            plan=attn.plans[self.window])
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int, rope_index: int, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
+        self.self_attn = Attention(cfg, layer, rope_index, backend)
+        self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+        self.sandwich = cfg.gemma_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = rms_norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = rms_norm(cfg, cfg.hidden_size)
+
+    def forward(self, ropes, h, attn, k_cache, v_cache):
+        a = self.self_attn(ropes, self.input_layernorm(h), attn, k_cache, v_cache)
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(a)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: DecoderConfig, rope_indices: list[int], backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope_indices[i], backend)
+                                    for i in range(cfg.num_layers))
+        self.norm = rms_norm(cfg, cfg.hidden_size)
+
+
+class DecoderForCausalLM(nn.Module):
+    # (our parameter, checkpoint's parameter, slice index in the stacked weight)
+    STACKED = (("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+               ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, max_positions: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        specs = list(dict.fromkeys(cfg.rope))  # distinct RoPE specs, in first-use order
+        # not submodules: no weights, one table per spec shared by its layers
+        self.rotaries = [RotaryEmbedding(cfg.head_dim, max_positions, s.theta, s.scaling, dtype, device)
+                         for s in specs]
+        self.model = DecoderModel(cfg, [specs.index(s) for s in cfg.rope], backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.embedding_scale = None
+        if cfg.embedding_scale is not None:  # rounded to the weights' dtype, as transformers does
+            with torch.device(device):
+                self.embedding_scale = torch.tensor(cfg.embedding_scale).to(dtype)
+
+    @property
+    def windows(self) -> set[int | None]:
+        """The attention windows of the layers: the step builds one attention plan for each."""
+        return set(self.cfg.sliding_windows)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits [S, vocab] of the rows `logits_indices`; kv_caches = (K per layer, V per layer)."""
+        k_caches, v_caches = kv_caches
+        h = self.model.embed_tokens(input_ids)
+        if self.embedding_scale is not None:
+            h = h * self.embedding_scale
+        ropes = [rotary.tables(positions) for rotary in self.rotaries]
+        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
+            h = layer(ropes, h, attn, k_cache, v_cache)
+        # The final norm is per row, so it may follow the row selection.
+        logits = self.lm_head(self.model.norm(h.index_select(0, logits_indices)))
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _stacked_slice(self, param: torch.Tensor, name: str, index: int) -> torch.Tensor:
+        if name == "qkv_proj":
+            q, kv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+            bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][index]
+        else:
+            inter = self.cfg.intermediate_size
+            bounds = [(0, inter), (inter, 2 * inter)][index]
+        return param.data[bounds[0] : bounds[1]]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the parameters; raise if any parameter (or slice of
+        a stacked one) is left unfilled or a tensor has nowhere to go."""
+        params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
+        expected = set()
+        for name in params:
+            parts = [i for s, _, i in self.STACKED if f".{s}." in name]
+            expected.update([f"{name}#{i}" for i in parts] if parts else [name])
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # derived, stored by some old checkpoints
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            if not name.startswith(("model.", "lm_head.")):
+                name = "model." + name  # a bare <Family>Model checkpoint
+            key, target = name, None
+            for stacked, original, index in self.STACKED:
+                if f".{original}." in name:
+                    name = name.replace(f".{original}.", f".{stacked}.")
+                    key = f"{name}#{index}"
+                    if name in params:
+                        target = self._stacked_slice(params[name], stacked, index)
+                    break
+            else:
+                target = params[name].data if name in params else None
+            if target is None:
+                raise KeyError(f"checkpoint tensor {name!r} matches no parameter of "
+                               f"{self.cfg.architecture}")
+            if target.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                 f"model expects {tuple(target.shape)}")
+            target.copy_(tensor)
+            expected.discard(key)
+        if expected:
+            raise ValueError(f"checkpoint lacks {len(expected)} tensors, e.g. {sorted(expected)[:4]}")

@@ -1,0 +1,26 @@
+"""Which family module reads a checkpoint: chosen by `config.json`'s `architectures`.
+
+A family module (worker_svc/model/<family>.py) has `ARCHITECTURES`, the names it serves,
+and `read_config(raw, generation) -> DecoderConfig`, which turns its config keys into the
+shared decoder's switches (worker_svc/model/decoder.py). Adding a family is one such file,
+listed here, plus its parity test against transformers (tests/test_model_families.py).
+"""
+
+from types import MappingProxyType, ModuleType
+
+from worker_svc.model import gemma3, llama, mistral, qwen2, qwen3
+from worker_svc.model.config import architecture_of
+
+FAMILIES = MappingProxyType({arch: module for module in (llama, qwen2, qwen3, mistral, gemma3)
+                             for arch in module.ARCHITECTURES})
+
+
+def family_of(raw: dict) -> ModuleType:
+    """The family module for a config.json dict; ValueError naming the supported ones."""
+    arch = architecture_of(raw)
+    if arch not in FAMILIES:
+        hint = ""
+        if "text_config" in raw:
+            hint = " (a vision-language checkpoint: only text decoders are served)"
+        raise ValueError(f"unsupported architecture {arch!r}{hint}; supported: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[arch]

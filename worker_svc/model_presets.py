@@ -1,0 +1,171 @@
+"""What `pagedserve make-model --arch A --preset P` writes: sizes per preset, and per family
+the transformers config with that family's distinctive parts switched on, and its chat
+flavour (special tokens, EOS ids, chat template in the family's own format).
+
+Sizes (`SHAPES`): `tiny` is for tests (3 layers, hidden 64), `small` for CPU benchmarks
+(8 layers, hidden 512, vocab 32,000), `1b` the shapes of a real ~1B model of the family.
+At `tiny`, each family shows what makes it different at sizes the tests reach: a 48-token
+window (shorter than the test prompts) on Qwen2's upper layers, on every Mistral layer and
+on Gemma 3's sliding layers; head_dim 32 where hidden / heads is 16 (Qwen3, Gemma 3); tied
+embeddings (Qwen2, Qwen3, Gemma 3); two RoPE bases with linear scaling on the global layers,
+`query_pre_attn_scalar` and a final logit soft-cap (Gemma 3).
+"""
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_hidden_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: torch.dtype
+    corpus_chars: int | None  # tokenizer training text; None: the whole stdlib, recursively
+    initializer_range: float = 0.02
+    logit_std: float = 3.0  # the LM head is rescaled to give roughly this logit spread
+
+
+SHAPES = MappingProxyType({
+    "tiny": Shape(num_hidden_layers=3, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1536, max_position_embeddings=1024,
+                  dtype=torch.float32, corpus_chars=600_000, initializer_range=0.1),
+    "small": Shape(num_hidden_layers=8, hidden_size=512, intermediate_size=1376, num_attention_heads=8,
+                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
+                   dtype=torch.float32, corpus_chars=5_000_000, initializer_range=0.04),
+})
+
+# The `1b` preset of each family: a real checkpoint's shapes (random weights).
+REAL_1B = MappingProxyType({
+    # Llama-3.2-1B (tied embeddings, rope_theta 5e5 with llama3 scaling)
+    "llama": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072),
+    # Qwen2.5-1.5B
+    "qwen2": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768),
+    # Qwen3-1.7B (head_dim 128)
+    "qwen3": dict(num_hidden_layers=28, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                  num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960),
+    # Mistral 7B v0.1's proportions at 1B (GQA, 4096-token window)
+    "mistral": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=7168, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=32768, max_position_embeddings=32768),
+    # gemma-3-1b (head_dim 256, one kv head, 512-token window)
+    "gemma3": dict(num_hidden_layers=26, hidden_size=1152, intermediate_size=6912, num_attention_heads=4,
+                   num_key_value_heads=1, vocab_size=262144, max_position_embeddings=32768),
+})
+
+
+def shape(arch: str, preset: str) -> Shape:
+    if preset == "1b":
+        return Shape(**REAL_1B[arch], dtype=torch.bfloat16, corpus_chars=None)
+    if preset not in SHAPES:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted([*SHAPES, '1b'])}")
+    return SHAPES[preset]
+
+
+def family_config(arch: str, preset: str, s: Shape) -> dict:
+    """The family's own config keys for this preset, beside the shared shapes."""
+    tiny, big = preset == "tiny", preset == "1b"
+    if arch == "llama":
+        return dict(tie_word_embeddings=big, rms_norm_eps=1e-5,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192}
+                    if big else {"rope_type": "default", "rope_theta": 10000.0})
+    if arch == "qwen2":
+        window = dict(use_sliding_window=True, sliding_window=48, max_window_layers=1) if tiny else {}
+        return dict(tie_word_embeddings=True, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **window)
+    if arch == "qwen3":
+        return dict(tie_word_embeddings=True, rms_norm_eps=1e-6, head_dim=32 if tiny else 128,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if arch == "mistral":
+        return dict(tie_word_embeddings=False, rms_norm_eps=1e-5, sliding_window=48 if tiny else 4096,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if arch == "gemma3":
+        head_dim = 32 if tiny else 64 if preset == "small" else 256
+        layer_types = (["sliding_attention", "sliding_attention", "full_attention"] if tiny else
+                       ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                        for i in range(s.num_hidden_layers)])
+        return dict(tie_word_embeddings=True, rms_norm_eps=1e-6, head_dim=head_dim,
+                    query_pre_attn_scalar=24 if tiny else head_dim, layer_types=layer_types,
+                    sliding_window=48 if tiny else 512, final_logit_softcapping=30.0 if tiny else None,
+                    hidden_activation="gelu_pytorch_tanh",
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 4.0 if tiny else 8.0,
+                                                        "rope_theta": 1000000.0}})
+    raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
+
+
+@dataclass(frozen=True)
+class ChatFlavour:
+    """A family's special tokens (ids 0.. in this order), its BOS (added to every encoded
+    text when set), the tokens generation stops on, and its chat template."""
+
+    specials: tuple[str, ...]
+    bos: str | None
+    eos: tuple[str, ...]
+    pad: str
+    template: str
+    unk: str | None = None
+    extra: tuple[str, ...] = field(default=())  # specials that are neither bos, eos nor pad
+
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Qwen2.5's layout: a default system turn when the conversation has none.
+QWEN_CHATML = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}" + CHATML
+)
+# Mistral's [INST] layout: a system message is folded into the first user turn.
+MISTRAL_INST = (
+    "{{ bos_token }}{% set system = namespace(text='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set system.text = message['content'] + '\n\n' %}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' + system.text + message['content'] + ' [/INST]' }}"
+    "{% set system.text = '' %}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+# Gemma's turns: the assistant is "model", a system message opens the first user turn.
+GEMMA_TURNS = (
+    "{{ bos_token }}{% set system = namespace(text='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set system.text = message['content'] + '\n\n' %}"
+    "{% else %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + system.text + message['content'] + '<end_of_turn>\n' }}"
+    "{% set system.text = '' %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+FLAVOURS = MappingProxyType({
+    "llama": ChatFlavour(specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), bos="<|endoftext|>",
+                         eos=("<|endoftext|>", "<|im_end|>"), pad="<|endoftext|>", template=CHATML,
+                         extra=("<|im_start|>", "<|im_end|>")),
+    "qwen2": ChatFlavour(specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), bos=None,
+                         eos=("<|im_end|>", "<|endoftext|>"), pad="<|endoftext|>", template=QWEN_CHATML,
+                         extra=("<|im_start|>", "<|im_end|>")),
+    "mistral": ChatFlavour(specials=("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), bos="<s>",
+                           eos=("</s>",), pad="</s>", unk="<unk>", template=MISTRAL_INST,
+                           extra=("[INST]", "[/INST]")),
+    "gemma3": ChatFlavour(specials=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
+                          bos="<bos>", eos=("<eos>", "<end_of_turn>"), pad="<pad>", unk="<unk>",
+                          template=GEMMA_TURNS, extra=("<start_of_turn>", "<end_of_turn>")),
+})
+
+
+def flavour(arch: str) -> ChatFlavour:
+    return FLAVOURS["qwen2" if arch == "qwen3" else arch]
