@@ -38,9 +38,20 @@ Copy-on-write (parallel sampling, `n > 1`):
   last block: if that block is partly filled and shared, the request gets a fresh block
   in its place and the worker copies the old one into it (the returned (src, dst) pair).
 
+Sliding windows (`sliding_window=W`, for models whose every layer attends to the last W
+keys only): `allocate_slots(..., num_computed_tokens=c)` first gives back the request's
+blocks wholly behind the window of its next query (every position < c - W + 1), so a long
+generation holds about W + one block of KV. Their place in the table becomes a hole
+(None); its position is kept so later blocks keep their indices. A hole is sent to the
+worker as block id `HOLE_BLOCK_ID`: kernels never let a key behind the window count (the
+C and Triton kernels do not read it; the torch path reads it and masks it out). With
+prefix caching, a block is dropped only once it was offered to the cache (the chain of
+cached blocks stays whole, so a later request can still hit the prefix).
+
 Invariants (checked by `check_integrity`), in addition to those above:
 - a request holds GPU blocks or CPU blocks, never both; every CPU block is held by
   exactly one swapped request's CPU table or free.
+- holes only where a window is set, and only before the request's live blocks.
 """
 
 from collections import Counter
@@ -49,6 +60,10 @@ from collections.abc import Sequence
 from kvstore.block_hash import ROOT, BlockKey, HashFn, hash_block
 from kvstore.block_pool import BlockPool, KVBlock
 from kvstore.swap_pool import CpuBlockPool
+
+
+HOLE_BLOCK_ID = 0  # what a table's hole (a block dropped behind the window) is sent as
+CLOSED = -1  # a chain state's serial when the request offers no more blocks to the cache
 
 
 def cdiv(a: int, b: int) -> int:
@@ -60,19 +75,24 @@ class KVCacheManager:
     """Block tables for the requests of one worker, over `num_blocks` blocks of `block_size`."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = hash_block, num_cpu_blocks: int = 0) -> None:
+                 hash_fn: HashFn = hash_block, num_cpu_blocks: int = 0,
+                 sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn  # tests pass a colliding one
         self.block_pool = BlockPool(num_blocks)
-        self._tables: dict[str, list[KVBlock]] = {}
+        self._tables: dict[str, list[KVBlock | None]] = {}  # None: a hole behind the window
         # request id -> [table blocks already offered to the cache, serial of the cached
-        # block holding the same content as the last of them (0: none yet)]
+        # block holding the same content as the last of them (0: none yet; CLOSED: the
+        # request offers no more blocks)]
         self._chains: dict[str, list[int]] = {}
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
-        self._cpu_tables: dict[str, list[int]] = {}  # swapped-out request id -> CPU block ids
+        self._cpu_tables: dict[str, list[int | None]] = {}  # swapped-out request id -> CPU block ids
 
     @property
     def num_blocks(self) -> int:
@@ -118,10 +138,12 @@ class KVCacheManager:
         return blocks
 
     def allocate_slots(self, request_id: str, num_tokens: int,
-                       cached: Sequence[KVBlock] = ()) -> list[int] | None:
+                       cached: Sequence[KVBlock] = (), num_computed_tokens: int = 0) -> list[int] | None:
         """Make the request's table cover `num_tokens` tokens in total (its computed
         tokens plus those scheduled this step). `cached` (from find_cached_prefix, for a
-        request holding no blocks yet) starts the table.
+        request holding no blocks yet) starts the table. With a sliding window, the
+        blocks behind the window of position `num_computed_tokens` (the step's first
+        query) are given back first (`drop_behind_window`).
 
         Returns the ids of the blocks appended, cached ones first ([] when the table
         already covers them), or None when too few blocks are free -- in which case
@@ -131,6 +153,7 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         if table is not None:
             assert not cached, f"request {request_id} already holds blocks"
+            self.drop_behind_window(request_id, num_computed_tokens)
             num_new = cdiv(num_tokens, self.block_size) - len(table)
             if num_new <= 0:
                 return []  # the common decode step
@@ -159,7 +182,7 @@ class KVCacheManager:
         tokens (K/V computed, so tokens known) fill, and that were not offered before."""
         chain = self._chains.get(request_id)
         num_full = num_computed_tokens // self.block_size
-        if chain is None or num_full <= chain[0]:
+        if chain is None or chain[1] == CLOSED or num_full <= chain[0]:
             return
         bs, pool, table = self.block_size, self.block_pool, self._tables[request_id]
         for i in range(chain[0], num_full):
@@ -174,6 +197,22 @@ class KVCacheManager:
                 pool.uncache(holder)
             chain[1] = pool.cache_block(table[i], block_hash, key)
         chain[0] = num_full
+
+    def drop_behind_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Give back the request's blocks that hold only positions behind the window of
+        position `num_computed_tokens` (< num_computed_tokens - W + 1), leaving holes; with
+        prefix caching only blocks already offered to the cache. Returns how many."""
+        table = self._tables.get(request_id)
+        if self.sliding_window is None or table is None:
+            return 0
+        limit = max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+        chain = self._chains.get(request_id)
+        if chain is not None and chain[1] != CLOSED:
+            limit = min(limit, chain[0])
+        dropped = [block for block in table[:limit] if block is not None]
+        table[:limit] = [None] * min(limit, len(table))
+        self.block_pool.free_blocks(reversed(dropped))  # the prefix's first block evicted last
+        return len(dropped)
 
     def trim(self, request_id: str, num_tokens: int) -> int:
         """Free the blocks of the request's table past the first cdiv(num_tokens): blocks
@@ -196,10 +235,10 @@ class KVCacheManager:
         table = self._tables.pop(request_id, None)
         self._chains.pop(request_id, None)
         if table is not None:
-            self.block_pool.free_blocks(reversed(table))
+            self.block_pool.free_blocks(reversed(_live(table)))
         cpu_table = self._cpu_tables.pop(request_id, None)
         if cpu_table is not None:
-            self.cpu_pool.free(cpu_table)
+            self.cpu_pool.free(_live(cpu_table))
 
     # -- swap --------------------------------------------------------------------------
 
@@ -210,39 +249,44 @@ class KVCacheManager:
     def can_swap_out(self, request_id: str) -> bool:
         """True iff the request holds GPU blocks and the CPU pool has room for all of them."""
         table = self._tables.get(request_id)
-        return table is not None and len(table) <= self.cpu_pool.num_free_blocks
+        return table is not None and len(_live(table)) <= self.cpu_pool.num_free_blocks
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]]:
-        """Move the request's table to CPU blocks; returns (gpu block, cpu block) pairs in
-        table order, for the worker to copy before those GPU blocks are written again.
-        The GPU blocks are released as by `free` (cached ones stay cached).
-        Check `can_swap_out` first."""
+        """Move the request's table to CPU blocks (holes stay holes); returns (gpu block,
+        cpu block) pairs in table order, for the worker to copy before those GPU blocks
+        are written again. The GPU blocks are released as by `free` (cached ones stay
+        cached). Check `can_swap_out` first."""
         table = self._tables[request_id]
-        cpu_ids = self.cpu_pool.allocate(len(table))
-        pairs = [(block.block_id, cpu_id) for block, cpu_id in zip(table, cpu_ids)]
+        cpu_ids = iter(self.cpu_pool.allocate(len(_live(table))))
+        cpu_table = [None if block is None else next(cpu_ids) for block in table]
+        pairs = [(block.block_id, cpu_id) for block, cpu_id in zip(table, cpu_table) if block is not None]
         self.free(request_id)
-        self._cpu_tables[request_id] = cpu_ids
+        self._cpu_tables[request_id] = cpu_table
         return pairs
 
     def num_swapped_blocks(self, request_id: str) -> int:
         """CPU blocks the request holds (0 unless it is swapped out)."""
-        return len(self._cpu_tables.get(request_id, ()))
+        return len(_live(self._cpu_tables.get(request_id, ())))
 
     def swap_in(self, request_id: str, num_tokens: int | None = None) -> list[tuple[int, int]] | None:
         """Move a swapped-out request back to fresh GPU blocks; returns (cpu block, gpu
         block) pairs in table order, or None (nothing changed) when too few GPU blocks are
         free -- for its swapped blocks, or for `num_tokens` tokens in all when given (so
         the caller can then `allocate_slots` its next tokens without failing)."""
-        cpu_ids = self._cpu_tables[request_id]
-        need = max(len(cpu_ids), cdiv(num_tokens, self.block_size) if num_tokens else 0)
+        cpu_table = self._cpu_tables[request_id]
+        live = _live(cpu_table)
+        holes = len(cpu_table) - len(live)
+        need = max(len(live), cdiv(num_tokens, self.block_size) - holes if num_tokens else 0)
         if need > self.block_pool.num_free_blocks:
             return None
-        table = self._tables[request_id] = self.block_pool.get_new_blocks(len(cpu_ids))
-        if self.enable_prefix_caching:  # offered to the cache again as they fill up
-            self._chains[request_id] = [0, 0]
+        fresh = iter(self.block_pool.get_new_blocks(len(live)))
+        table = self._tables[request_id] = [None if c is None else next(fresh) for c in cpu_table]
+        if self.enable_prefix_caching:  # offered to the cache again as they fill up, from
+            # block 0; a table with holes cannot chain from block 0, so it offers none
+            self._chains[request_id] = [len(table), CLOSED] if holes else [0, 0]
         del self._cpu_tables[request_id]
-        self.cpu_pool.free(cpu_ids)
-        return [(cpu_id, block.block_id) for cpu_id, block in zip(cpu_ids, table)]
+        self.cpu_pool.free(live)
+        return [(c, block.block_id) for c, block in zip(cpu_table, table) if block is not None]
 
     # -- copy-on-write -------------------------------------------------------------------
 
@@ -252,7 +296,7 @@ class KVCacheManager:
         assert child_id not in self._tables and child_id not in self._cpu_tables, (
             f"request {child_id} already holds blocks")
         table = self._tables[parent_id]
-        self.block_pool.touch(table)
+        self.block_pool.touch(_live(table))
         self._tables[child_id] = list(table)
         if parent_id in self._chains:
             self._chains[child_id] = list(self._chains[parent_id])
@@ -265,7 +309,7 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         if (table is None or num_computed_tokens % self.block_size == 0
                 or len(table) != cdiv(num_computed_tokens, self.block_size)
-                or table[-1].ref_cnt == 1):
+                or table[-1] is None or table[-1].ref_cnt == 1):
             return None
         if self.block_pool.num_free_blocks < 1:
             return False
@@ -276,12 +320,14 @@ class KVCacheManager:
         return old.block_id, new.block_id
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as ids ([] for a request holding none)."""
-        return [block.block_id for block in self._tables.get(request_id, [])]
+        """The request's block table as ids ([] for a request holding none; a hole behind
+        the window as HOLE_BLOCK_ID)."""
+        return [HOLE_BLOCK_ID if block is None else block.block_id
+                for block in self._tables.get(request_id, [])]
 
     def num_blocks_held(self, request_id: str) -> int:
-        table = self._tables.get(request_id)
-        return len(table) if table is not None else 0
+        """Blocks the request holds (holes behind the window not counted)."""
+        return len(_live(self._tables.get(request_id, ())))
 
     def request_ids(self) -> list[str]:
         """Requests holding at least one block."""
@@ -298,7 +344,12 @@ class KVCacheManager:
         holders: Counter[int] = Counter()
         for request_id, table in self._tables.items():
             assert table, f"request {request_id} has an empty block table entry"
-            ids = [block.block_id for block in table]
+            live = _live(table)
+            assert self.sliding_window is not None or len(live) == len(table), (
+                f"request {request_id} has holes in its table without a sliding window")
+            assert all(b is None for b in table[:len(table) - len(live)]), (
+                f"request {request_id}: a hole after a live block")
+            ids = [block.block_id for block in live]
             assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice: {ids}"
             holders.update(ids)
             chain = self._chains.get(request_id)
@@ -311,7 +362,7 @@ class KVCacheManager:
         self.cpu_pool.check_integrity()
         assert not self._cpu_tables.keys() & self._tables.keys(), (
             f"requests holding GPU and CPU blocks: {self._cpu_tables.keys() & self._tables.keys()}")
-        cpu_held = [i for ids in self._cpu_tables.values() for i in ids]
+        cpu_held = [i for ids in self._cpu_tables.values() for i in _live(ids)]
         assert len(cpu_held) == len(set(cpu_held)), "a CPU block is in two CPU tables"
         assert len(cpu_held) + self.cpu_pool.num_free_blocks == self.cpu_pool.num_blocks, (
             f"{len(cpu_held)} CPU blocks in tables + {self.cpu_pool.num_free_blocks} free "
@@ -322,3 +373,8 @@ class KVCacheManager:
                 f"but has ref_cnt {block.ref_cnt}")
             assert block.ref_cnt == 0 or block not in self.block_pool.free_queue, (
                 f"{block!r} is in a block table and in the free queue")
+
+
+def _live(table: Sequence) -> list:
+    """A table's entries without its holes."""
+    return [entry for entry in table if entry is not None]

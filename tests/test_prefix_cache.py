@@ -184,10 +184,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     whatever the hash function does."""
 
     hash_fn = staticmethod(hash_block)
+    window: int | None = None  # a sliding window: blocks behind it are given back as requests advance
 
     @initialize()
     def setup(self):
-        self.kv = KVCacheManager(NUM_BLOCKS, BS, hash_fn=self.hash_fn)
+        self.kv = KVCacheManager(NUM_BLOCKS, BS, hash_fn=self.hash_fn, sliding_window=self.window)
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
         self.live: dict[str, dict] = {}
         self.waiting: dict[str, dict] = {}
@@ -237,9 +238,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             req["tokens"].append(token)  # the token the last step sampled
         upto = min(len(req["tokens"]), req["computed"] + chunk)
         before = free_order(self.kv)
-        if self.kv.allocate_slots(rid, upto) is None:
-            assert cdiv(upto, BS) - len(self.kv.block_ids(rid)) > len(before)
-            assert free_order(self.kv) == before
+        if self.kv.allocate_slots(rid, upto, num_computed_tokens=req["computed"]) is None:
+            assert cdiv(upto, BS) - len(self.kv.block_ids(rid)) > len(self.kv.block_pool.free_queue)
+            assert self.window is not None or free_order(self.kv) == before
             return
         self._compute(rid, req, upto)
 
@@ -280,7 +281,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for rid, req in self.live.items():  # nobody overwrote a live request's K/V
             table = self.kv.block_ids(rid)
             assert len(table) == cdiv(req["computed"], BS)
-            for pos in range(req["computed"]):
+            # with a window, only the keys its next query sees must be there
+            first = 0 if self.window is None else max(0, req["computed"] - self.window + 1)
+            holes = len(table) - self.kv.num_blocks_held(rid)  # blocks given back: behind the window
+            assert holes * BS <= first, (rid, holes, req["computed"])
+            for pos in range(first, req["computed"]):
                 assert self.slots[(table[pos // BS], pos % BS)] == tuple(req["tokens"][:pos + 1])
         for block in self.kv.block_pool.cached.values():  # a cached block holds its key's tokens
             held = tuple(self.slots[(block.block_id, off)][-1] for off in range(BS))
@@ -291,8 +296,21 @@ class CollidingPrefixCacheMachine(PrefixCacheMachine):
     hash_fn = staticmethod(colliding_hash)
 
 
+class WindowedPrefixCacheMachine(PrefixCacheMachine):
+    window = 6
+
+
+class WindowedCollidingPrefixCacheMachine(PrefixCacheMachine):
+    hash_fn = staticmethod(colliding_hash)
+    window = 5
+
+
 settings_ = settings(max_examples=60, stateful_step_count=50, deadline=None)
 PrefixCacheMachine.TestCase.settings = settings_
 CollidingPrefixCacheMachine.TestCase.settings = settings_
+WindowedPrefixCacheMachine.TestCase.settings = settings_
+WindowedCollidingPrefixCacheMachine.TestCase.settings = settings_
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 TestCollidingPrefixCacheMachine = CollidingPrefixCacheMachine.TestCase
+TestWindowedPrefixCacheMachine = WindowedPrefixCacheMachine.TestCase
+TestWindowedCollidingPrefixCacheMachine = WindowedCollidingPrefixCacheMachine.TestCase
