@@ -39,6 +39,7 @@ def read_config(raw: dict, generation: dict | None) -> DecoderConfig:
     n = raw["num_hidden_layers"]
     pattern = raw.get("sliding_window_pattern", 6)
     layer_types = raw.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    windows = read_layer_windows(raw, layer_types)  # validates the layer types too
     rope = _rope_by_layer_type(raw)
     bias = raw.get("attention_bias", False)
     return read_common(
@@ -47,5 +48,4 @@ def read_config(raw: dict, generation: dict | None) -> DecoderConfig:
         qk_norm=True, gemma_norms=True, embedding_scale=raw["hidden_size"] ** 0.5,
         attn_scale=raw.get("query_pre_attn_scalar", 256) ** -0.5,
         final_logit_softcap=raw.get("final_logit_softcapping"),
-        rope=tuple(rope[t] for t in layer_types),
-        sliding_windows=read_layer_windows(raw, layer_types))
+        rope=tuple(rope[t] for t in layer_types), sliding_windows=windows)
