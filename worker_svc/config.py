@@ -2,13 +2,14 @@
 Redis, heartbeats) live in the server's own dataclass."""
 
 from dataclasses import dataclass
-from pathlib import Path
+
+from proto.model_source import served_name
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    model: str  # checkpoint folder (config.json, *.safetensors, tokenizer files)
-    served_model_name: str | None = None  # default: the folder's basename
+    model: str  # checkpoint folder (config.json, *.safetensors, tokenizer files) or Hub id
+    served_model_name: str | None = None  # default: the folder's basename, or the Hub id
     block_size: int = 16
     kv_cache_memory_bytes: int = 256 * 2**20  # K + V of every layer
     num_blocks: int | None = None  # overrides the memory sizing (tests force preemption)
@@ -22,4 +23,4 @@ class RunnerConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).resolve().name
+        return served_name(self.model, self.served_model_name)

@@ -31,6 +31,7 @@ import torch
 from kernels.backend import get_attention_backend
 from kvstore.cache_tensors import KVCacheTensors, num_blocks_for_memory, swap_blocks
 from proto import worker_pb2
+from proto.model_source import resolve_model
 from proto.messages import Logprobs, TokenEvent
 from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
@@ -72,7 +73,8 @@ class ModelRunner:
         self.config = config
         self.worker_id = worker_id
         self.device = torch.device(config.device)
-        self.model_config = DecoderConfig.from_dir(config.model)
+        self.model_dir = resolve_model(config.model)  # a folder, or a Hub id from the cache
+        self.model_config = DecoderConfig.from_dir(self.model_dir)
         cfg = self.model_config
         self.dtype = resolve_dtype(config.dtype, cfg)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
@@ -80,7 +82,7 @@ class ModelRunner:
         # scratch memory of the attention backend, kept for the runner's life
         self.plan_attention = functools.partial(self.backend.plan,
                                                 workspace=self.backend.new_workspace())
-        self.model = load_model(config.model, cfg, self.backend, self.max_model_len,
+        self.model = load_model(self.model_dir, cfg, self.backend, self.max_model_len,
                                 self.dtype, self.device)
         num_blocks = config.num_blocks or num_blocks_for_memory(
             config.kv_cache_memory_bytes, cfg.num_layers, config.block_size,
@@ -99,7 +101,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.requests: dict[str, RequestState] = {}
-        self.grammars = GrammarCompiler(config.model, cfg.vocab_size, cfg.eos_token_ids)
+        self.grammars = GrammarCompiler(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
 
     @property
     def num_requests(self) -> int:
