@@ -1,12 +1,19 @@
-"""What each `pagedserve` subcommand does: build the service's frozen config, run it."""
+"""What each `pagedserve` subcommand does: build the service's frozen config, run it.
+
+Each service's modules are imported inside its command, so a command loads only what it
+runs (a gateway or scheduler never imports torch) and `pagedserve --help` stays instant.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-
+import runpy
 import signal
+import sys
 from pathlib import Path
+
+from gateway.config import config_from_args
 
 
 def _runner_config(args: argparse.Namespace):
@@ -79,7 +86,6 @@ def run_engine(args: argparse.Namespace) -> int:
     from compose.engine import EngineConfig
     from compose.inprocess_backend import InProcessBackend
     from gateway.app import create_app
-    from gateway.config import config_from_args
 
     engine = EngineConfig(runner=_runner_config(args), batching=_batching_config(args))
     app = create_app(config_from_args(args), backend_factory=lambda: InProcessBackend(engine))
@@ -89,7 +95,6 @@ def run_engine(args: argparse.Namespace) -> int:
 
 def run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.config import config_from_args
 
     _serve_http(create_app(config_from_args(args)), args)
     return 0
@@ -126,15 +131,12 @@ def run_up(args: argparse.Namespace) -> int:
     return 0 if clean else 1
 
 
-def run_bench(bench_args: list[str]) -> int:
-    import runpy
-    import sys
-
+def run_bench(args: argparse.Namespace) -> int:
     script = Path(__file__).resolve().parent.parent / "bench" / "serve.py"
     if not script.exists():
         print("bench/serve.py ships with the source checkout; run this from a clone", file=sys.stderr)
         return 2
-    sys.argv = [str(script), *bench_args]
+    sys.argv = [str(script), *args.bench_args]
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import redis
 
+from compose.flags import gateway_parser
+from gateway.config import config_from_args
 from proto.keys import RedisKeys
 
 
@@ -89,11 +91,8 @@ class Stack:
     def gateway_config(self):
         """The gateway's config as its own argument parsing makes it from our flags and the
         environment (served model name, API keys)."""
-        from compose.cli import build_parser
-        from gateway.config import config_from_args
-
-        return config_from_args(build_parser().parse_args(
-            ["gateway", "--model", self.config.model, *self.config.gateway_args]))
+        return config_from_args(gateway_parser().parse_args(
+            ["--model", self.config.model, *self.config.gateway_args]))
 
     @property
     def served_model_name(self) -> str:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV_PREFIX = "PAGEDSERVE_"
+from proto.env_flags import EnvFlags
 
 
 @dataclass(frozen=True)
@@ -51,36 +50,18 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
 }
 
 
-def _env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Add every gateway flag the parser does not have yet (so it composes with a CLI that
-    already defines shared flags such as --redis-url). Each flag also reads PAGEDSERVE_<FLAG>
-    from the environment; the flag wins."""
+def add_cli_args(flags: EnvFlags) -> None:
+    """Add every gateway flag (each also read from its PAGEDSERVE_* variable: proto/env_flags.py);
+    one the command already has (--redis-url, --model, ...) keeps its first definition."""
     defaults = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}
-    existing = set(parser._option_string_actions)  # argparse has no public "has flag" query
     for flag, (field, kind, help_text) in _FLAGS.items():
-        if flag in existing:
-            continue
-        env = os.environ.get(_env_name(flag))
-        default = kind(env) if env is not None else defaults.get(field)
-        if default is dataclasses.MISSING:
-            default = None
-        required = field == "model" and default is None
-        parser.add_argument(flag, type=kind, default=default, required=required,
-                            help=f"{help_text} (env {_env_name(flag)})")
-    if "--api-key" not in existing:
-        # Flags add to the keys from the environment: any of them is accepted.
-        parser.add_argument("--api-key", action="append", default=_keys_from_env(),
-                            help="require `Authorization: Bearer <key>` on /v1 routes; repeat for "
-                                 "several keys (env PAGEDSERVE_API_KEY, or PAGEDSERVE_API_KEYS=k1,k2)")
-    if "--protect-metrics" not in existing:
-        parser.add_argument("--protect-metrics", action="store_true",
-                            default=os.environ.get(ENV_PREFIX + "PROTECT_METRICS", "").lower() in ("1", "true", "yes"),
-                            help="with API keys, /metrics and /health want a key too "
-                                 "(env PAGEDSERVE_PROTECT_METRICS=1)")
+        default = defaults.get(field)
+        flags.add(flag, type=kind, default=None if default is dataclasses.MISSING else default,
+                  required=field == "model", help=help_text)
+    # Flags add to the keys from the environment: any of them is accepted.
+    flags.repeated("--api-key", help="require `Authorization: Bearer <key>` on /v1 routes; "
+                                     "repeat for several keys")
+    flags.switch("--protect-metrics", help="with API keys, /metrics and /health want a key too")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -91,10 +72,3 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     values["api_keys"] = tuple(dict.fromkeys(k for k in keys if k))  # no duplicates, order kept
     values["protect_metrics"] = bool(getattr(args, "protect_metrics", False))
     return GatewayConfig(**values)
-
-
-def _keys_from_env() -> list[str]:
-    """PAGEDSERVE_API_KEY (one key) and PAGEDSERVE_API_KEYS (several, comma-separated)."""
-    keys = [os.environ.get(ENV_PREFIX + "API_KEY", "")]
-    keys += os.environ.get(ENV_PREFIX + "API_KEYS", "").split(",")
-    return [k.strip() for k in keys if k.strip()]

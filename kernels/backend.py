@@ -52,7 +52,7 @@ def cpu_backend() -> AttentionBackend:
     compiled or loaded here."""
     try:
         kernels = cpu_attention.CpuKernels()
-    except OSError as exc:  # ctypes could not load the library
+    except (OSError, ImportError, ValueError) as exc:  # the module could not be loaded
         raise RuntimeError(f"loading the cpu attention kernel failed: {exc}") from exc
     return AttentionBackend(
         name="cpu",

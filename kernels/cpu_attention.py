@@ -24,189 +24,47 @@ and thread count):
     out[row j, head h * group + i % group] = acc[i] / sum(p[i])
 
 K/V may be fp32 or bf16 (converted on load); query and out share the cache's dtype (for
-fp16 models the worker picks the torch backend). The C
-source below is compiled once per machine with the system C compiler (`cc`, or $CC) into
-a cache folder ($PAGEDSERVE_KERNEL_CACHE, default ~/.cache/pagedserve) keyed by the source,
-flags and CPU, and loaded with ctypes; it links the OpenMP runtime torch already loaded.
+fp16 models the worker picks the torch backend).
+
+The C source is kernels/cpu_attention.c; its one declaration, kernels/cpu_attention.h,
+takes the arguments by name in a struct. The kernel includes the declaration, and cffi
+generates the Python binding from the same text, so the two are compiled against each
+other: a kernel that disagrees with its declaration does not build. At load, KernelArgs
+(the Python side's fields) is checked against the struct the module was built with, and
+every call converts each field by its declared C type (a wrong type is a TypeError, never
+a misread argument). Both are compiled once per machine with the system C compiler (`cc`,
+or $CC) into one extension module in a cache folder ($PAGEDSERVE_KERNEL_CACHE, default
+~/.cache/pagedserve) keyed by the source, declaration, flags, interpreter and CPU; it
+links the OpenMP runtime torch already loaded.
 """
 
-import ctypes
+import contextlib
 import hashlib
+import importlib.util
+import io
 import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+import cffi
 import torch
 
 from kernels import torch_attention
 
 SHORT_MAX_Q_LEN = 8  # requests with at most this many query rows run in the C kernel
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = ((uint32_t)h) << 16;
-    float x;
-    memcpy(&x, &bits, 4);
-    return x;
-}
-static inline uint16_t f32_to_bf16(float x) {
-    if (isnan(x)) return 0x7FC0;
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
-static inline float load(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-static inline void store(void *p, int64_t i, float x, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(x); else ((float *)p)[i] = x;
-}
-/* The K or V vectors of kv heads [h0, h0 + n) of one token, as floats. */
-static inline const float *token_row(const void *cache, int64_t base, int64_t n, float *buf,
-                                     int bf16) {
-    if (!bf16) return (const float *)cache + base;
-    const uint16_t *src = (const uint16_t *)cache + base;
-    for (int64_t d = 0; d < n; d++) buf[d] = bf16_to_f32(src[d]);
-    return buf;
-}
-
-/* Element offset of kv head h0 of token l in a [blocks, block_size, kv_heads, head_dim] cache. */
-static inline int64_t slot_offset(const int32_t *table, int64_t l, int64_t block_size,
-                                  int64_t slot_stride, int64_t h0, int64_t head_dim) {
-    return ((int64_t)table[l / block_size] * block_size + l % block_size) * slot_stride
-           + h0 * head_dim;
-}
-
-/* Ask for the K or V vectors of token l + PREFETCH_DISTANCE early: rows of one block are
-   contiguous, but blocks are scattered, so the hardware prefetcher stalls at every block. */
-#define PREFETCH_DISTANCE 16 /* tokens: one block at block size 16 */
-static inline void prefetch_row(const void *cache, const int32_t *table, int64_t l, int64_t end,
-                                int64_t block_size, int64_t slot_stride, int64_t h0,
-                                int64_t head_dim, int64_t width, int64_t elem) {
-    if (l >= end) return;
-    const char *p = (const char *)cache
-                    + slot_offset(table, l, block_size, slot_stride, h0, head_dim) * elem;
-    for (int64_t b = 0; b < width * elem; b += 64) __builtin_prefetch(p + b, 0, 3);
-}
-
-/* Work item w: request reqs[w / splits], kv heads [h0, h0 + heads) with heads =
-   num_kv_heads / splits. Returns 0, or -1 if scratch memory could not be allocated. */
-int paged_attention(const void *query, void *out, const void *k_cache, const void *v_cache,
-                    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                    const int32_t *query_start_loc, const int32_t *reqs, int64_t num_reqs,
-                    int64_t q_row_stride,
-                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                    int64_t block_size, float scale, int64_t window, float soft_cap,
-                    int64_t max_q_len, int64_t max_scores, int64_t splits, int bf16) {
-    const int64_t group = num_heads / num_kv_heads, heads = num_kv_heads / splits;
-    const int64_t row_stride = num_heads * head_dim;      /* out rows */
-    const int64_t slot_stride = num_kv_heads * head_dim;  /* one token in the cache */
-    const int64_t max_vecs = max_q_len * heads * group, width = heads * head_dim;
-    const int64_t elem = bf16 ? 2 : 4;
-    int failed = 0;
-    #pragma omp parallel
-    {
-        float *qv = malloc(sizeof(float) * max_vecs * head_dim);
-        float *acc = malloc(sizeof(float) * max_vecs * head_dim);
-        float *s = malloc(sizeof(float) * max_scores * heads * group);
-        float *buf = malloc(sizeof(float) * width);
-        int64_t *koff = malloc(sizeof(int64_t) * max_vecs), *pos = malloc(sizeof(int64_t) * max_vecs);
-        if (!qv || !acc || !s || !buf || !koff || !pos) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        /* Every thread of the team must reach the `omp for`, or none: agree first. */
-        #pragma omp barrier
-        int give_up;
-        #pragma omp atomic read
-        give_up = failed;
-        if (!give_up) {
-            #pragma omp for schedule(dynamic, 1)
-            for (int64_t w = 0; w < num_reqs * splits; w++) {
-                const int64_t r = reqs[w / splits], h0 = (w % splits) * heads;
-                const int64_t q0 = query_start_loc[r], q_len = query_start_loc[r + 1] - q0;
-                const int64_t seq_len = seq_lens[r], ctx0 = seq_len - q_len;
-                const int64_t per_row = heads * group, nv = q_len * per_row;
-                const int64_t lo = window > 0 && ctx0 - window + 1 > 0 ? ctx0 - window + 1 : 0;
-                const int64_t span = seq_len - lo;
-                const int32_t *table = block_tables + r * table_stride;
-                /* vector i: query row q0 + i / per_row, head h0 * group + i % per_row */
-                for (int64_t i = 0; i < nv; i++) {
-                    const int64_t src = (q0 + i / per_row) * q_row_stride
-                                        + (h0 * group + i % per_row) * head_dim;
-                    for (int64_t d = 0; d < head_dim; d++)
-                        qv[i * head_dim + d] = load(query, src + d, bf16) * scale;
-                    memset(acc + i * head_dim, 0, sizeof(float) * head_dim);
-                    koff[i] = (i % per_row) / group * head_dim;  /* its kv head in the row */
-                    pos[i] = ctx0 + i / per_row;                  /* its position */
-                }
-                for (int64_t l = lo; l < seq_len; l++) {
-                    const int64_t base = slot_offset(table, l, block_size, slot_stride, h0, head_dim);
-                    prefetch_row(k_cache, table, l + PREFETCH_DISTANCE, seq_len, block_size,
-                                 slot_stride, h0, head_dim, width, elem);
-                    const float *k = token_row(k_cache, base, width, buf, bf16);
-                    float *sl = s + (l - lo);
-                    for (int64_t i = 0; i < nv; i++) {
-                        const float *q = qv + i * head_dim, *kh = k + koff[i];
-                        float dot = 0.0f;
-                        #pragma omp simd reduction(+:dot)
-                        for (int64_t d = 0; d < head_dim; d++) dot += q[d] * kh[d];
-                        if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot / soft_cap);
-                        const int visible = l <= pos[i] && (window <= 0 || l > pos[i] - window);
-                        sl[i * span] = visible ? dot : -INFINITY;
-                    }
-                }
-                for (int64_t i = 0; i < nv; i++) {
-                    float *si = s + i * span, m = -INFINITY, sum = 0.0f;
-                    for (int64_t l = 0; l < span; l++) m = si[l] > m ? si[l] : m;
-                    for (int64_t l = 0; l < span; l++) { si[l] = expf(si[l] - m); sum += si[l]; }
-                    const float inv = 1.0f / sum;
-                    for (int64_t l = 0; l < span; l++) si[l] *= inv;
-                }
-                for (int64_t l = lo; l < seq_len; l++) {
-                    const int64_t base = slot_offset(table, l, block_size, slot_stride, h0, head_dim);
-                    prefetch_row(v_cache, table, l + PREFETCH_DISTANCE, seq_len, block_size,
-                                 slot_stride, h0, head_dim, width, elem);
-                    const float *v = token_row(v_cache, base, width, buf, bf16);
-                    const float *sl = s + (l - lo);
-                    for (int64_t i = 0; i < nv; i++) {
-                        const float p = sl[i * span];
-                        if (p == 0.0f) continue;
-                        float *a = acc + i * head_dim;
-                        const float *vh = v + koff[i];
-                        #pragma omp simd
-                        for (int64_t d = 0; d < head_dim; d++) a[d] += p * vh[d];
-                    }
-                }
-                for (int64_t i = 0; i < nv; i++) {
-                    const int64_t dst = (q0 + i / per_row) * row_stride
-                                        + (h0 * group + i % per_row) * head_dim;
-                    for (int64_t d = 0; d < head_dim; d++)
-                        store(out, dst + d, acc[i * head_dim + d], bf16);
-                }
-            }
-        }
-        free(qv); free(acc); free(s); free(buf); free(koff); free(pos);
-    }
-    return failed ? -1 : 0;
-}
-"""
-
+_KERNEL_DIR = Path(__file__).resolve().parent
+SOURCE = _KERNEL_DIR / "cpu_attention.c"
+HEADER = _KERNEL_DIR / "cpu_attention.h"
+_MODULE = "_pagedserve_cpu_attention"  # the compiled binding's name (its PyInit_ symbol)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `bf16` flag
-_ARGTYPES = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
-             + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float]
-             + [ctypes.c_int64] * 3 + [ctypes.c_int])
 
 
 def _cpu_signature() -> str:
@@ -224,28 +82,89 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pagedserve")
 
 
-def compile_library(compiler: str | None = None) -> Path:
-    """The shared library for this source, flags and CPU: built once (atomically: several
-    workers may start at the same time), then reused. RuntimeError if it cannot be built."""
+def compile_library(compiler: str | None = None, source: Path = SOURCE, header: Path = HEADER) -> Path:
+    """The kernel and its cffi binding as one Python extension module, for this source,
+    declaration, flags, interpreter and CPU: built once (atomically: several workers may
+    start at the same time), then reused. The binding is generated from `header` and
+    compiled with the kernel, so a kernel that disagrees with its declaration fails here.
+    RuntimeError if it cannot be built."""
     compiler = compiler or os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC, or install gcc)")
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, platform.machine(),
-                                    _cpu_signature()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_attention_cpu-{key}.so"
+    declaration, kernel = header.read_text(), source.read_text()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    key = hashlib.sha256("\0".join([kernel, declaration, compiler, *_FLAGS, cffi.__version__, suffix,
+                                    platform.machine(), _cpu_signature()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_attention-{key}{suffix}"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "paged_attention_cpu.c"
-        src.write_text(_SOURCE)
+        for path, text in ((header, declaration), (source, kernel)):  # side by side, for the include
+            (Path(tmp) / path.name).write_text(text)
+        binding = Path(tmp) / "binding.c"
+        ffi = cffi.FFI()
+        ffi.cdef(declaration)
+        ffi.set_source(_MODULE, f'#include <stdint.h>\n#include "{header.name}"\n')
+        with contextlib.redirect_stdout(io.StringIO()):  # cffi prints the file's name
+            ffi.emit_c_code(str(binding))
         built = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(built), "-lm"],
+        proc = subprocess.run([compiler, *_FLAGS, f"-I{sysconfig.get_paths()['include']}", f"-I{tmp}",
+                               str(binding), str(Path(tmp) / source.name), "-o", str(built), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling the cpu attention kernel failed:\n{proc.stderr[-2000:]}")
+            raise RuntimeError("compiling the cpu attention kernel failed (it needs Python's headers "
+                               f"too: Debian's python3-dev):\n{proc.stderr[-2000:]}")
         os.replace(built, target)
     return target
+
+
+class KernelArgs(NamedTuple):
+    """One call's arguments: the fields of `struct paged_attention_args` (cpu_attention.h),
+    by name and in its order (they fill the struct in that order); load_library checks
+    that the two agree. Pointers are data_ptr()s."""
+
+    query: int
+    out: int
+    k_cache: int
+    v_cache: int
+    block_tables: int
+    table_stride: int
+    seq_lens: int
+    query_start_loc: int
+    reqs: int
+    num_reqs: int
+    q_row_stride: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    scale: float
+    window: int
+    soft_cap: float
+    max_q_len: int
+    max_scores: int
+    splits: int
+    bf16: int
+
+
+_POINTERS = ("query", "out", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc", "reqs")
+
+
+def load_library(path: Path):
+    """The compiled module at `path` (its `ffi` and `lib`), after checking that KernelArgs
+    has exactly the fields of the struct it was built with, in its order, pointers where
+    it has pointers: ValueError otherwise, before the kernel is ever called."""
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    theirs = [(name, field.type.kind) for name, field
+              in module.ffi.typeof("struct paged_attention_args").fields]
+    ours = [(name, "pointer" if name in _POINTERS else "primitive") for name in KernelArgs._fields]
+    if theirs != ours:
+        differ = sorted({name for name, _ in set(theirs) ^ set(ours)}) or "the order"
+        raise ValueError(f"the kernel's struct paged_attention_args and KernelArgs disagree on {differ}")
+    return module
 
 
 def work_splits(num_reqs: int, num_kv_heads: int, num_threads: int) -> int:
@@ -259,8 +178,18 @@ class CpuKernels:
 
     def __init__(self, library: Path | None = None):
         torch.get_num_threads()  # torch's OpenMP runtime is loaded first; the kernel shares it
-        self._kernel = ctypes.CDLL(str(library or compile_library())).paged_attention
-        self._kernel.argtypes, self._kernel.restype = _ARGTYPES, ctypes.c_int
+        module = load_library(library or compile_library())
+        self._kernel, ffi = module.lib.paged_attention, module.ffi
+        self._new, self._cast = ffi.new, ffi.cast
+        self._struct_type, self._void_p = ffi.typeof("struct paged_attention_args *"), ffi.typeof("void *")
+        self._pointer_fields = [KernelArgs._fields.index(name) for name in _POINTERS]
+
+    def _struct(self, args: KernelArgs):
+        """The C struct of `args`; cffi converts each field by its declared type."""
+        values = list(args)
+        for i in self._pointer_fields:
+            values[i] = self._cast(self._void_p, values[i])
+        return self._new(self._struct_type, values)
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -300,12 +229,16 @@ class CpuKernels:
         # thread busy. (torch.get_num_threads() also sets this thread's OpenMP thread count
         # to torch's, which the kernel's parallel region then uses.)
         splits = work_splits(plan.short_reqs.numel(), num_kv_heads, torch.get_num_threads())
-        status = self._kernel(
-            query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.seq_lens.data_ptr(),
-            plan.query_start_loc.data_ptr(), plan.short_reqs.data_ptr(), plan.short_reqs.numel(),
-            query.stride(0), num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-            soft_cap or 0.0, plan.max_q_len, plan.max_scores, splits, _DTYPES[query.dtype])
+        args = KernelArgs(
+            query=query.data_ptr(), out=out.data_ptr(), k_cache=k_cache.data_ptr(),
+            v_cache=v_cache.data_ptr(), block_tables=plan.block_tables.data_ptr(),
+            table_stride=plan.block_tables.shape[1], seq_lens=plan.seq_lens.data_ptr(),
+            query_start_loc=plan.query_start_loc.data_ptr(), reqs=plan.short_reqs.data_ptr(),
+            num_reqs=plan.short_reqs.numel(), q_row_stride=query.stride(0), num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
+            window=sliding_window or 0, soft_cap=soft_cap or 0.0, max_q_len=plan.max_q_len,
+            max_scores=plan.max_scores, splits=splits, bf16=_DTYPES[query.dtype])
+        status = self._kernel(self._struct(args))
         if status != 0:
             raise MemoryError("the cpu attention kernel could not allocate its scratch memory")
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from compose.cli import build_parser
+from compose import commands
+from compose.cli import COMMANDS, build_parser, main
 
 COMPOSE = Path(__file__).resolve().parent.parent / "compose" / "docker-compose.yml"
 
@@ -51,9 +52,14 @@ def test_commands_are_the_launchers(config, service, monkeypatch):
         assert args.model.startswith("/models/")
 
 
-def test_preemption_and_swap_flags_parse():
-    from compose.cli import build_parser
+def test_every_command_is_in_the_table(capsys):
+    assert {"up", "gateway", "scheduler", "worker", "engine", "bench", "make-model"} == set(COMMANDS)
+    assert COMMANDS["worker"].run is commands.run_worker
+    assert main(["bench", "--help"]) == 0  # dispatched through the table to bench/serve.py
+    assert "--base-url" in capsys.readouterr().out
 
+
+def test_preemption_and_swap_flags_parse():
     args = build_parser().parse_args(["scheduler", "--preemption-mode", "swap"])
     assert args.preemption_mode == "swap"
     assert build_parser().parse_args(["scheduler"]).preemption_mode == "recompute"

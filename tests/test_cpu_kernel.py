@@ -144,3 +144,70 @@ def test_backend_selector_picks_cpu_kernel_on_cpu():
     assert get_attention_backend("cpu", "cpu").name == "cpu"
     with pytest.raises(ValueError, match="runs on the CPU"):
         get_attention_backend("cpu", "meta")
+
+
+def _variant(tmp_path, edit_header=lambda text: text, edit_source=lambda text: text):
+    """Copies of the kernel's declaration and source, edited."""
+    header, source = tmp_path / "cpu_attention.h", tmp_path / "cpu_attention.c"
+    header.write_text(edit_header(cpu_attention.HEADER.read_text()))
+    source.write_text(edit_source(cpu_attention.SOURCE.read_text()))
+    return {"header": header, "source": source}
+
+
+def test_a_kernel_that_disagrees_with_its_declaration_does_not_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    prototype = "int paged_attention(const struct paged_attention_args *args);"
+    assert prototype in cpu_attention.HEADER.read_text()
+    extra_argument = _variant(tmp_path, edit_header=lambda text: text.replace(
+        prototype, "int paged_attention(const struct paged_attention_args *args, int64_t extra);"))
+    with pytest.raises(RuntimeError, match="conflicting types for .paged_attention"):
+        cpu_attention.compile_library(**extra_argument)
+    no_splits = _variant(tmp_path, edit_header=lambda text: text.replace("    int64_t splits;", ""))
+    with pytest.raises(RuntimeError, match="no member named .splits"):
+        cpu_attention.compile_library(**no_splits)
+    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built is cached
+
+
+def test_a_python_side_that_disagrees_with_the_struct_fails_at_load(tmp_path, monkeypatch):
+    """A kernel built consistently with a field the Python side does not know (and missing
+    one it sets) is refused when it is loaded, before any call."""
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    rename = lambda text: text.replace("splits", "num_splits")  # noqa: E731
+    library = cpu_attention.compile_library(**_variant(tmp_path, rename, rename))
+    with pytest.raises(ValueError, match=r"disagree on \['num_splits', 'splits'\]"):
+        cpu_attention.CpuKernels(library)
+    # The same fields in another order would fill the struct wrongly: refused too.
+    swap = lambda text: text.replace("    float scale;\n", "").replace(  # noqa: E731
+        "    int64_t window;", "    int64_t window;\n    float scale;")
+    library = cpu_attention.compile_library(**_variant(tmp_path, swap))
+    with pytest.raises(ValueError, match="disagree on the order"):
+        cpu_attention.CpuKernels(library)
+
+
+def test_each_field_is_converted_by_its_declared_type(kernels):
+    """A value of the wrong type is refused on its way into the struct, never misread."""
+    args = cpu_attention.KernelArgs(**dict.fromkeys(cpu_attention.KernelArgs._fields, 0))
+    assert kernels._struct(args._replace(num_reqs=3)).num_reqs == 3
+    for field, wrong in [("num_reqs", 1.5), ("query", None), ("bf16", "0"), ("splits", 2**70)]:
+        with pytest.raises((TypeError, OverflowError)):
+            kernels._struct(args._replace(**{field: wrong}))
+
+
+def test_the_source_ships_with_the_package():
+    """pip installs kernels/*.c and *.h beside the module (the Docker image installs the same way)."""
+    import tomllib
+
+    pyproject = tomllib.loads((cpu_attention.SOURCE.parent.parent / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["kernels"]
+    for path in (cpu_attention.SOURCE, cpu_attention.HEADER):
+        assert any(path.match(pattern) for pattern in shipped), path
+
+
+def test_without_a_compiler_auto_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))  # nothing built here yet
+    monkeypatch.setenv("CC", "no-such-cc")
+    with caplog.at_level("WARNING", logger="pagedserve.kernels"):
+        assert get_attention_backend("auto", "cpu").name == "torch"
+    assert "falls back to torch" in caplog.text and "no C compiler" in caplog.text
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        get_attention_backend("cpu", "cpu")

@@ -1,0 +1,127 @@
+"""The flags of each `pagedserve` command, every one also read from its `PAGEDSERVE_*`
+environment variable (proto/env_flags.py). Plain argparse and stdlib imports only, so
+`pagedserve --help` stays instant and the launcher can parse a gateway's flags without
+importing any command."""
+
+from __future__ import annotations
+
+import argparse
+
+from gateway.config import add_cli_args as add_gateway_flags  # stdlib-only module
+from proto.env_flags import EnvFlags
+
+
+def parse_bytes(text: str) -> int:
+    """'256MiB', '2GiB', '1.5GB', '1048576' → bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lowered = text.strip().lower()
+    for unit, scale in units.items():
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * scale)
+    return int(lowered)
+
+
+def add_common_flags(f: EnvFlags) -> None:
+    """What every service needs: where Redis is, and how much to log."""
+    f.add("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis the services meet in")
+    f.add("--key-prefix", default="pagedserve", help="prefix of every Redis key")
+    f.add("--log-level", default="info", help="debug|info|warning")
+
+
+def add_runner_flags(f: EnvFlags) -> None:
+    """The model runner's flags: shared by `worker` and `engine`."""
+    f.add("--model", required=True, help="Hugging Face checkpoint folder")
+    f.add("--served-model-name", help="name clients use (default: the folder's name)")
+    f.add("--block-size", type=int, default=16, help="tokens per KV block")
+    f.add("--kv-cache-memory", type=parse_bytes, default="256MiB", help="memory for the KV cache")
+    f.add("--num-blocks", type=int, help="KV blocks (overrides --kv-cache-memory)")
+    f.add("--swap-space", type=parse_bytes, default="256MiB",
+          help="CPU memory for blocks swapped out (--preemption-mode swap on the scheduler)")
+    f.add("--max-model-len", type=int, help="default: the model's max_position_embeddings")
+    f.add("--dtype", default="auto", help="auto|float32|bfloat16|float16")
+    f.add("--device", default="cpu", help="cpu|cuda|cuda:N")
+    f.add("--attention-backend", default="auto", help="auto|torch|cpu|triton")
+    f.add("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    f.add("--seed", type=int, default=0)
+
+
+def add_batching_flags(f: EnvFlags) -> None:
+    """The batching core's flags: shared by `scheduler` and `engine`."""
+    f.add("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    f.add("--max-num-seqs", type=int, default=256, help="requests in one step at most")
+    f.switch("--no-prefix-caching", help="compute every prompt in full")
+    f.add("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+          help="free a preempted request's blocks (recompute) or move them to the worker's CPU swap space")
+    f.add("--num-scheduler-steps", type=int, default=1,
+          help="multi-step decoding: a step planned while no request waits runs up to this many "
+               "forward passes, one scheduler round trip for all of them; a request arriving "
+               "ends it after the current pass. 1 = off. Steps planned ahead (--async-scheduling) "
+               "have one pass")
+
+
+def add_worker_flags(f: EnvFlags) -> None:
+    add_runner_flags(f)
+    f.add("--host", default="127.0.0.1", help="gRPC bind address")
+    f.add("--port", type=int, default=50051, help="gRPC port (0 = any free one)")
+    f.add("--advertise-host", help="address schedulers dial (default: --host)")
+    f.add("--worker-id", help="default: random")
+    f.add("--metrics-port", type=int, default=0,
+          help="serve Prometheus /metrics (steps) on --host at this port; 0 = off")
+    add_common_flags(f)
+
+
+def add_scheduler_flags(f: EnvFlags) -> None:
+    add_batching_flags(f)
+    f.add("--consumer-name", help="stream consumer name (default: scheduler-<hostname>)")
+    f.add("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+          help="plan each step while the one before runs on the worker (on), or after its "
+               "result (off); auto: on for workers on an accelerator, off on the CPU")
+    f.add("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
+    f.add("--metrics-port", type=int, default=0,
+          help="serve Prometheus /metrics (every worker's accounting) at this port; 0 = off")
+    add_common_flags(f)
+
+
+def add_service_gateway_flags(f: EnvFlags) -> None:
+    add_common_flags(f)
+    add_gateway_flags(f)
+
+
+def add_engine_flags(f: EnvFlags) -> None:
+    add_runner_flags(f)
+    add_batching_flags(f)
+    add_common_flags(f)
+    add_gateway_flags(f)  # skips the flags already there (--model, --served-model-name, ...)
+
+
+def add_up_flags(f: EnvFlags) -> None:
+    f.add("--model", help="checkpoint folder (default: make the `small` preset in ./models/small)")
+    f.add("--preset", default="small", help="preset made when --model is not given")
+    f.add("--host", default="127.0.0.1")
+    f.add("--port", type=int, default=8000)
+    f.add("--workers", type=int, default=1)
+    f.add("--redis-url", help="use this Redis instead of starting one")
+    f.add("--run-dir", default=".run", help="logs of every process go here")
+    p = f.parser
+    p.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker")
+    p.add_argument("--scheduler-arg", action="append", default=[], help="extra flag for the scheduler")
+    p.add_argument("--gateway-arg", action="append", default=[], help="extra flag for the gateway")
+
+
+def add_bench_flags(f: EnvFlags) -> None:
+    f.parser.add_argument("bench_args", nargs="*",
+                          help="bench/serve.py's flags (see `pagedserve bench --help`)")
+
+
+def add_make_model_flags(f: EnvFlags) -> None:
+    f.parser.add_argument("dir")
+    f.add("--preset", default="tiny", choices=["tiny", "small", "1b"])
+    f.add("--arch", default="llama")
+    f.add("--seed", type=int, default=0)
+
+
+def gateway_parser() -> argparse.ArgumentParser:
+    """`pagedserve gateway`'s flags alone (the launcher reads the gateway's config with it)."""
+    parser = argparse.ArgumentParser(prog="pagedserve gateway")
+    add_service_gateway_flags(EnvFlags(parser))
+    return parser
