@@ -33,12 +33,16 @@ redis:
 	  || ($(APT) update -qq && $(APT) install -y -qq --no-install-recommends redis-server) \
 	  || (echo "redis-server is missing and could not be installed: install it, or set REDIS_URL" && exit 1)
 
-# A C compiler for the CPU attention kernel (kernels/cpu_attention.py); without one the
+# A C compiler for the CPU attention kernel (kernels/cpu_attention.c); without one the
 # workers fall back to the slower torch backend, with a warning.
 cc:
 	@command -v $${CC:-cc} >/dev/null \
 	  || ($(APT) update -qq && $(APT) install -y -qq --no-install-recommends gcc libc6-dev) \
 	  || echo "no C compiler and gcc could not be installed: CPU workers use the torch attention backend"
+	@# The kernel's cffi binding compiles against Python's headers (a Debian python3 lacks them).
+	@$(PYTHON) -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+	  || ($(APT) update -qq && $(APT) install -y -qq --no-install-recommends python3-dev) \
+	  || echo "no Python headers and python3-dev could not be installed: CPU workers use the torch attention backend"
 
 # Only the tests need it: they validate compose/docker-compose.yml with `docker-compose config`.
 docker-compose:

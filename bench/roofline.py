@@ -45,6 +45,7 @@ from scheduler_svc.batching import BatchScheduler  # noqa: E402
 from scheduler_svc.config import SchedulerConfig  # noqa: E402
 from worker_svc.config import RunnerConfig  # noqa: E402
 from worker_svc.model.config import DecoderConfig  # noqa: E402
+from worker_svc.model.registry import load_config  # noqa: E402
 from worker_svc.model.loader import resolve_dtype  # noqa: E402
 from worker_svc.model_runner import ModelRunner  # noqa: E402
 
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = resolve_dtype(args.dtype, DecoderConfig.from_dir(args.model_dir))  # the runner's
+    dtype = resolve_dtype(args.dtype, load_config(args.model_dir))  # the runner's
     rate, bandwidth = machine_limits(device, dtype)
     kind = "memory read" if device.type == "cpu" else "device copy"
     result = dict(device=str(device), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),

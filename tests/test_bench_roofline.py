@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from worker_svc.model.config import DecoderConfig
+from worker_svc.model.registry import read_config
 
 
 def _roofline():
@@ -21,7 +21,7 @@ def _roofline():
 
 def test_step_cost_counts_weights_attention_and_kv():
     roofline = _roofline()
-    cfg = DecoderConfig.from_dict({"vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
+    cfg = read_config({"vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
                                    "num_hidden_layers": 2, "num_attention_heads": 2,
                                    "num_key_value_heads": 1})
     # head_dim 4: q = 8, kv = 4 -> per layer 8*(8+8) + 8*8 + 3*8*16 = 576 weights; head 800

@@ -10,7 +10,7 @@ from runner_helpers import chunked_prefill_logits, make_runner, prompts
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from worker_svc.model.config import DecoderConfig
+from worker_svc.model.registry import read_config
 from worker_svc.model.loader import INDEX_FILE, weight_files
 
 
@@ -76,22 +76,22 @@ BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden
 ])
 def test_refused_at_load_with_what_is_supported(raw, message):
     with pytest.raises(ValueError, match=message):
-        DecoderConfig.from_dict({**BASE, **raw})
+        read_config({**BASE, **raw})
 
 
 def test_qwen2_windows_only_with_use_sliding_window():
     """As transformers reads it: `sliding_window` alone (the released checkpoints carry one)
     changes nothing; with `use_sliding_window`, layers from `max_window_layers` on slide."""
-    off = DecoderConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4,
+    off = read_config({**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4,
                                    "num_hidden_layers": 3})
-    on = DecoderConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4,
+    on = read_config({**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4,
                                   "num_hidden_layers": 3, "use_sliding_window": True, "max_window_layers": 2})
     assert off.sliding_windows == (None, None, None)
     assert on.sliding_windows == (None, None, 4)
 
 
 def test_gemma3_reads_the_older_rope_spelling():
-    cfg = DecoderConfig.from_dict({**BASE, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 6,
+    cfg = read_config({**BASE, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 6,
                                    "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window": 4,
                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert [r.theta for r in cfg.rope] == [1e4] * 5 + [1e6]

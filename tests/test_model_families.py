@@ -8,7 +8,7 @@ import pytest
 import torch
 from runner_helpers import MiniScheduler, chunked_prefill_logits, hf_greedy, make_runner, prompts
 
-from worker_svc.model.config import DecoderConfig
+from worker_svc.model.registry import load_config
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 WINDOW = 48  # the tiny presets' sliding window, where the family has one
@@ -26,7 +26,7 @@ def hf_models(family_model_dir):
 
 
 def test_the_presets_switch_on_what_makes_each_family_different(family_model_dir):
-    cfgs = {arch: DecoderConfig.from_dir(family_model_dir(arch)) for arch in FAMILIES}
+    cfgs = {arch: load_config(family_model_dir(arch)) for arch in FAMILIES}
     assert cfgs["llama"].sliding_windows == (None,) * 3 and not cfgs["llama"].qkv_bias
     assert cfgs["qwen2"].qkv_bias and not cfgs["qwen2"].o_bias and cfgs["qwen2"].tie_word_embeddings
     assert cfgs["qwen2"].sliding_windows == (None, WINDOW, WINDOW)  # max_window_layers = 1

@@ -7,7 +7,7 @@ from runner_helpers import MiniScheduler, chunked_prefill_logits, hf_greedy, mak
 
 from proto import worker_pb2
 from worker_svc.config import RunnerConfig
-from worker_svc.model.config import DecoderConfig
+from worker_svc.model.registry import read_config
 from worker_svc.model_runner import ModelRunner, StepConsistencyError
 
 
@@ -104,7 +104,7 @@ def test_config_variants_match_transformers(tmp_path, name):
 
 
 def test_reads_transformers_v4_config_spelling():
-    cfg = DecoderConfig.from_dict({
+    cfg = read_config({
         "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
         "num_attention_heads": 2, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
         "rope_scaling": {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
@@ -128,7 +128,7 @@ def test_refuses_configs_it_cannot_run(change, message):
     raw = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
            "num_attention_heads": 2, **change}
     with pytest.raises(ValueError, match=message):
-        DecoderConfig.from_dict(raw)
+        read_config(raw)
 
 
 def test_describe_and_consistency_check(tiny_model_dir):

@@ -37,7 +37,7 @@ from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
 from worker_svc.grammar import GrammarCompiler
 from worker_svc.logprobs import gather_logprobs
-from worker_svc.model.config import DecoderConfig
+from worker_svc.model.registry import load_config
 from worker_svc.model.loader import load_model, resolve_dtype
 from worker_svc.request_state import RequestState
 from worker_svc.sampler import SamplingBatch, sample
@@ -74,7 +74,7 @@ class ModelRunner:
         self.worker_id = worker_id
         self.device = torch.device(config.device)
         self.model_dir = resolve_model(config.model)  # a folder, or a Hub id from the cache
-        self.model_config = DecoderConfig.from_dir(self.model_dir)
+        self.model_config = load_config(self.model_dir)
         cfg = self.model_config
         self.dtype = resolve_dtype(config.dtype, cfg)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings

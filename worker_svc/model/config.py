@@ -4,13 +4,11 @@ dataclass (both the transformers v5 spelling and the older one).
 `DecoderConfig` holds the shapes every family shares and one switch per way a family
 differs from Llama (biases, q/k norms, Gemma's norms, windows and RoPE per layer, scales,
 soft-caps). A family module (worker_svc/model/<family>.py) reads its own keys into those
-switches; `read_common` reads the rest. Whatever a switch cannot express is refused here,
-at load, with a message naming what is supported.
+switches; `read_common` reads the rest; worker_svc/model/registry.py picks the family.
+Whatever a switch cannot express is refused at load, with a message naming what is supported.
 """
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -88,22 +86,6 @@ class DecoderConfig:
         go back to the pool as a request advances), else None."""
         windows = set(self.sliding_windows)
         return windows.pop() if len(windows) == 1 else None
-
-    @classmethod
-    def from_dict(cls, raw: dict, generation: dict | None = None) -> "DecoderConfig":
-        """The family named by `architectures` reads the config (worker_svc/model/registry.py)."""
-        from worker_svc.model.registry import family_of
-
-        return family_of(raw).read_config(raw, generation)
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "DecoderConfig":
-        """config.json, with eos ids from generation_config.json when it has them."""
-        model_dir = Path(model_dir)
-        raw = json.loads((model_dir / "config.json").read_text())
-        gen_path = model_dir / "generation_config.json"
-        generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
-        return cls.from_dict(raw, generation)
 
 
 def architecture_of(raw: dict) -> str:

@@ -6,10 +6,12 @@ shared decoder's switches (worker_svc/model/decoder.py). Adding a family is one 
 listed here, plus its parity test against transformers (tests/test_model_families.py).
 """
 
+import json
+from pathlib import Path
 from types import MappingProxyType, ModuleType
 
 from worker_svc.model import gemma3, llama, mistral, qwen2, qwen3
-from worker_svc.model.config import architecture_of
+from worker_svc.model.config import DecoderConfig, architecture_of
 
 FAMILIES = MappingProxyType({arch: module for module in (llama, qwen2, qwen3, mistral, gemma3)
                              for arch in module.ARCHITECTURES})
@@ -24,3 +26,16 @@ def family_of(raw: dict) -> ModuleType:
             hint = " (a vision-language checkpoint: only text decoders are served)"
         raise ValueError(f"unsupported architecture {arch!r}{hint}; supported: {', '.join(sorted(FAMILIES))}")
     return FAMILIES[arch]
+
+
+def read_config(raw: dict, generation: dict | None = None) -> DecoderConfig:
+    """A config.json dict (and generation_config.json's, for the EOS ids), read by its family."""
+    return family_of(raw).read_config(raw, generation)
+
+
+def load_config(model_dir: str | Path) -> DecoderConfig:
+    """config.json of a checkpoint folder, with EOS ids from generation_config.json when it has them."""
+    model_dir = Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    gen_path = model_dir / "generation_config.json"
+    return read_config(raw, json.loads(gen_path.read_text()) if gen_path.exists() else None)
