@@ -9,7 +9,7 @@ WORKERS ?= 1
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: up test install redis cc docker-compose bench clean
+.PHONY: up test test-compose install redis cc docker-compose bench clean
 
 # Run apt as root, or through sudo when there is one.
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
@@ -57,8 +57,14 @@ up: install
 test: install docker-compose
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The stack built and run in containers (tests/test_compose_stack.py): starts dockerd when
+# none answers (as root), builds a debootstrap base image once, then the images. See
+# compose/testing/test-compose.sh.
+test-compose: install docker-compose
+	PY=$(PY) bash compose/testing/test-compose.sh
+
 # Every contender (full stack, in-process engine, transformers serve, static generate()),
-# medians of 3 interleaved runs; see docs/benchmarks.md.
+# medians of 3 interleaved runs; see docs/benchmarks.md, "Serving: the stack against the baselines".
 bench: install
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(PY) bench/compare.py $(BENCH_ARGS)

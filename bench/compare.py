@@ -9,8 +9,6 @@ the other's cores:
   stack          the full pagedserve stack (`pagedserve up`: Redis, worker, scheduler, gateway)
   stack-async    the same with the scheduler's --async-scheduling on (on a CPU worker the
                  default is off: each step planned after the previous one's result)
-  stack-multistep  the same with the scheduler's --num-scheduler-steps (this script's flag,
-                 default 4): a step planned while nothing waits runs up to that many passes
   engine         the in-process engine behind the same gateway (`pagedserve engine`): no
                  Redis, no gRPC — what the service split costs is stack / engine
   hf-serve       `transformers serve --continuous-batching` (Hugging Face's own server)
@@ -24,6 +22,13 @@ server's /metrics before and after each measured run: the mean step on the worke
 stack and the engine comes from. And for every server, the CPU seconds each of its
 processes used during the measured run (bench/proc_cpu.py: worker, scheduler, gateway,
 redis-server …), with the benchmark client's own.
+
+`--dtype auto|float32|bfloat16` serves every contender in that dtype (`auto`: each its own
+rule -- pagedserve the checkpoint's where the CPU computes it natively, transformers the
+checkpoint's); `--quantization int8` quantizes the stack's and the engine's weights
+(Hugging Face's contenders run in `--dtype`). Every table names the machine (CPU model and
+the flags that decide the dtype paths: avx512_bf16, amx_bf16, amx_int8, VNNI ...). A
+server that exits before or during its run fails the benchmark with the end of its log.
 
 `--device cuda` runs every contender on a GPU (the stack's and the engine's workers,
 `transformers serve --device`, static generate() with the model there).
@@ -42,46 +47,88 @@ import time
 import urllib.request
 from pathlib import Path
 
-from compose.launcher import free_port
-from proto.metrics_scrape import Samples, metric, scrape
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the repository before bench/: bench/kernels.py must not shadow kernels/
+
+from compose.launcher import free_port  # noqa: E402
+from kernels.cpu_features import cpu_features  # noqa: E402
+from proto.metrics_scrape import Samples, metric, scrape  # noqa: E402
+
 sys.path.append(str(HERE))  # after the repository: bench/kernels.py must not shadow kernels/
 from proc_cpu import cpu_by_process, cpu_used  # noqa: E402
-CONTENDERS = ("stack", "engine", "hf-serve", "hf-static", "stack-async", "stack-multistep")
+CONTENDERS = ("stack", "engine", "hf-serve", "hf-static", "stack-async")
 STEPS, GAPS = "pagedserve:step_duration_seconds", "pagedserve:step_gap_seconds"
 
 
-def wait_http(url: str, timeout: float = 600.0) -> None:
+class ServerDied(RuntimeError):
+    """A contender's server exited: the message carries the end of its log."""
+
+
+def log_tail(log: Path, chars: int = 4000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
+
+
+def check_alive(proc: subprocess.Popen, name: str, log: Path) -> None:
+    if proc.poll() is not None:
+        raise ServerDied(f"{name} exited with status {proc.returncode}; the end of its log "
+                         f"({log}):\n{log_tail(log)}")
+
+
+def wait_http(url: str, proc: subprocess.Popen, name: str, log: Path, timeout: float = 600.0) -> None:
+    """Until `url` answers; ServerDied as soon as the server exits, TimeoutError after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        check_alive(proc, name, log)
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
         except OSError:
             time.sleep(0.5)
-    raise TimeoutError(url)
+    raise TimeoutError(f"{url}: no answer in {timeout:.0f} s; the end of {name}'s log:\n{log_tail(log)}")
+
+
+def run_client(cmd: list[str], proc: subprocess.Popen, name: str, log: Path, **kwargs) -> None:
+    """Run a bench/serve.py command against a live server; if the server exits first, stop
+    the client and raise ServerDied (the client would otherwise wait on its requests)."""
+    client = subprocess.Popen(cmd, **kwargs)
+    try:
+        while client.poll() is None:
+            if proc.poll() is not None:
+                client.kill()
+                client.wait()
+                check_alive(proc, name, log)
+            time.sleep(0.2)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    if client.returncode != 0:
+        raise subprocess.CalledProcessError(client.returncode, cmd)
 
 
 def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Popen, str, list[str]]:
     """Returns (process, base_url, extra bench/serve.py args)."""
     model = str(Path(args.model_dir).resolve())
     served = Path(model).name
-    runner = ["--device", args.device, *(["--threads", str(args.threads)] if args.threads else [])]
-    if name in ("stack", "stack-async", "stack-multistep"):
+    runner = ["--device", args.device, "--dtype", args.dtype,
+              *(["--quantization", args.quantization] if args.quantization != "none" else []),
+              *(["--threads", str(args.threads)] if args.threads else [])]
+    if name in ("stack", "stack-async"):
         cmd = [sys.executable, "-m", "compose.cli", "up", "--model", model, "--port", str(port),
                "--run-dir", str(log.parent / f"run-{name}"),
-               *(f"--worker-arg={a}" for a in runner)]
+               *(f"--worker-arg={a}" for a in runner)]  # one argv item each: --dtype, then its value
         if name == "stack-async":
             cmd.append("--scheduler-arg=--async-scheduling=on")
-        if name == "stack-multistep":
-            cmd.append(f"--scheduler-arg=--num-scheduler-steps={args.num_scheduler_steps}")
         extra = ["--model", served]
     elif name == "engine":
         cmd = [sys.executable, "-m", "compose.cli", "engine", "--model", model, "--port", str(port), *runner]
         extra = ["--model", served]
     elif name == "hf-serve":
-        cmd = ["transformers", "serve", "--continuous-batching", "--device", args.device, "--port", str(port), model]
+        cmd = ["transformers", "serve", "--continuous-batching", "--device", args.device, "--dtype", args.dtype,
+               "--port", str(port), model]
         # It takes text only and has no ignore_eos: text prompts, EOS left on (a random model
         # rarely emits it; output throughput counts the tokens actually produced).
         extra = ["--model", model, "--prompt-mode", "text", "--no-ignore-eos", "--no-token-ids"]
@@ -93,13 +140,18 @@ def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Pope
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    wait_http(f"{base}/v1/models" if name != "hf-serve" else f"{base}/health")
-    if name.startswith("stack"):  # the gateway answers before it sees workers: wait for the model too
-        deadline = time.monotonic() + 600
-        while served.encode() not in urllib.request.urlopen(f"{base}/v1/models").read():
-            if time.monotonic() > deadline:
-                raise TimeoutError("stack never listed the model")
-            time.sleep(0.5)
+    try:
+        wait_http(f"{base}/v1/models" if name != "hf-serve" else f"{base}/health", proc, name, log)
+        if name.startswith("stack"):  # the gateway answers before it sees workers: wait for the model too
+            deadline = time.monotonic() + 600
+            while served.encode() not in urllib.request.urlopen(f"{base}/v1/models").read():
+                check_alive(proc, name, log)  # `up` restarts a crashing worker: its log says so
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"stack never listed the model; the end of its log:\n{log_tail(log)}")
+                time.sleep(0.5)
+    except BaseException:
+        stop(proc)
+        raise
     return proc, f"{base}/v1", extra
 
 
@@ -153,7 +205,7 @@ def run_one(name: str, args, round_no: int, out_dir: Path) -> dict:
     if name == "hf-static":
         cmd = [sys.executable, str(HERE / "static_generate.py"), "--model-dir", args.model_dir,
                "--batch-size", str(args.concurrency), *workload_args(args)[2:], "--out", str(out),
-               "--device", args.device]
+               "--device", args.device, "--dtype", args.dtype]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         subprocess.run(cmd, check=True)
@@ -161,15 +213,15 @@ def run_one(name: str, args, round_no: int, out_dir: Path) -> dict:
         proc, base_url, extra = start_server(name, args, free_port(), log)
         try:
             # A short warm-up (allocators, lazy imports, first compiles) that is not measured.
-            subprocess.run([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
-                            "--tokenizer", args.model_dir, "--num-requests", "4", "--concurrency", "4",
-                            "--output-mean", "8", "--quiet"], check=True, stdout=subprocess.DEVNULL)
+            run_client([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
+                        "--tokenizer", args.model_dir, "--num-requests", "4", "--concurrency", "4",
+                        "--output-mean", "8", "--quiet"], proc, name, log, stdout=subprocess.DEVNULL)
             server = base_url.removesuffix("/v1")
             before = settled_samples(server) if name != "hf-serve" else None
             cpu_before = cpu_by_process(proc.pid)
-            subprocess.run([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
-                            "--label", name, "--concurrency", str(args.concurrency), *workload_args(args),
-                            "--out", str(out)], check=True)
+            run_client([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
+                        "--label", name, "--concurrency", str(args.concurrency), *workload_args(args),
+                        "--out", str(out)], proc, name, log)
             result = json.loads(out.read_text())
             result["server_cpu_s"] = cpu_used(cpu_before, cpu_by_process(proc.pid))
             if before is not None:
@@ -207,9 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads of every contender")
     p.add_argument("--device", default="cpu", help="cpu|cuda|cuda:N, for every contender")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="every contender's dtype (auto: each its own default)")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="the stack's and the engine's weights (pagedserve --quantization)")
     p.add_argument("--out-dir", default="bench/results/compare")
-    p.add_argument("--num-scheduler-steps", type=int, default=4,
-                   help="the scheduler's --num-scheduler-steps for the stack-multistep contender")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -218,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.contenders:
             print(f"== round {round_no + 1}/{args.runs}: {name}", file=sys.stderr, flush=True)
             runs[name].append(run_one(name, args, round_no, out_dir))
-    summary = {"args": vars(args), "contenders": {}}
+    machine = cpu_features().describe()
+    summary = {"args": vars(args), "machine": machine, "contenders": {}}
     for name, results in runs.items():
         thr = [r["output_throughput"] for r in results]
         row = {"output_throughput_runs": thr, "output_throughput_median": statistics.median(thr)}
@@ -239,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                                            for b, x in zip(base_runs, row["output_throughput_runs"])]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     base = summary["contenders"].get("stack", {}).get("output_throughput_median")
-    print(f"\n{args.dataset}, {args.num_requests} requests, concurrency {args.concurrency}, "
+    quant = f", stack/engine weights {args.quantization}" if args.quantization != "none" else ""
+    print(f"\nmachine: {machine}; device {args.device}, dtype {args.dtype}{quant}")
+    print(f"{args.dataset}, {args.num_requests} requests, concurrency {args.concurrency}, "
           f"input mean {args.input_mean}, output mean {args.output_mean}; medians of {args.runs} runs\n")
     print("| contender | output tok/s (median) | runs | stack ÷ this | per round | TTFT p50 | TPOT p50 "
           "| step / gap (mean) |")

@@ -1,13 +1,14 @@
 """KV blocks a long generation holds on a model whose every layer slides (Mistral), against
 the same weights with full attention.
 
-    python bench/kv_window.py --model models/mistral-small --tokens 1536 --streams 4 \
-        --out bench/results/kv-window.json
+    python bench/kv_window.py --model models/mistral-small --window 256 --tokens 1536 \
+        --streams 4 --out bench/results/kv-window.json
 
-Both runs start a fresh stack on the checkpoint: once as it is (the window on every layer,
-so the scheduler gives back the blocks wholly behind it as each request advances), once
-from a copy whose config.json sets `sliding_window: null` (full attention: every block is
-kept). `--streams` requests each generate `--tokens` tokens (ignore_eos) from a short
+Both runs start a fresh stack on a copy of the checkpoint: once with its window on every
+layer (`--window` replaces the checkpoint's `sliding_window`, so a CPU run can show a
+window well inside the generation), so the scheduler gives back the blocks wholly behind
+it as each request advances; once with `sliding_window: null` (full attention: every block
+is kept). `--streams` requests each generate `--tokens` tokens (ignore_eos) from a short
 prompt, at once; the scheduler's WorkerStats are sampled meanwhile. Reports, for each run,
 the blocks in use against the tokens the requests hold, and the peak.
 """
@@ -56,18 +57,20 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--tokens", type=int, default=1536, help="tokens each request generates")
     p.add_argument("--streams", type=int, default=4, help="requests generating at once")
+    p.add_argument("--window", type=int, help="measure with this sliding_window instead of the checkpoint's")
     args = p.parse_args(argv)
     model = Path(args.model)
-    window = json.loads((model / "config.json").read_text()).get("sliding_window")
+    cfg = json.loads((model / "config.json").read_text())
+    window = args.window or cfg.get("sliding_window")
     if not window:
         p.error(f"{model} sets no sliding_window")
     with tempfile.TemporaryDirectory() as tmp:
-        full = Path(tmp) / "full-attention"
-        shutil.copytree(model, full)
-        cfg = json.loads((full / "config.json").read_text())
-        (full / "config.json").write_text(json.dumps({**cfg, "sliding_window": None}))
-        runs = {"window": measure(model, args, Path(tmp) / "run-window"),
-                "full": measure(full, args, Path(tmp) / "run-full")}
+        copies = {}
+        for name, value in (("window", window), ("full", None)):  # same weights, two configs
+            copies[name] = Path(tmp) / name
+            shutil.copytree(model, copies[name])
+            (copies[name] / "config.json").write_text(json.dumps({**cfg, "sliding_window": value}))
+        runs = {name: measure(path, args, Path(tmp) / f"run-{name}") for name, path in copies.items()}
     bs = runs["window"]["block_size"]
     per_request_window = -(-window // bs) + 1
     print(f"{args.streams} requests x {args.tokens} tokens, window {window}, blocks of {bs}")

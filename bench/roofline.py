@@ -105,9 +105,11 @@ class Cost:
         return Cost(self.flops + other.flops, self.bytes + other.bytes)
 
 
-def step_cost(cfg: DecoderConfig, elem: int, work: list[tuple[int, int, bool]]) -> Cost:
+def step_cost(cfg: DecoderConfig, elem: int, work: list[tuple[int, int, bool]],
+              layer_elem: int | None = None) -> Cost:
     """FLOPs and bytes of one step; `work` = (tokens computed before, tokens now, samples?)
-    per request."""
+    per request; `layer_elem`: bytes per weight of the layers' linears when they differ
+    from `elem` (1 with int8 weights; the LM head keeps `elem`)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layer_params = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size \
         + 3 * cfg.hidden_size * cfg.intermediate_size
@@ -120,7 +122,7 @@ def step_cost(cfg: DecoderConfig, elem: int, work: list[tuple[int, int, bool]]) 
              + 4 * cfg.num_heads * cfg.head_dim * attended * cfg.num_layers)
     kv_read = sum(c + n for c, n, _ in work) * 2 * kv * elem * cfg.num_layers
     kv_written = tokens * 2 * kv * elem * cfg.num_layers
-    weights = (layer_params * cfg.num_layers + head_params) * elem
+    weights = layer_params * cfg.num_layers * (layer_elem or elem) + head_params * elem
     return Cost(flops, weights + kv_read + kv_written)
 
 
@@ -131,7 +133,8 @@ class Driver:
         self.runner = ModelRunner(RunnerConfig(model=args.model_dir,
                                                kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
                                                attention_backend=args.attention_backend,
-                                               device=args.device, dtype=args.dtype))
+                                               device=args.device, dtype=args.dtype,
+                                               quantization=args.quantization))
         info = self.runner.describe()
         self.scheduler = BatchScheduler(
             SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
@@ -139,6 +142,7 @@ class Driver:
             max_model_len=info.max_model_len, num_cpu_blocks=0)
         self.cfg = self.runner.model_config
         self.elem = torch.empty((), dtype=self.runner.dtype).element_size()
+        self.layer_elem = 1 if args.quantization == "int8" else None
         self.count = 0
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
@@ -161,7 +165,7 @@ class Driver:
         output = self.runner.step(step)
         elapsed = time.perf_counter() - start
         self.scheduler.update(step, output.result)
-        return step, output.result, elapsed, step_cost(self.cfg, self.elem, work)
+        return step, output.result, elapsed, step_cost(self.cfg, self.elem, work, self.layer_elem)
 
 
 def decode_roofline(args, rate: float, bandwidth: float) -> dict:
@@ -224,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", default="models/small")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--device", default="cpu", help="cpu|cuda|cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's)|float32|bfloat16|float16")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's where native)|float32|bfloat16|float16")
+    p.add_argument("--quantization", choices=["int8"],
+                   help="int8 weights (the floor then counts the quantized layers' weights at 1 byte)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=320, help="tokens of context per request")
@@ -245,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = resolve_dtype(args.dtype, load_config(args.model_dir))  # the runner's
+    dtype, _ = resolve_dtype(args.dtype, load_config(args.model_dir), device)  # the runner's
     rate, bandwidth = machine_limits(device, dtype)
     kind = "memory read" if device.type == "cpu" else "device copy"
     result = dict(device=str(device), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),

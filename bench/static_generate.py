@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--device", default="cpu", help="cpu|cuda|cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's)|float32|bfloat16|float16")
     p.add_argument("--label", default="transformers generate (static batches)")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                         token_high=args.vocab_high, seed=args.seed)
     workload = make_workload(spec, args.model_dir)  # the servers' exact prompts (bench/serve.py --tokenizer)
     device = torch.device(args.device)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=args.dtype).to(device).eval()
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else 0
     with torch.no_grad():  # warm-up, as the servers get: allocators, lazy init

@@ -5,6 +5,7 @@
     pagedserve scheduler   ...
     pagedserve worker      --model DIR ...
     pagedserve make-model  DIR --preset tiny|small|1b
+    pagedserve compose-gpu --gpus N|0,1,...                           compose override: a GPU per worker
     pagedserve bench       --base-url URL ...                        the serving benchmark
 
 Every flag `--some-flag` also reads `PAGEDSERVE_SOME_FLAG` from the environment (the flag wins).
@@ -45,6 +46,8 @@ COMMANDS: dict[str, Command] = {
                      flags.add_bench_flags, commands.run_bench),
     "make-model": Command("write a random-weight HF checkpoint with a local tokenizer",
                           flags.add_make_model_flags, commands.run_make_model),
+    "compose-gpu": Command("print a compose override file with one worker service per GPU",
+                           flags.add_compose_gpu_flags, commands.run_compose_gpu),
 }
 
 

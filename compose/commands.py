@@ -25,8 +25,10 @@ def _runner_config(args: argparse.Namespace):
 
     return RunnerConfig(
         model=args.model, served_model_name=args.served_model_name, block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory, num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
         swap_space_bytes=args.swap_space, max_model_len=args.max_model_len, dtype=args.dtype,
+        quantization=None if args.quantization == "none" else args.quantization,
         device=args.device, attention_backend=args.attention_backend, seed=args.seed,
     )
 
@@ -37,8 +39,7 @@ def _batching_config(args: argparse.Namespace):
     return SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                            max_num_seqs=args.max_num_seqs,
                            enable_prefix_caching=not args.no_prefix_caching,
-                           preemption_mode=args.preemption_mode,
-                           num_scheduler_steps=args.num_scheduler_steps)
+                           preemption_mode=args.preemption_mode)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -47,7 +48,8 @@ def run_worker(args: argparse.Namespace) -> int:
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     serve(WorkerServiceConfig(runner=_runner_config(args), host=args.host, port=args.port,
                               advertise_host=args.advertise_host, redis_url=args.redis_url,
-                              key_prefix=args.key_prefix, metrics_port=args.metrics_port, **extra))
+                              key_prefix=args.key_prefix, metrics_port=args.metrics_port,
+                              drain_timeout_s=args.drain_timeout, **extra))
     return 0
 
 
@@ -58,7 +60,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
     config = SchedulerServiceConfig(batching=_batching_config(args), redis_url=args.redis_url,
                                     key_prefix=args.key_prefix, metrics_host=args.metrics_host,
                                     metrics_port=args.metrics_port,
-                                    async_scheduling=args.async_scheduling, **extra)
+                                    async_scheduling=args.async_scheduling,
+                                    max_waiting_requests=args.max_waiting_requests, **extra)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -74,8 +77,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
 def _serve_http(app, args: argparse.Namespace) -> None:
     """The OpenAI API under uvicorn, on uvloop with the httptools parser (the gateway and
     the engine alike), as `uvicorn[standard]` would pick: less CPU per streamed token than
-    asyncio's loop and h11 (about 10% of the gateway's on the serving benchmark,
-    docs/performance.md), CPU the model needs where both share a machine."""
+    asyncio's loop and h11 (5-12% of the gateway's on the serving benchmark:
+    docs/performance.md, "The gateway's event loop"), CPU the model needs where both share a
+    machine."""
     import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
@@ -108,6 +112,13 @@ def run_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_compose_gpu(args: argparse.Namespace) -> int:
+    from compose.gpu_override import write_override
+
+    write_override(args.gpus, args.gpu_memory_utilization)
+    return 0
+
+
 def run_up(args: argparse.Namespace) -> int:
     from compose.launcher import Stack, StackConfig
 
@@ -120,6 +131,7 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"no --model given: making the `{args.preset}` preset in {model} (once)", flush=True)
             make_model(Path(model), preset=args.preset, seed=0)
     config = StackConfig(model=model, host=args.host, port=args.port, workers=args.workers,
+                         schedulers=args.schedulers,
                          redis_url=args.redis_url, run_dir=Path(args.run_dir),
                          worker_args=tuple(args.worker_arg), scheduler_args=tuple(args.scheduler_arg),
                          gateway_args=tuple(args.gateway_arg))

@@ -24,11 +24,10 @@ from proto.messages import NewRequest, TokenEvent, WorkerStats
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.metrics import WorkerRecorder
-from scheduler_svc.stats import worker_stats
+from scheduler_svc.metrics import worker_stats
 from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
-from worker_svc.model_runner import ModelRunner, StepOutput
-from worker_svc.multi_step import run_passes
+from worker_svc.model_runner import ModelRunner
 from worker_svc.step_gap import StepGap
 
 log = logging.getLogger("pagedserve.engine")
@@ -57,12 +56,12 @@ class InProcessEngine:
         self.info = info = self.runner.describe()
         self.scheduler = BatchScheduler(config.batching, num_blocks=info.num_blocks,
                                         block_size=info.block_size, max_model_len=info.max_model_len,
-                                        num_cpu_blocks=info.num_cpu_blocks)
+                                        num_cpu_blocks=info.num_cpu_blocks,
+                                        sliding_window=info.sliding_window or None)
         self._on_events = on_events
         self._inbox: list[NewRequest | str] = []  # NewRequest to add, str = request id to abort
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._arrived = threading.Event()  # a request was submitted since the inbox was drained
         self._stop = threading.Event()
         self._loop: Future | None = None  # the engine loop, once started
         self.stats: WorkerStats | None = None  # refreshed on the engine thread, read anywhere
@@ -84,7 +83,6 @@ class InProcessEngine:
     def submit(self, request: NewRequest) -> None:
         with self._lock:
             self._inbox.append(request)
-            self._arrived.set()
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -98,7 +96,6 @@ class InProcessEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             self._wake.clear()
-            self._arrived.clear()
         for item in inbox:
             if isinstance(item, str):
                 self.scheduler.abort_request(item)
@@ -136,8 +133,9 @@ class InProcessEngine:
         self._refresh_stats(idle=False)
         self.recorder.scheduled(self.scheduler, step)
         try:
-            # A request submitted meanwhile ends a multi-step step early, as a Cut does.
-            output = run_passes(self.runner, step, self._gap, self._pass_done, self._arrived.is_set)
+            self._gap.start()
+            output = self.runner.step(step)
+            self._gap.end(step, output.result)
         except Exception:  # fail what ran, keep serving the rest
             log.exception("step %d failed", step.step_id)
             self._fail(self.scheduler.drain(), "the model step failed; see the server log")
@@ -146,11 +144,6 @@ class InProcessEngine:
             self._on_events(output.events)
         finished = self.scheduler.update(step, output.result)
         self.recorder.stepped(self.scheduler, step, output.result, finished)
-
-    def _pass_done(self, output: StepOutput) -> None:
-        """A pass of a multi-step step (worker_svc/multi_step.py) ended: its events out."""
-        if output.events:
-            self._on_events(output.events)
 
     def is_alive(self) -> bool:
         """True while the engine loop runs."""

@@ -31,14 +31,23 @@ def add_common_flags(f: EnvFlags) -> None:
 def add_runner_flags(f: EnvFlags) -> None:
     """The model runner's flags: shared by `worker` and `engine`."""
     f.add("--model", required=True, help="Hugging Face checkpoint folder")
-    f.add("--served-model-name", help="name clients use (default: the folder's name)")
+    f.names("--served-model-name", help="names clients use, the first one reported (default: the "
+                                       "folder's name, or the Hub id)")
     f.add("--block-size", type=int, default=16, help="tokens per KV block")
     f.add("--kv-cache-memory", type=parse_bytes, default="256MiB", help="memory for the KV cache")
-    f.add("--num-blocks", type=int, help="KV blocks (overrides --kv-cache-memory)")
+    f.add("--gpu-memory-utilization", type=float,
+          help="on a GPU, size the KV cache so the worker fills this share of the device's memory "
+               "(e.g. 0.9; overrides --kv-cache-memory)")
+    f.add("--num-blocks", type=int, help="KV blocks (overrides --kv-cache-memory and --gpu-memory-utilization)")
     f.add("--swap-space", type=parse_bytes, default="256MiB",
           help="CPU memory for blocks swapped out (--preemption-mode swap on the scheduler)")
     f.add("--max-model-len", type=int, help="default: the model's max_position_embeddings")
-    f.add("--dtype", default="auto", help="auto|float32|bfloat16|float16")
+    f.add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+          help="weights, activations and KV cache; auto: the checkpoint's dtype where the "
+               "device computes it natively (CPU: AVX512-BF16/AMX for bf16), else float32")
+    f.add("--quantization", choices=["none", "int8"], default="none",
+          help="int8: the linear layers' weights (not the LM head) in int8, per output channel, "
+               "quantized at load; matmuls with int8 dot products (VNNI/AMX-INT8) where torch has them")
     f.add("--device", default="cpu", help="cpu|cuda|cuda:N")
     f.add("--attention-backend", default="auto", help="auto|torch|cpu|triton")
     f.add("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -52,11 +61,6 @@ def add_batching_flags(f: EnvFlags) -> None:
     f.switch("--no-prefix-caching", help="compute every prompt in full")
     f.add("--preemption-mode", default="recompute", choices=["recompute", "swap"],
           help="free a preempted request's blocks (recompute) or move them to the worker's CPU swap space")
-    f.add("--num-scheduler-steps", type=int, default=1,
-          help="multi-step decoding: a step planned while no request waits runs up to this many "
-               "forward passes, one scheduler round trip for all of them; a request arriving "
-               "ends it after the current pass. 1 = off. Steps planned ahead (--async-scheduling) "
-               "have one pass")
 
 
 def add_worker_flags(f: EnvFlags) -> None:
@@ -65,6 +69,9 @@ def add_worker_flags(f: EnvFlags) -> None:
     f.add("--port", type=int, default=50051, help="gRPC port (0 = any free one)")
     f.add("--advertise-host", help="address schedulers dial (default: --host)")
     f.add("--worker-id", help="default: random")
+    f.add("--drain-timeout", type=float, default=30.0,
+          help="on SIGTERM, seconds to let running requests finish (no new ones come) before "
+               "handing the rest to other workers; 0 = hand over at once")
     f.add("--metrics-port", type=int, default=0,
           help="serve Prometheus /metrics (steps) on --host at this port; 0 = off")
     add_common_flags(f)
@@ -76,6 +83,9 @@ def add_scheduler_flags(f: EnvFlags) -> None:
     f.add("--async-scheduling", default="auto", choices=["auto", "on", "off"],
           help="plan each step while the one before runs on the worker (on), or after its "
                "result (off); auto: on for workers on an accelerator, off on the CPU")
+    f.add("--max-waiting-requests", type=int, default=1024,
+          help="requests waiting for a step at most; beyond it the gateway answers 429 with "
+               "Retry-After (0 = no bound)")
     f.add("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
     f.add("--metrics-port", type=int, default=0,
           help="serve Prometheus /metrics (every worker's accounting) at this port; 0 = off")
@@ -100,6 +110,8 @@ def add_up_flags(f: EnvFlags) -> None:
     f.add("--host", default="127.0.0.1")
     f.add("--port", type=int, default=8000)
     f.add("--workers", type=int, default=1)
+    f.add("--schedulers", type=int, default=1,
+          help="schedulers to run: one leads (a lease in Redis), the others stand by to take over")
     f.add("--redis-url", help="use this Redis instead of starting one")
     f.add("--run-dir", default=".run", help="logs of every process go here")
     p = f.parser
@@ -118,6 +130,15 @@ def add_make_model_flags(f: EnvFlags) -> None:
     f.add("--preset", default="tiny", choices=["tiny", "small", "1b"])
     f.add("--arch", default="llama")
     f.add("--seed", type=int, default=0)
+
+
+def add_compose_gpu_flags(f: EnvFlags) -> None:
+    from compose.gpu_override import gpu_ids  # yaml: only this command loads it
+
+    f.parser.add_argument("--gpus", type=gpu_ids, required=True,
+                          help="a count (4: GPUs 0-3) or the ids (0,2,3): one worker service each")
+    f.parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                          help="each worker fills this share of its GPU's memory (KV cache sized to it)")
 
 
 def gateway_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ import time
 
 from compose.engine import EngineConfig, InProcessEngine
 from gateway.event_queues import EventQueues
-from proto.messages import NewRequest, TokenEvent, WorkerRegistration, WorkerStats
+from proto.messages import NewRequest, SchedulerHeartbeat, TokenEvent, WorkerRegistration, WorkerStats
 
 REPLY_CHANNEL = "in-process"
 
@@ -58,6 +58,18 @@ class InProcessBackend(EventQueues):
 
     async def live_workers(self) -> list[WorkerRegistration]:
         return [self._registration] if self._registration else []
+
+    async def schedulers(self) -> list[SchedulerHeartbeat]:
+        """The engine is its own scheduler: live while its thread runs, no waiting bound."""
+        if self._engine is None or not self._engine.is_alive() or self._registration is None:
+            return []
+        return [SchedulerHeartbeat(scheduler_id="in-process", worker_ids=[self._registration.worker_id],
+                                   num_waiting=0, max_waiting_requests=0, interval_s=0.0,
+                                   updated_at=time.time())]
+
+    @property
+    def subscribed(self) -> bool:
+        return True  # events come straight from the engine's thread
 
     async def worker_stats(self) -> list[WorkerStats]:
         stats = self._engine.stats if self._engine is not None else None

@@ -1,8 +1,10 @@
 """The local launcher: the same services `docker-compose.yml` runs, as child processes.
 
 Start order: Redis (unless a URL is given) → workers (ready once registered in Redis) →
-scheduler → gateway (ready once `/health` answers and it sees the workers). Stop order
-is the reverse; every child gets SIGTERM, then SIGKILL if it lingers. The scheduler and
+scheduler → gateway (ready once `/health/ready` answers and it lists the model). Stop order
+is the reverse; every child gets SIGTERM, then SIGKILL if it lingers. While it runs
+(`wait`), a child that exits on its own is restarted with the same command line, after a
+backoff (compose/restarts.py), and both are logged. The scheduler and
 each worker serve /metrics on a free port of their own (`metrics_urls`), unless their
 extra args name one.
 """
@@ -24,8 +26,10 @@ from pathlib import Path
 import redis
 
 from compose.flags import gateway_parser
+from compose.restarts import RestartBackoff
 from gateway.config import config_from_args
 from proto.keys import RedisKeys
+from proto.registry import WorkerRegistry
 
 
 def _die_with_parent() -> None:
@@ -50,6 +54,7 @@ class StackConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 1
+    schedulers: int = 1  # one leads; the others stand by (scheduler_svc/leader.py)
     redis_url: str | None = None  # None: start a redis-server on a free port
     key_prefix: str = "pagedserve"
     run_dir: Path = Path(".run")
@@ -64,6 +69,8 @@ class Stack:
     def __init__(self, config: StackConfig):
         self.config = config
         self.procs: dict[str, subprocess.Popen] = {}
+        self._argv: dict[str, list[str]] = {}  # each child's command line, to restart it
+        self.restarts = RestartBackoff()
         self.redis_url = config.redis_url or ""
         self.keys = RedisKeys(config.key_prefix)
         self._worker_count = 0
@@ -115,13 +122,12 @@ class Stack:
         for _ in range(self.config.workers):
             self.add_worker(wait=False)
         self.wait_for_workers(self.config.workers)
-        self._spawn("scheduler", self._service(
-            "scheduler", *self._metrics_port("scheduler", self.config.scheduler_args),
-            *self.config.scheduler_args))
+        for i in range(self.config.schedulers):
+            self.add_scheduler(i)
         self._spawn("gateway", self._service(
             "gateway", "--model", self.config.model, "--host", self.config.host,
             "--port", str(self.config.port), *self.config.gateway_args))
-        self._wait_for(self._gateway_ready, "the gateway to answer /health and see the workers")
+        self._wait_for(self._gateway_ready, "the gateway to be ready and see the workers")
 
     def _start_redis(self) -> None:
         binary = shutil.which("redis-server")
@@ -143,6 +149,16 @@ class Stack:
             self._wait_for(lambda: name in self.live_worker_ids(), f"{name} to register")
         return name
 
+    def add_scheduler(self, index: int) -> str:
+        """Scheduler `index`: `scheduler` for the first, `scheduler-<i>` (consumer name
+        `scheduler-<hostname>-<i>`) for each standby beside it."""
+        name = "scheduler" if index == 0 else f"scheduler-{index}"
+        args = self.config.scheduler_args
+        if index:
+            args = ("--consumer-name", f"scheduler-{socket.gethostname()}-{index}", *args)
+        self._spawn(name, self._service("scheduler", *self._metrics_port(name, args), *args))
+        return name
+
     def _metrics_port(self, name: str, args: tuple[str, ...]) -> tuple[str, ...]:
         """`--metrics-port N` on a free port, unless `args` choose one."""
         if any(a.startswith("--metrics-port") for a in args):
@@ -155,6 +171,7 @@ class Stack:
                 "--key-prefix", self.config.key_prefix, *args]
 
     def _spawn(self, name: str, argv: list[str]) -> None:
+        self._argv[name] = argv
         log = open(self.config.run_dir / f"{name}.log", "ab")
         env = {**os.environ, **self.config.env}
         # A new session: Ctrl-C reaches us only, and we stop them in order. The parent-death
@@ -169,9 +186,8 @@ class Stack:
         return redis.Redis.from_url(self.redis_url, socket_timeout=2)
 
     def live_worker_ids(self) -> list[str]:
-        client = self._redis()
-        ids = sorted(m.decode() for m in client.smembers(self.keys.workers))
-        return [i for i in ids if client.exists(self.keys.worker(i))]
+        with self._redis() as client:
+            return list(WorkerRegistry(self.keys).read_blocking(client).live)
 
     def wait_for_workers(self, n: int) -> None:
         self._wait_for(lambda: len(self.live_worker_ids()) >= n, f"{n} worker(s) to register")
@@ -181,7 +197,7 @@ class Stack:
         key = keys[0] if keys else None
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            url = f"http://{self.config.host}:{self.config.port}/health"
+            url = f"http://{self.config.host}:{self.config.port}/health/ready"
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2):
                 pass
             request = urllib.request.Request(f"{self.base_url}/models", headers=headers)
@@ -221,24 +237,42 @@ class Stack:
             return proc.wait()
 
     def stop(self) -> None:
-        order = ["gateway", "scheduler", *sorted(n for n in self.procs if n.startswith("worker")), "redis"]
+        order = ["gateway", *sorted(n for n in self.procs if n.startswith("scheduler")),
+                 *sorted(n for n in self.procs if n.startswith("worker")), "redis"]
         for name in order:
             self.stop_process(name)
 
     def wait(self) -> bool:
-        """Block until Ctrl-C / SIGTERM (True), or until a service dies on its own (False)."""
+        """Block until Ctrl-C / SIGTERM, restarting services that die meanwhile (`supervise`)."""
         stopping = []
         previous = signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
         try:
             while not stopping:
-                dead = [n for n, p in self.procs.items() if p.poll() is not None]
-                if dead:
-                    print(f"pagedserve: {', '.join(dead)} exited; stopping the stack "
-                          f"(logs in {self.config.run_dir}/)", file=sys.stderr)
-                    return False
+                self.supervise()
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
         finally:
             signal.signal(signal.SIGTERM, previous)
         return True
+
+    def supervise(self) -> list[str]:
+        """Restart every child that exited on its own and whose backoff has passed (the
+        same command line; a worker keeps its id, Redis its port); the names restarted.
+        Call it from a thread that outlives the children it starts (the main thread, or
+        one running until the stack stops): Linux sends a child its parent-death signal
+        when the *thread* that started it ends."""
+        restarted = []
+        for name, proc in list(self.procs.items()):
+            if proc.poll() is None or name in self._stopped:
+                continue
+            now = time.monotonic()
+            wait = self.restarts.due(name, now)
+            if wait > 0:
+                continue
+            print(f"pagedserve: {name} exited with {proc.returncode}; restarting it "
+                  f"(log: {self.config.run_dir / (name + '.log')})", file=sys.stderr, flush=True)
+            self._spawn(name, self._argv[name])
+            self.restarts.restarted(name, now)
+            restarted.append(name)
+        return restarted

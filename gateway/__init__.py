@@ -8,7 +8,8 @@
     auth.py          API keys: bearer check on /v1 before routing, constant-time compare
     metrics.py       Prometheus metrics (/metrics)
     preflight.py     body limit, parsing, model / live worker, tokenizing, context check, n fan-out
-    tokenizer.py     the checkpoint's tokenizer and chat template
+    tokenizer.py     the checkpoint's tokenizer and chat template (or --chat-template's)
+    sampling_defaults.py  generation_config.json's sampling defaults (--generation-config)
     detokenizer.py   incremental detokenization (tokenizers' DecodeStream)
     token_text.py    one token's text and bytes, for logprobs
     stop_strings.py  cutting text at stop strings, with hold-back while streaming
@@ -17,4 +18,11 @@
     responses.py     completion and chat response / chunk shapes, logprobs, echo
     serving.py       the Generations of one request (n choices) as an SSE stream or one
                      JSON body; disconnect → abort
+    generation_group.py  several prompts of one /v1/completions request answered as one
+    structured_output.py response_format / structured_outputs / guided_* → a checked Grammar
+    tools.py         tools + tool_choice → a tool parser and, for forced calls, a grammar
+    tool_parsers/    the call formats of model families (hermes, llama3_json, mistral) and of
+                     forced calls; tool_calls and their stream deltas
+    responses_request.py, responses_output.py   the Responses API (/v1/responses)
+    tokenize_models.py   /tokenize and /detokenize shapes
 """

@@ -3,6 +3,8 @@ serving (SSE or JSON). Everything stateful lives on `app.state`, made by `create
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -11,30 +13,41 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from gateway.backend import RedisBackend
 from gateway.config import GatewayConfig
-from gateway.errors import OpenAIError, install_error_handlers
+from gateway.errors import OpenAIError, from_validation_errors, install_error_handlers
 from gateway.generation import Generation
+from gateway.generation_group import Generating, GenerationGroup
+from gateway.health import router as health_router
 from gateway.auth import APIKeyMiddleware, APIKeys
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.preflight import Admitted, Preflight, parse, read_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.response_models import ModelCard, ModelList
-from gateway.responses import ChatFormat, CompletionFormat, Echo, ResponseFormat
+from gateway.tokenize_models import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
+                                     TokenizeCompletionRequest, TokenizeResponse)
+from gateway.responses_output import ResponsesFormat
+from gateway.responses_request import ResponsesRequest, as_responses_error, chat_body
+from gateway.responses import ChatFormat, CompletionFormat, CompletionPrompt, Echo, ResponseFormat
+from gateway.sampling_defaults import SamplingDefaults
 from gateway.serving import collect, stream_sse
 from gateway.token_text import TokenTexts
 from gateway.tokenizer import PromptTokenizer
 from proto.keys import RedisKeys
+from proto.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend] | None = None) -> FastAPI:
-    """The gateway app. Loads the tokenizer now; connects to Redis in the lifespan."""
-    tokenizer = PromptTokenizer(config.model)
+    """The gateway app. Loads the tokenizer now (a folder, or a Hub id from the cache, found
+    the way the worker finds it); connects to Redis in the lifespan."""
+    model_dir = resolve_model(config.model)
+    tokenizer = PromptTokenizer(model_dir, config.chat_template)
+    sampling_defaults = SamplingDefaults.load(config.generation_config, model_dir)
     token_texts = TokenTexts(tokenizer)
 
     @asynccontextmanager
@@ -45,7 +58,7 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
             config.redis_url, RedisKeys(config.key_prefix), config.worker_cache_ttl_s)
         await backend.start()
         app.state.backend = backend
-        app.state.preflight = Preflight(config, backend, tokenizer)
+        app.state.preflight = Preflight(config, backend, tokenizer, sampling_defaults)
         try:
             yield
         finally:
@@ -55,6 +68,7 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
     app.state.config = config
     app.state.tokenizer = tokenizer
     install_error_handlers(app)
+    app.include_router(health_router)
     app.add_middleware(APIKeyMiddleware, keys=APIKeys(config.api_keys),
                        protect_metrics=config.protect_metrics)
     metrics = GatewayMetrics(config.model_name)
@@ -74,55 +88,130 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
             logger.warning("could not read worker stats: %s", exc)
         return metrics.response()
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> ModelList:
-        """The served model, listed while at least one live worker serves it."""
-        preflight: Preflight = request.app.state.preflight
+    async def live_max_model_len(request: Request) -> int | None:
+        """The served model's context length, None while no live worker serves it."""
         try:
-            max_model_len = await preflight.max_model_len(None)
+            return await request.app.state.preflight.max_model_len(None)
         except OpenAIError as exc:
             if exc.code != "no_live_worker":
                 raise
+            return None
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        """Every served name, listed while at least one live worker serves the model."""
+        max_model_len = await live_max_model_len(request)
+        if max_model_len is None:
             return ModelList(data=[])
-        return ModelList(data=[ModelCard(id=config.model_name, root=config.model,
-                                         max_model_len=max_model_len)])
+        return ModelList(data=[ModelCard(id=name, root=config.model, max_model_len=max_model_len)
+                               for name in config.model_names])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> ModelCard:
+        if model_id not in config.model_names:
+            raise OpenAIError(404, f"The model '{model_id}' does not exist.", param="model",
+                              code="model_not_found")
+        return ModelCard(id=model_id, root=config.model, max_model_len=await live_max_model_len(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> TokenizeResponse:
+        """vLLM's: a prompt's token ids as /v1/completions (`prompt`) or chat (`messages`) makes them."""
+        raw = await read_body(request, config.max_body_bytes)
+        try:
+            is_chat = "messages" in json.loads(raw)
+        except (ValueError, TypeError):
+            is_chat = False  # not a JSON object: parse() below says what is wrong
+        body = parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, raw)
+        request.app.state.preflight.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            ids = await asyncio.to_thread(
+                tokenizer.encode_chat, [m.template_dict() for m in body.messages],
+                tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+                add_generation_prompt=bool(body.add_generation_prompt),
+                continue_final_message=bool(body.continue_final_message),
+                template_kwargs=body.chat_template_kwargs or {}, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            ids = await asyncio.to_thread(tokenizer.encode_text, body.prompt, bool(body.add_special_tokens))
+        strs = [token_texts.text(i) for i in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=await live_max_model_len(request),
+                                tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        body = parse(DetokenizeRequest, await read_body(request, config.max_body_bytes))
+        request.app.state.preflight.check_model(body.model)
+        tokenizer.check_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await read_body(request, config.max_body_bytes))
-        admitted = await request.app.state.preflight.admit_completion(body)
-        echo = None
-        if body.echo:
-            text, offsets = tokenizer.text_with_offsets(admitted.prompt_token_ids)
-            echo = Echo(body.prompt if isinstance(body.prompt, str) else text, offsets)
-        fmt = CompletionFormat(admitted.request_id, config.model_name, admitted.prompt_token_ids,
-                               bool(body.return_token_ids), token_texts, body.logprobs, echo=echo)
-        return await _answer(request, admitted, fmt, stream=bool(body.stream),
-                             include_usage=body.include_usage)
+        batch = await request.app.state.preflight.admit_completion(body)
+        prompts = []
+        for prompt, admitted in zip(body.prompt, batch):
+            echo = None
+            if body.echo:
+                text, offsets = tokenizer.text_with_offsets(admitted.prompt_token_ids)
+                echo = Echo(prompt if isinstance(prompt, str) else text, offsets)
+            prompts.append(CompletionPrompt(admitted.prompt_token_ids, echo))
+        fmt = CompletionFormat(batch[0].request_id, config.model_name, prompts, body.n or 1,
+                               bool(body.return_token_ids), token_texts, body.logprobs)
+        return await _answer(request, batch, fmt, stream=bool(body.stream), include_usage=body.include_usage,
+                             continuous_usage=body.continuous_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await read_body(request, config.max_body_bytes))
         admitted = await request.app.state.preflight.admit_chat(body)
         fmt = ChatFormat(admitted.request_id, config.model_name, admitted.prompt_token_ids,
-                         bool(body.return_token_ids), token_texts, body.num_logprobs)
-        return await _answer(request, admitted, fmt, stream=bool(body.stream),
-                             include_usage=body.include_usage)
+                         bool(body.return_token_ids), token_texts, body.num_logprobs,
+                         tool_parser=admitted.tool_parser)
+        return await _answer(request, [admitted], fmt, stream=bool(body.stream), include_usage=body.include_usage,
+                             continuous_usage=body.continuous_usage)
 
-    async def _answer(request: Request, admitted: Admitted, fmt: ResponseFormat, *, stream: bool,
-                      include_usage: bool) -> Response:
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, stateless: served as the chat request it amounts to."""
+        body = parse(ResponsesRequest, await read_body(request, config.max_body_bytes))
+        try:
+            try:
+                chat = ChatCompletionRequest.model_validate(chat_body(body))
+            except ValidationError as exc:
+                raise from_validation_errors(list(exc.errors(include_url=False))) from None
+            admitted = await request.app.state.preflight.admit_chat(chat)
+        except OpenAIError as exc:
+            raise as_responses_error(exc) from None
+        echo = {key: value for key, value in (
+            ("instructions", body.instructions), ("metadata", body.metadata), ("temperature", body.temperature),
+            ("top_p", body.top_p), ("max_output_tokens", body.max_output_tokens), ("tools", body.tools),
+            ("tool_choice", body.tool_choice), ("parallel_tool_calls", body.parallel_tool_calls),
+            ("text", body.text)) if value is not None}
+        fmt = ResponsesFormat(f"resp_{admitted.request_id.partition('-')[2]}", config.model_name, echo,
+                              admitted.tool_parser)
         generation = metrics.meter(Generation(request.app.state.backend, tokenizer, admitted.request,
-                                              stop=admitted.stop, timeout_s=config.request_timeout_s),
+                                              text=admitted.text, timeout_s=config.request_timeout_s),
                                    num_prompt_tokens=admitted.num_prompt_tokens)
+        if body.stream:
+            return StreamingResponse(fmt.stream(generation, admitted.num_prompt_tokens),
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+        return await collect(generation, fmt, num_prompt_tokens=admitted.num_prompt_tokens, request=request)
+
+    async def _answer(request: Request, batch: list[Admitted], fmt: ResponseFormat, *, stream: bool,
+                      include_usage: bool, continuous_usage: bool) -> Response:
+        members = [metrics.meter(Generation(request.app.state.backend, tokenizer, admitted.request,
+                                            text=admitted.text, timeout_s=config.request_timeout_s),
+                                 num_prompt_tokens=admitted.num_prompt_tokens) for admitted in batch]
+        generation: Generating = members[0] if len(members) == 1 else GenerationGroup(batch[0].request_id, members)
+        num_prompt_tokens = sum(admitted.num_prompt_tokens for admitted in batch)
         if stream:
-            events = stream_sse(generation, fmt, include_usage=include_usage,
-                                num_prompt_tokens=admitted.num_prompt_tokens)
+            events = stream_sse(generation, fmt, include_usage=include_usage, num_prompt_tokens=num_prompt_tokens,
+                                continuous_usage=continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-        return await collect(generation, fmt, num_prompt_tokens=admitted.num_prompt_tokens,
-                             request=request)
+        return await collect(generation, fmt, num_prompt_tokens=num_prompt_tokens, request=request)
 
     install_openapi_bodies(app, {"/v1/completions": CompletionRequest,
-                                 "/v1/chat/completions": ChatCompletionRequest})
+                                 "/v1/chat/completions": ChatCompletionRequest,
+                                 "/v1/responses": ResponsesRequest, "/detokenize": DetokenizeRequest})
     return app
 
 

@@ -48,7 +48,7 @@ class APIKeyMiddleware:
     def _protected(self, path: str) -> bool:
         if path == "/v1" or path.startswith("/v1/"):
             return True
-        return self.protect_metrics and path in _OPEN_PATHS
+        return self.protect_metrics and (path in _OPEN_PATHS or path.startswith("/health/"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.keys.enabled or not self._protected(scope.get("path", "")):

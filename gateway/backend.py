@@ -4,7 +4,8 @@ One `RedisBackend` per gateway process. It owns:
 - a gateway id (uuid) and its reply channel `keys.reply_channel(gateway_id)`;
 - ONE subscription task that decodes every message on that channel (a msgpack
   `list[TokenEvent]`) and puts each event on the asyncio queue of its request;
-- a short-lived cache of the live workers' `WorkerRegistration`s.
+- a short-lived cache of the live workers' `WorkerRegistration`s and of the live
+  schedulers' `SchedulerHeartbeat`s.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Iterable
 
 import msgspec
 import redis.asyncio as aioredis
@@ -21,8 +21,10 @@ from redis.exceptions import RedisError
 
 from gateway.event_queues import EventQueues
 from proto.keys import STREAM_FIELD, RedisKeys
-from proto.messages import (AbortRequest, NewRequest, TokenEvent, WorkerRegistration, WorkerStats,
-                            events_decoder, registration_decoder, stats_decoder, stream_encoder)
+from proto.messages import (AbortRequest, NewRequest, SchedulerHeartbeat, TokenEvent, WorkerRegistration,
+                            WorkerStats, events_decoder, stats_decoder, stream_encoder)
+from proto.registry import WorkerRegistry
+from proto.scheduler_registry import SchedulerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ class RedisBackend(EventQueues):
     def __init__(self, redis_url: str, keys: RedisKeys, worker_cache_ttl_s: float = 1.0):
         super().__init__()
         self.keys = keys
+        self._registry = WorkerRegistry(keys)
         self.gateway_id = uuid.uuid4().hex
         self.reply_channel = keys.reply_channel(self.gateway_id)
         self._worker_cache_ttl_s = worker_cache_ttl_s
@@ -53,6 +56,9 @@ class RedisBackend(EventQueues):
         self._background: set[asyncio.Task] = set()
         self._workers: list[WorkerRegistration] = []
         self._workers_at = float("-inf")
+        self._schedulers_reader = SchedulerRegistry(keys)
+        self._schedulers: list[SchedulerHeartbeat] = []
+        self._schedulers_at = float("-inf")
         self._closing = False
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -84,8 +90,12 @@ class RedisBackend(EventQueues):
 
     async def _listen(self) -> None:
         """Subscribe and route forever; on a lost connection, resubscribe with a backoff.
-        Events published while unsubscribed are lost: their requests end by timeout."""
+        Events published while unsubscribed are lost (pub/sub keeps nothing), so once
+        subscribed again every request that was open across the gap ends at once with a
+        clear error (and is aborted) instead of waiting for its timeout; admission refuses
+        new requests while unsubscribed (gateway/readiness.py)."""
         delay = _RESUBSCRIBE_DELAY_S
+        lost = False  # a subscription was lost: requests open meanwhile may miss events
         while not self._closing:
             pubsub = self._sub_client.pubsub()
             try:
@@ -96,6 +106,9 @@ class RedisBackend(EventQueues):
                     if message["type"] == "subscribe":
                         self._subscribed.set()
                         delay = _RESUBSCRIBE_DELAY_S
+                        if lost:
+                            lost = False
+                            self._fail_open_requests()
                     elif message["type"] == "message":
                         self._route(message["data"])
             except (RedisError, OSError) as exc:
@@ -103,13 +116,24 @@ class RedisBackend(EventQueues):
                     break
                 if self._subscribed.is_set() or delay == _RESUBSCRIBE_DELAY_S:  # once per outage
                     logger.warning("reply channel %s lost (%s); resubscribing", self.reply_channel, exc)
-                self._subscribed.clear()
             except Exception:  # a bug, not an outage: keep serving, but say so loudly
                 logger.exception("reply channel %s failed; resubscribing", self.reply_channel)
             finally:
+                if self._subscribed.is_set():  # however the subscription ended
+                    lost = True
+                    self._subscribed.clear()
                 await asyncio.shield(pubsub.aclose())
             await asyncio.sleep(delay)
             delay = min(delay * 2, _RESUBSCRIBE_MAX_DELAY_S)
+
+    def _fail_open_requests(self) -> None:
+        ids = self.fail_open("token events were lost while the gateway's connection to Redis was "
+                             "down; the request was aborted, retry it")
+        if ids:
+            logger.warning("reply channel %s is back; failed %d request(s) open across the gap",
+                           self.reply_channel, len(ids))
+        for request_id in ids:
+            self.abort_soon(request_id)
 
     def _route(self, data: bytes) -> None:
         try:
@@ -138,7 +162,7 @@ class RedisBackend(EventQueues):
     async def _abort_logged(self, request_id: str) -> None:
         try:
             await self.abort(request_id)
-        except RedisError:
+        except (RedisError, OSError):
             logger.warning("could not send the abort of %s", request_id, exc_info=True)
 
     # ---- workers and health ---------------------------------------------------------------
@@ -147,12 +171,22 @@ class RedisBackend(EventQueues):
         """Registrations of workers whose key has not expired, reused for worker_cache_ttl_s."""
         if time.monotonic() - self._workers_at < self._worker_cache_ttl_s:
             return self._workers
-        ids = sorted(m.decode() if isinstance(m, bytes) else m
-                     for m in await self._client.smembers(self.keys.workers))
-        values = await self._client.mget([self.keys.worker(i) for i in ids]) if ids else []
-        self._workers = list(_decode_registrations(ids, values))
+        self._workers = list((await self._registry.read(self._client)).live.values())
         self._workers_at = time.monotonic()
         return self._workers
+
+    async def schedulers(self) -> list[SchedulerHeartbeat]:
+        """Heartbeats of live schedulers, reused for worker_cache_ttl_s."""
+        if time.monotonic() - self._schedulers_at < self._worker_cache_ttl_s:
+            return self._schedulers
+        self._schedulers = await self._schedulers_reader.read(self._client)
+        self._schedulers_at = time.monotonic()
+        return self._schedulers
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether the reply channel is subscribed now (token events can reach us)."""
+        return self._subscribed.is_set()
 
     async def worker_stats(self) -> list[WorkerStats]:
         """The scheduler's latest WorkerStats of every live worker."""
@@ -168,12 +202,3 @@ class RedisBackend(EventQueues):
         except (RedisError, OSError):
             return False
 
-
-def _decode_registrations(ids: list[str], values: Iterable[bytes | None]) -> Iterable[WorkerRegistration]:
-    for worker_id, value in zip(ids, values):
-        if value is None:  # its TTL ran out: the worker is dead (or never finished registering)
-            continue
-        try:
-            yield registration_decoder.decode(value)
-        except msgspec.DecodeError:
-            logger.warning("worker %s has an undecodable registration; ignored", worker_id)

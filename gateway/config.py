@@ -5,15 +5,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
+from gateway.tool_parsers import TOOL_PARSERS  # stdlib-only, like this module
 from proto.env_flags import EnvFlags
+from proto.model_source import served_name, served_names
+
+TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    model: str  # checkpoint folder: tokenizer files and chat template
-    served_model_name: str | None = None  # name clients send as `model`; default: folder name
+    model: str  # checkpoint folder or Hub id (proto/model_source.py): tokenizer files, chat template
+    # names clients send as `model`, comma-separated; the first is reported and is the one
+    # workers register under. Default: the folder's name, or the Hub id.
+    served_model_name: str | None = None
+    chat_template: str | None = None  # a Jinja file (or the template itself) replacing the model's
+    generation_config: str = "auto"  # sampling defaults: auto | vllm | FOLDER (gateway/sampling_defaults.py)
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "pagedserve"
     host: str = "127.0.0.1"
@@ -29,16 +36,30 @@ class GatewayConfig:
     # a gap between events, not a total, so long generations are fine as long as they move.
     request_timeout_s: float = 600.0
     worker_cache_ttl_s: float = 1.0  # how long the list of live workers is reused
+    # Tool calls (gateway/tools.py): the parser of the model's call format, by vLLM's name,
+    # and whether an absent or "auto" tool_choice lets the model decide.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).resolve().name
+        return served_name(self.model, self.served_model_name)
+
+    @property
+    def model_names(self) -> list[str]:
+        return served_names(self.model, self.served_model_name)
 
 
 # flag → (GatewayConfig field, type, help). `model` is the only required one.
 _FLAGS: dict[str, tuple[str, type, str]] = {
-    "--model": ("model", str, "checkpoint folder (tokenizer, chat template)"),
-    "--served-model-name": ("served_model_name", str, "name clients use (default: the folder's name)"),
+    "--model": ("model", str, "checkpoint folder or Hugging Face Hub id (tokenizer, chat template)"),
+    "--served-model-name": ("served_model_name", str, "names clients use, the first one reported "
+                                                      "(default: the folder's name, or the Hub id)"),
+    "--chat-template": ("chat_template", str, "Jinja chat template file (or the template itself) "
+                                              "used instead of the model's"),
+    "--generation-config": ("generation_config", str, "sampling defaults for parameters a request "
+                                                      "leaves out: 'auto' (the model's "
+                                                      "generation_config.json), 'vllm' (none), or a folder"),
     "--redis-url": ("redis_url", str, "Redis the services meet in"),
     "--key-prefix": ("key_prefix", str, "prefix of every Redis key"),
     "--host": ("host", str, "HTTP bind address"),
@@ -47,6 +68,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--default-max-tokens": ("default_max_tokens", int, "max_tokens of /v1/completions when absent"),
     "--request-timeout-s": ("request_timeout_s", float, "longest wait for the next token event"),
     "--worker-cache-ttl-s": ("worker_cache_ttl_s", float, "seconds the live-worker list is cached"),
+    "--tool-call-parser": ("tool_call_parser", str, "how the model writes tool calls: "
+                                                    + ", ".join(TOOL_PARSER_NAMES)),
 }
 
 
@@ -55,13 +78,19 @@ def add_cli_args(flags: EnvFlags) -> None:
     one the command already has (--redis-url, --model, ...) keeps its first definition."""
     defaults = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}
     for flag, (field, kind, help_text) in _FLAGS.items():
+        if field == "served_model_name":
+            flags.names(flag, help=help_text)
+            continue
         default = defaults.get(field)
         flags.add(flag, type=kind, default=None if default is dataclasses.MISSING else default,
-                  required=field == "model", help=help_text)
+                  required=field == "model", help=help_text,
+                  choices=TOOL_PARSER_NAMES if field == "tool_call_parser" else None)
     # Flags add to the keys from the environment: any of them is accepted.
     flags.repeated("--api-key", help="require `Authorization: Bearer <key>` on /v1 routes; "
                                      "repeat for several keys")
     flags.switch("--protect-metrics", help="with API keys, /metrics and /health want a key too")
+    flags.switch("--enable-auto-tool-choice", help="let the model decide when to call tools "
+                                                   "(tool_choice absent or 'auto'; needs --tool-call-parser)")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -71,4 +100,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     keys = tuple(getattr(args, "api_key", None) or ())
     values["api_keys"] = tuple(dict.fromkeys(k for k in keys if k))  # no duplicates, order kept
     values["protect_metrics"] = bool(getattr(args, "protect_metrics", False))
+    values["enable_auto_tool_choice"] = bool(getattr(args, "enable_auto_tool_choice", False))
     return GatewayConfig(**values)

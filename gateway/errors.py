@@ -21,8 +21,8 @@ logger = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-    405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
-    504: "timeout_error",
+    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+    503: "service_unavailable", 504: "timeout_error",
 }
 
 
@@ -30,8 +30,10 @@ class OpenAIError(Exception):
     """An error the client should see, with its HTTP status and OpenAI error fields."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None,
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.message = message
         self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500
@@ -44,7 +46,7 @@ class OpenAIError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:

@@ -36,3 +36,11 @@ class EventQueues:
             queue = self._queues.get(event.request_id)
             if queue is not None:  # else: finished or aborted here already; late events drop
                 queue.put_nowait(event)
+
+    def fail_open(self, error: str) -> list[str]:
+        """End every open request with an abort event saying why (its events may have been
+        lost: the client gets a 503 with `error`, a retry may succeed); the ids whose queues
+        were open."""
+        ids = list(self._queues)
+        self.deliver([TokenEvent(rid, index=0, finish_reason="abort", error=error) for rid in ids])
+        return ids

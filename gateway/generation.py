@@ -1,6 +1,6 @@
 """One request's life inside the gateway, after validation (DESIGN.md steps 2 and 8).
 
-    generation = Generation(backend, tokenizer, new_request, stop=..., ...)
+    generation = Generation(backend, tokenizer, new_request, text=TextOptions(stop=...), ...)
     try:
         async for index, output in generation.outputs():  # submits, then yields text increments
             ...                                           # of choice `index` (0 .. n-1)
@@ -34,6 +34,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class TextOptions:
+    """How a request's output ids become text (the gateway's part of the sampling params)."""
+
+    stop: list[str] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output
+
+
+@dataclass(frozen=True)
 class GenerationOutput:
     text: str  # new text since the previous output (may be "": ids mid-character, or the end)
     token_ids: list[int]  # the output ids that arrived since the previous output
@@ -58,14 +67,14 @@ class Generation:
     aborts the request's own id, which aborts whatever of it is still running."""
 
     def __init__(self, backend: RedisBackend, tokenizer: PromptTokenizer, request: NewRequest,
-                 *, stop: list[str] | None, timeout_s: float):
+                 *, text: TextOptions, timeout_s: float):
         self.request = request
         self._backend = backend
         self._timeout_s = timeout_s
         self._submitted = False
         self._prompt_logprobs: dict[int, Logprobs] = {}  # shared: every choice has the same prompt
         ids = sequence_ids(request.request_id, request.n)
-        self._choices = {rid: _Choice(i, rid, tokenizer, stop, request, self._prompt_logprobs)
+        self._choices = {rid: _Choice(i, rid, tokenizer, text, request, self._prompt_logprobs)
                          for i, rid in enumerate(ids)}
         self._event_ids = ids if request.n == 1 else [request.request_id, *ids]
 
@@ -133,8 +142,8 @@ class Generation:
 
 def _raise_failure(event: TokenEvent) -> None:
     """An "error" or "abort" event ends its sequence at the scheduler; the answer fails."""
-    if event.finish_reason == "abort":
-        raise OpenAIError(503, "The request was aborted by the server.", code="aborted")
+    if event.finish_reason == "abort":  # with the reason when the gateway itself ended it
+        raise OpenAIError(503, event.error or "The request was aborted by the server.", code="aborted")
     if event.finish_reason == "error" and event.rejected:
         raise OpenAIError(400, f"The request cannot be served: {event.error or 'rejected'}",
                           code="request_rejected")
@@ -146,14 +155,19 @@ def _raise_failure(event: TokenEvent) -> None:
 class _Choice:
     """One sequence's events -> text: deduplicated by index, detokenized, cut at stop strings."""
 
-    def __init__(self, index: int, request_id: str, tokenizer: PromptTokenizer, stop: list[str] | None,
+    def __init__(self, index: int, request_id: str, tokenizer: PromptTokenizer, text: TextOptions,
                  request: NewRequest, prompt_logprobs: dict[int, Logprobs]):
         self.index = index
         self.request_id = request_id
         self.finished = False  # the scheduler is done with it, or it is being aborted
         self._sampling = request.sampling
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stop = StopStringMatcher(stop)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, text.skip_special_tokens)
+        # Special tokens kept in the text (skip_special_tokens false): the one that stopped
+        # the output (EOS, <|im_end|>) is still left out, unless include_stop_str_in_output,
+        # as vLLM does.
+        self._silent_stop_ids = frozenset() if text.skip_special_tokens or text.include_stop_str \
+            else tokenizer.special_ids
+        self._stop = StopStringMatcher(text.stop, text.include_stop_str)
         self._text_length = 0  # characters the detokenizer produced so far
         self._prompt_logprobs = prompt_logprobs
         self._sent_prompt_logprobs = False
@@ -166,9 +180,12 @@ class _Choice:
         taken: list[int] = []
         offsets: list[int] = []
         new_ids, new_logprobs = self._new_tokens(event)
-        for token_id in new_ids:
+        for i, token_id in enumerate(new_ids):
             taken.append(token_id)
             offsets.append(self._text_length)
+            if event.finish_reason == "stop" and i == len(new_ids) - 1 and token_id in self._silent_stop_ids:
+                self._detokenizer.count_silently(token_id)
+                continue
             piece = self._detokenizer.step(token_id)
             self._text_length += len(piece)
             check = self._stop.feed(piece, check=self._stops_active())

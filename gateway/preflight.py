@@ -6,6 +6,7 @@ Each failure is an `OpenAIError` with the status OpenAI would use."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,15 +16,21 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
+from gateway.admission import admit
 from gateway.backend import RedisBackend
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, from_validation_errors, invalid
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.generation import TextOptions
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
+from gateway.sampling_defaults import SamplingDefaults
 from gateway.structured_output import grammar_for
 from gateway.tokenizer import PromptTokenizer
+from gateway.tool_parsers.calls import ToolParser
+from gateway.tools import plan_tools
 from proto.messages import Grammar, NewRequest, SamplingParams
 
 Body = TypeVar("Body", bound=BaseModel)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,8 @@ class Admitted:
     KV blocks, seeded and named by proto/parallel.py)."""
 
     request: NewRequest
-    stop: list[str] | None
+    text: TextOptions
+    tool_parser: ToolParser | None = None  # chat with tools: reads calls out of the text
 
     @property
     def request_id(self) -> str:  # the response's id
@@ -48,44 +56,64 @@ class Admitted:
         return len(self.request.prompt_token_ids)
 
 
+# A body over the limit is still read (and dropped) up to this many bytes past the limit
+# before the 413 goes out: a client is reading its answer only once it has sent everything,
+# and a server that closes with unread data makes the client's TCP stack see a reset instead.
+DRAIN_CAP_BYTES = 64 * 2**20
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refusing (413) anything over `limit` bytes without reading all of it."""
+    """The raw body, refusing (413) anything over `limit` bytes without keeping it: the
+    rest is drained (up to DRAIN_CAP_BYTES more), then the answer closes the connection."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
     body = bytearray()
+    size = 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(len(body), limit)
+        size += len(chunk)
+        if size <= limit and not (declared.isdigit() and int(declared) > limit):
+            body += chunk
+        elif size > limit + DRAIN_CAP_BYTES:
+            break
+    if size > limit or (declared.isdigit() and int(declared) > limit):
+        raise OpenAIError(413, f"The request body is {max(size, int(declared or 0))} bytes or more; the "
+                               f"limit is {limit} bytes.", code="request_too_large",
+                          headers={"Connection": "close"})
     return bytes(body)
 
 
-def _too_large(size: int, limit: int) -> OpenAIError:
-    return OpenAIError(413, f"The request body is {size} bytes or more; the limit is {limit} bytes.",
-                       code="request_too_large")
-
-
 def parse(model: type[Body], body: bytes) -> Body:
+    """The validated body; unknown fields are ignored, with one warning naming them."""
     try:
-        return model.model_validate_json(body, strict=True)
+        parsed = model.model_validate_json(body, strict=True)
     except ValidationError as exc:
         raise from_validation_errors(list(exc.errors(include_url=False))) from None
+    ignored = ignored_fields(parsed)
+    if ignored:
+        logger.warning("%s: ignoring unknown fields %s", model.__name__, ", ".join(ignored))
+    return parsed
 
 
 class Preflight:
-    def __init__(self, config: GatewayConfig, backend: RedisBackend, tokenizer: PromptTokenizer):
+    def __init__(self, config: GatewayConfig, backend: RedisBackend, tokenizer: PromptTokenizer,
+                 defaults: SamplingDefaults = SamplingDefaults()):
         self.config = config
         self.backend = backend
         self.tokenizer = tokenizer
+        self.defaults = defaults  # for parameters a request leaves out (generation_config.json)
+
+    def check_model(self, requested_model: str | None) -> None:
+        """404 for a model name this gateway does not serve (absent means the served one)."""
+        names = self.config.model_names
+        if requested_model is not None and requested_model not in names:
+            served = ", ".join(f"'{n}'" for n in names)
+            raise OpenAIError(404, f"The model '{requested_model}' does not exist; this server "
+                                   f"serves {served}.", param="model", code="model_not_found")
 
     async def max_model_len(self, requested_model: str | None) -> int:
         """404 for a model this gateway does not serve, 503 when no live worker serves it;
         else the smallest max_model_len among those workers (any of them may get it)."""
+        self.check_model(requested_model)
         name = self.config.model_name
-        if requested_model is not None and requested_model != name:
-            raise OpenAIError(404, f"The model '{requested_model}' does not exist; this server "
-                                   f"serves '{name}'.", param="model", code="model_not_found")
         try:
             workers = [w for w in await self.backend.live_workers() if w.model == name]
         except (RedisError, OSError) as exc:
@@ -95,38 +123,59 @@ class Preflight:
                               code="no_live_worker")
         return min(w.max_model_len for w in workers)
 
-    async def admit_completion(self, body: CompletionRequest) -> Admitted:
+    async def admit_completion(self, body: CompletionRequest) -> list[Admitted]:
+        """One Admitted per prompt (a batch of prompts is one request each)."""
         max_model_len = await self.max_model_len(body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids = await asyncio.to_thread(self.tokenizer.encode_text, body.prompt)
-        else:
-            self.tokenizer.check_ids(body.prompt, "prompt")
-            prompt_ids = list(body.prompt)
-        max_tokens = body.max_tokens if body.max_tokens is not None else self.config.default_max_tokens
+        await admit(self.backend)
+        max_tokens = first(body.max_tokens, self.defaults.max_tokens, self.config.default_max_tokens)
         prompt_logprobs = body.logprobs if body.echo else None
-        return self._admit(body, "cmpl", prompt_ids, max_tokens, max_model_len, where="prompt",
-                           logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+        grammar = await asyncio.to_thread(grammar_for, body)
+        admitted = []
+        for prompt in body.prompt:
+            if isinstance(prompt, str):
+                prompt_ids = await asyncio.to_thread(self.tokenizer.encode_text, prompt,
+                                                     bool(body.add_special_tokens))
+            else:
+                self.tokenizer.check_ids(prompt, "prompt")
+                prompt_ids = list(prompt)
+            admitted.append(self._admit(body, "cmpl", prompt_ids, max_tokens, max_model_len, where="prompt",
+                                        logprobs=body.logprobs, prompt_logprobs=prompt_logprobs,
+                                        grammar=grammar))
+        return admitted
 
     async def admit_chat(self, body: ChatCompletionRequest) -> Admitted:
         max_model_len = await self.max_model_len(body.model)
+        await admit(self.backend)
         messages = [m.template_dict() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         prompt_ids = await asyncio.to_thread(
             self.tokenizer.encode_chat, messages, tools=tools,
             add_generation_prompt=bool(body.add_generation_prompt),
             continue_final_message=bool(body.continue_final_message),
-            template_kwargs=body.chat_template_kwargs or {})
+            template_kwargs=body.chat_template_kwargs or {},
+            add_special_tokens=bool(body.add_special_tokens))
         max_tokens = body.requested_max_tokens
-        if max_tokens is None:  # as much as the context leaves (at least 1, checked below)
-            max_tokens = max(1, max_model_len - len(prompt_ids))
-        grammar = await asyncio.to_thread(grammar_for, body.response_format)
-        return self._admit(body, "chatcmpl", prompt_ids, max_tokens, max_model_len, where="messages",
-                           logprobs=body.num_logprobs, prompt_logprobs=None, grammar=grammar)
+        if max_tokens is None:  # as much as the context leaves (at least 1), or the model's default
+            left = max(1, max_model_len - len(prompt_ids))
+            max_tokens = min(left, first(self.defaults.max_tokens, left))
+        tools = await asyncio.to_thread(plan_tools, body, self.config.tool_call_parser,
+                                        self.config.enable_auto_tool_choice)
+        grammar = tools.grammar or await asyncio.to_thread(grammar_for, body)
+        admitted = self._admit(body, "chatcmpl", prompt_ids, max_tokens, max_model_len, where="messages",
+                               logprobs=body.num_logprobs, prompt_logprobs=None, grammar=grammar)
+        if tools.parser is None:
+            return admitted
+        text = admitted.text
+        if tools.parser.needs_special_tokens:  # its markers are special tokens (vLLM does the same)
+            text = TextOptions(text.stop, skip_special_tokens=False, include_stop_str=text.include_stop_str)
+        return Admitted(admitted.request, text, tools.parser)
 
     def _admit(self, body: CompletionRequest | ChatCompletionRequest, id_prefix: str,
                prompt_ids: list[int], max_tokens: int, max_model_len: int, where: str, *,
                logprobs: int | None, prompt_logprobs: int | None,
                grammar: Grammar | None = None) -> Admitted:
+        if body.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens
+            prompt_ids = prompt_ids[-body.truncate_prompt_tokens:]
         if not prompt_ids:
             raise invalid("The prompt is empty after tokenization.", param=where)
         total = len(prompt_ids) + max_tokens
@@ -139,8 +188,9 @@ class Preflight:
         sampling = self._sampling(body, max_tokens, logprobs, prompt_logprobs, grammar)
         request = NewRequest(request_id=f"{id_prefix}-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
                              sampling=sampling, reply_channel=self.backend.reply_channel,
-                             arrival_time=time.time(), priority=0, n=body.n or 1)
-        return Admitted(request, body.stop)
+                             arrival_time=time.time(), priority=body.priority or 0, n=body.n or 1)
+        return Admitted(request, TextOptions(stop=body.stop, skip_special_tokens=body.skip_special_tokens is not False,
+                                             include_stop_str=bool(body.include_stop_str_in_output)))
 
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                   logprobs: int | None, prompt_logprobs: int | None,
@@ -157,17 +207,22 @@ class Preflight:
         self.tokenizer.check_ids(list(logit_bias), "logit_bias")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k in (None, -1) else body.top_k,
+            temperature=first(body.temperature, self.defaults.temperature, 1.0),
+            top_p=first(body.top_p, self.defaults.top_p, 1.0),
+            top_k=max(0, first(body.top_k, self.defaults.top_k, 0)),  # -1 and 0: no top-k
             seed=body.seed, stop_token_ids=stop_token_ids, ignore_eos=bool(body.ignore_eos),
             min_tokens=min_tokens,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            min_p=body.min_p or 0.0,
+            repetition_penalty=first(body.repetition_penalty, self.defaults.repetition_penalty, 1.0),
+            min_p=first(body.min_p, self.defaults.min_p, 0.0),
             logit_bias=logit_bias,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             grammar=grammar,
         )
+
+
+def first(*values):
+    """The first value that is not None (a request's own, then the model's default, then ours)."""
+    return next(v for v in values if v is not None)

@@ -1,10 +1,12 @@
 """Pydantic models of the OpenAI request schema: /v1/completions and /v1/chat/completions.
 (Response shapes are in `gateway.response_models`.)
 
-Requests are strict (a string is not a number) and forbid unknown fields, so nothing a client
-sends is silently ignored. Parameters OpenAI defines that we do not implement are declared
-anyway and accepted only at their neutral value (`best_of: 1`, `suffix: ""`, ...); anything
-else is a 400 naming the parameter and saying it is not supported. Fields whose JSON may take
+Requests are strict (a string is not a number). Unknown fields are accepted and ignored, as
+vLLM does (frameworks add their own extras): `ignored_fields` names them and the gateway logs
+one warning per request. Parameters OpenAI or vLLM define that change the output and that we
+do not implement are declared anyway and accepted only at their neutral value (`best_of: 1`,
+`suffix: ""`, `use_beam_search: false`, ...); anything else is a 400 naming the parameter
+and saying it is not supported. Fields whose JSON may take
 several shapes (prompt, stop, message content) are normalised by before-validators, so an
 error names the field and not a pydantic union branch; their `WithJsonSchema` annotations
 publish the shapes accepted on the wire in the OpenAPI schema.
@@ -12,6 +14,7 @@ publish the shapes accepted on the wire in the OpenAPI schema.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, WithJsonSchema, field_validator,
@@ -22,17 +25,61 @@ MAX_LOGPROBS = 20  # OpenAI: top_logprobs <= 20 (chat), logprobs <= 5 (completio
 MAX_N = 128  # OpenAI's limit on n
 MAX_LOGIT_BIAS_ENTRIES = 1024  # each costs a little Python work per step on the worker
 
-# Neutral values of the parameters accepted only as no-ops.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "suffix": (None, ""), "functions": (None, []),
-    "function_call": (None, "none", "auto"),
+# Neutral values of the parameters accepted only as no-ops, and why anything else is refused.
+_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "best_of": ((None, 1), "only one sequence is generated per choice"),
+    "suffix": ((None, ""), "insertion (text after the completion) needs a fill-in-the-middle model"),
+    "functions": ((None, []), "use 'tools'"),
+    "function_call": ((None, "none", "auto"), "use 'tool_choice'"),
+    # vLLM's extensions we do not implement
+    "use_beam_search": ((None, False), "beam search is not implemented"),
+    "length_penalty": ((None, 1, 1.0), "it only applies to beam search, which is not implemented"),
+    "early_stopping": ((None, False), "it only applies to beam search, which is not implemented"),
+    "prompt_logprobs": ((None,), "on /v1/completions use echo with logprobs"),
+    "spaces_between_special_tokens": ((None, True), "special tokens are decoded as they are"),
+    "bad_words": ((None, []), "use logit_bias"),
+    "allowed_token_ids": ((None,), "use logit_bias or structured output"),
+    "logits_processors": ((None, []), "custom logits processors are not loaded"),
+    "detokenize": ((None, True), "use return_token_ids"),
+    "return_tokens_as_token_ids": ((None, False), "use return_token_ids"),
+    "cache_salt": ((None,), "the prefix cache is shared by every request"),
+    "kv_transfer_params": ((None,), "disaggregated prefill is not implemented"),
+    "vllm_xargs": ((None,), "there are no custom sampling extensions"),
+    "echo": ((None, False), "chat answers never repeat the prompt"),
+    "documents": ((None,), "documents are not passed to chat templates"),
+    "chat_template": ((None,), "the model's own chat template is always used"),
+    "mm_processor_kwargs": ((None,), "the models are text-only"),
+    "guided_whitespace_pattern": ((None,), "JSON is generated with compact separators"),
+    "whitespace_pattern": ((None,), "JSON is generated with compact separators"),
+    "structural_tag": ((None,), "use tools with tool_choice, or a grammar"),
 }
 
 
 def _require_neutral(name: str, value: Any) -> Any:
-    if value not in _NEUTRAL[name]:
-        raise ValueError(f"'{name}' is not supported (got {value!r})")
+    allowed, why = _NEUTRAL[name]
+    if value not in allowed:
+        raise ValueError(f"'{name}' is not supported (got {value!r}): {why}")
     return value
+
+
+class RequestPart(BaseModel):
+    """A request part: strict types, unknown keys kept (and reported by `ignored_fields`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+def ignored_fields(model: BaseModel, where: str = "") -> list[str]:
+    """Every unknown key in `model` and the request parts inside it, as `a.b[0].c`."""
+    found = [f"{where}{'.' if where else ''}{key}" for key in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        path = f"{where}{'.' if where else ''}{name}"
+        if isinstance(value, BaseModel):
+            found += ignored_fields(value, path)
+        elif isinstance(value, list):
+            found += [f for i, v in enumerate(value) if isinstance(v, BaseModel)
+                      for f in ignored_fields(v, f"{path}[{i}]")]
+    return found
 
 
 def _is_int(value: Any) -> bool:
@@ -44,8 +91,9 @@ _STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _PROMPT_SCHEMA = {"anyOf": [
     {"type": "string", "minLength": 1}, _TOKEN_IDS,
-    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}]}
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 16},
+    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 16}]}
+MAX_PROMPTS = 16  # prompts in one /v1/completions request
 _LOGIT_BIAS_SCHEMA = {"anyOf": [
     {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": 1024,
      "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
@@ -56,16 +104,16 @@ _CONTENT_SCHEMA = {"anyOf": [
         "type": {"const": "text"}, "text": {"type": "string"}}, "required": ["type", "text"]}}]}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+class StreamOptions(RequestPart):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk too
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(RequestPart):
     """Fields both endpoints share. Extensions beyond OpenAI's schema (as vLLM has them):
-    top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, return_token_ids."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
+    top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, return_token_ids,
+    skip_special_tokens, include_stop_str_in_output, priority, truncate_prompt_tokens,
+    add_special_tokens; and the ones accepted only at their neutral value (`_NEUTRAL`)."""
 
     model: str | None = None  # optional like vLLM: absent means the served model
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -88,6 +136,41 @@ class _SamplingRequest(BaseModel):
     # token id (a string) -> bias in [-100, 100]
     logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(_LOGIT_BIAS_SCHEMA)] = None
     return_token_ids: bool | None = False  # prompt and output token ids too
+    skip_special_tokens: bool | None = True  # leave special tokens (EOS, <|im_end|>) out of text
+    include_stop_str_in_output: bool | None = False  # keep the stop string that ended the text
+    priority: int | None = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)  # lower runs first
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)  # keep the last k
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
+    prompt_logprobs: int | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logits_processors: list[Any] | None = None
+    detokenize: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    # Structured output (gateway/structured_output.py): OpenAI's response_format, vLLM's
+    # structured_outputs, or one of vLLM's older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, unused: the backend is llguidance
+    guided_whitespace_pattern: str | None = None
+
+    @field_validator("use_beam_search", "length_penalty", "early_stopping", "prompt_logprobs",
+                     "spaces_between_special_tokens", "bad_words", "allowed_token_ids",
+                     "logits_processors", "detokenize", "return_tokens_as_token_ids", "cache_salt",
+                     "kv_transfer_params", "vllm_xargs", "guided_whitespace_pattern")
+    @classmethod
+    def _neutral_extension(cls, value: Any, info) -> Any:
+        return _require_neutral(info.field_name, value)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -128,34 +211,49 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`: every chunk carries the usage so far."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    @property
     def token_logit_bias(self) -> dict[int, float]:
         return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
 
 class CompletionRequest(_SamplingRequest):
-    # A string, a list of one string, a list of token ids or a list of one list of token ids;
-    # normalised to str | list[int]. Batches of several prompts are not supported.
-    prompt: Annotated[str | list[int], WithJsonSchema(_PROMPT_SCHEMA)]
+    # A string, a list of token ids, or a list of several of either (a batch: its choices
+    # come prompt-major, choice i*n + j is prompt i's j-th); normalised to a list of prompts.
+    prompt: Annotated[list[str | list[int]], WithJsonSchema(_PROMPT_SCHEMA)]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool | None = True  # BOS the way the model expects
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and all(_is_int(t) for t in value):
-            return value
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-            value = value[0]
-            if isinstance(value, list) and not all(_is_int(t) for t in value):
-                raise ValueError("a token-id prompt must be a list of integers")
-        elif isinstance(value, list) and len(value) > 1:
-            raise ValueError(f"batched prompts ({len(value)} prompts in one request) are not supported")
-        if isinstance(value, (str, list)) and len(value) == 0:
-            raise ValueError("prompt must not be empty")
-        if not isinstance(value, (str, list)):
-            raise ValueError("must be a string, a list of token ids, or a list of one string")
+    def _prompt_list(cls, value: Any) -> Any:
+        if isinstance(value, str) or (isinstance(value, list) and value and all(_is_int(t) for t in value)):
+            value = [value]
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a string, a list of token ids, or a list of several of either")
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request (got {len(value)})")
+        for i, prompt in enumerate(value):
+            if isinstance(prompt, list) and not all(_is_int(t) for t in prompt):
+                raise ValueError(f"prompt {i}: a token-id prompt must be a list of integers")
+            if not isinstance(prompt, (str, list)):
+                raise ValueError(f"prompt {i}: must be a string or a list of token ids")
+            if len(prompt) == 0:
+                raise ValueError("prompt must not be empty" if len(value) == 1 else f"prompt {i} is empty")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _choices_in_all(cls, value: int | None, info) -> int | None:
+        prompts = info.data.get("prompt") or []
+        if value is not None and value * len(prompts) > MAX_N:
+            raise ValueError(f"n ({value}) times the number of prompts ({len(prompts)}) must not exceed {MAX_N}")
         return value
 
     @field_validator("best_of", "suffix")
@@ -164,9 +262,7 @@ class CompletionRequest(_SamplingRequest):
         return _require_neutral(info.field_name, value)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
+class ChatMessage(RequestPart):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # A string or a list of text parts (joined with newlines); null only for an assistant
     # turn. Normalised to a string.
@@ -221,33 +317,45 @@ class ChatMessage(BaseModel):
         return self
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it; `developer` is OpenAI's newer `system`."""
+        """The message as chat templates expect it; `developer` is OpenAI's newer `system`.
+        A call's `arguments` (JSON text on the wire) become an object, as templates (Qwen's,
+        Llama's, Mistral's) write them with `tojson`."""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                    "content": self.content or ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
         return message
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+class FunctionDefinition(RequestPart):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+class ToolDefinition(RequestPart):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestPart):
     """`{"type": "text" | "json_object"}` or `{"type": "json_schema", "json_schema": {...}}`."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -258,8 +366,27 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+class StructuredOutputs(RequestPart):
+    """vLLM's `structured_outputs`: exactly one of json (a schema), json_object, regex,
+    choice, grammar (llguidance's Lark)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # BaseModel has .json
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: Any = None
+    whitespace_pattern: str | None = None
+
+    @field_validator("structural_tag", "whitespace_pattern")
+    @classmethod
+    def _neutral_structured(cls, value: Any, info) -> Any:
+        return _require_neutral(info.field_name, value)
+
+
+class JsonSchemaFormat(RequestPart):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     # "schema" shadows a BaseModel attribute, hence the alias
@@ -278,7 +405,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -288,8 +414,13 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = False  # the template already writes BOS
+    echo: bool | None = None
+    documents: list[Any] | None = None
+    chat_template: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
-    @field_validator("functions", "function_call")
+    @field_validator("functions", "function_call", "echo", "documents", "chat_template", "mm_processor_kwargs")
     @classmethod
     def _neutral_chat(cls, value: Any, info) -> Any:
         return _require_neutral(info.field_name, value)
@@ -297,10 +428,19 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, value: Any) -> Any:
-        if value in (None, "none", "auto"):
+        if value in (None, "none", "auto", "required"):
             return value
-        raise ValueError(f"tool_choice {value!r} is not supported: only 'none' and 'auto' (tool "
-                         "calls are returned as text; nothing forces or parses them)")
+        function = value.get("function") if isinstance(value, dict) else None
+        if (isinstance(value, dict) and value.get("type") == "function" and isinstance(function, dict)
+                and isinstance(function.get("name"), str) and function["name"]):
+            return value
+        raise ValueError(f"must be 'none', 'auto', 'required' or "
+                         f"{{'type': 'function', 'function': {{'name': ...}}}} (got {value!r})")
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function a named tool_choice forces, else None."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -338,3 +478,5 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 ResponseFormat.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()

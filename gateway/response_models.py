@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def now() -> int:
@@ -97,10 +97,31 @@ class CompletionChunk(BaseModel):
 
 # ---- chat -----------------------------------------------------------------------------------
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """`tool_calls` appears only when the answer has calls (then `content` may be null)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_any(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(_TokenIdsWhenAsked):
@@ -122,15 +143,38 @@ class ChatCompletionResponse(_TokenIdsWhenAsked):
     prompt_token_ids: list[int] | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    """Name in a call's first delta only; arguments in pieces."""
+
+    name: str | None = None
+    arguments: str = ""
+
+    @model_serializer
+    def _set_keys_only(self) -> dict[str, str]:
+        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None  # with type and name, in the call's first delta only
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _set_keys_only(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class Delta(BaseModel):
     """A chat stream delta: only the keys that are set (`{}` in the final chunk)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
-    @model_serializer
-    def _set_keys_only(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    @model_serializer(mode="wrap")
+    def _set_keys_only(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(_TokenIdsWhenAsked):

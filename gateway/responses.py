@@ -26,8 +26,11 @@ from gateway.generation import GenerationOutput
 from gateway.response_models import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
                                      CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                     CompletionResponse, Delta, TopLogprob, Usage, now)
+                                     CompletionResponse, Delta, FunctionCall, FunctionCallDelta, ToolCall,
+                                     ToolCallDelta, TopLogprob, Usage, now)
 from gateway.token_text import TokenTexts
+from gateway.tool_parsers.calls import ToolParser
+from gateway.tool_parsers.stream import ToolCallStream, extract_tool_calls
 from proto.messages import Logprobs
 
 MIN_LOGPROB = -9999.0  # what OpenAI reports for impossible tokens (JSON has no -Infinity)
@@ -76,7 +79,7 @@ class ResponseFormat(Protocol):
 
     def worth_a_chunk(self, output: GenerationOutput, first: bool) -> bool: ...
 
-    def chunk(self, index: int, output: GenerationOutput, first: bool) -> BaseModel: ...
+    def chunk(self, index: int, output: GenerationOutput, first: bool) -> BaseModel | None: ...
 
     def finish_chunk(self, index: int, finish_reason: str) -> BaseModel: ...
 
@@ -112,16 +115,28 @@ class Echo:
     token_offsets: list[int]  # where each prompt token's text starts in `text`
 
 
+@dataclass(frozen=True)
+class CompletionPrompt:
+    """One prompt of a /v1/completions request: its ids, and its echo when asked for."""
+
+    token_ids: list[int]
+    echo: Echo | None = None
+
+
 class CompletionFormat(_Format):
-    def __init__(self, *args, echo: Echo | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.echo = echo
+    """Choices prompt-major: choice i belongs to prompt i // n."""
+
+    def __init__(self, request_id: str, model: str, prompts: list[CompletionPrompt], n: int,
+                 return_token_ids: bool, token_texts: TokenTexts, num_logprobs: int | None):
+        super().__init__(request_id, model, prompts[0].token_ids, return_token_ids, token_texts, num_logprobs)
+        self.prompts = prompts
+        self.n = n
 
     def first_chunks(self, n: int) -> list[BaseModel]:
         return []
 
     def worth_a_chunk(self, output: GenerationOutput, first: bool) -> bool:
-        return (first and self.echo is not None) or super().worth_a_chunk(output, first)
+        return (first and self.prompts[0].echo is not None) or super().worth_a_chunk(output, first)
 
     def chunk(self, index: int, output: GenerationOutput, first: bool) -> CompletionChunk:
         return CompletionChunk(id=self.request_id, created=self.created, model=self.model,
@@ -144,24 +159,25 @@ class CompletionFormat(_Format):
     def _choice(self, index: int, output: GenerationOutput, first: bool,
                 finish_reason: str | None) -> CompletionChoice:
         """A choice carrying `output`; the first one of an index also carries the echo."""
-        echo = self.echo if first else None
+        prompt = self.prompts[index // self.n]
+        echo = prompt.echo if first else None
         text = (echo.text if echo else "") + output.text
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = CompletionLogprobs()
             if echo is not None:
-                self._add_prompt_logprobs(logprobs, echo, output.prompt_logprobs or {})
-            shift = len(self.echo.text) if self.echo else 0
+                self._add_prompt_logprobs(logprobs, prompt, echo, output.prompt_logprobs or {})
+            shift = len(prompt.echo.text) if prompt.echo else 0
             for token_id, lp, offset in zip(output.token_ids, output.logprobs or [], output.text_offsets or []):
                 self._add_token(logprobs, token_id, lp, offset + shift)
         return CompletionChoice(
             index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
             token_ids=self._ids(output.token_ids),
-            prompt_token_ids=list(self.prompt_ids) if self.return_token_ids and first else None)
+            prompt_token_ids=list(prompt.token_ids) if self.return_token_ids and first else None)
 
-    def _add_prompt_logprobs(self, logprobs: CompletionLogprobs, echo: Echo,
+    def _add_prompt_logprobs(self, logprobs: CompletionLogprobs, prompt: CompletionPrompt, echo: Echo,
                              prompt_logprobs: dict[int, Logprobs]) -> None:
-        for position, (token_id, offset) in enumerate(zip(self.prompt_ids, echo.token_offsets)):
+        for position, (token_id, offset) in enumerate(zip(prompt.token_ids, echo.token_offsets)):
             lp = prompt_logprobs.get(position)
             if lp is None:  # position 0: nothing predicts the first token
                 logprobs.tokens.append(self.texts.text(token_id))
@@ -183,6 +199,15 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
+    """With a tool parser, each choice's text goes through it: calls come out as
+    `tool_calls` (deltas in a stream) and finish_reason "tool_calls" ("stop" for a named
+    tool_choice, as OpenAI); the rest is content."""
+
+    def __init__(self, *args, tool_parser: ToolParser | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tool_parser = tool_parser
+        self._tool_streams: dict[int, ToolCallStream] = {}
+
     def first_chunks(self, n: int) -> list[BaseModel]:
         chunks = []
         for index in range(n):
@@ -193,17 +218,47 @@ class ChatFormat(_Format):
                 prompt_token_ids=list(self.prompt_ids) if self.return_token_ids and index == 0 else None))
         return chunks
 
-    def chunk(self, index: int, output: GenerationOutput, first: bool) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=index, delta=Delta(content=output.text) if output.text else Delta(),
-                                 logprobs=self._logprobs(output), token_ids=self._ids(output.token_ids))
+    def chunk(self, index: int, output: GenerationOutput, first: bool) -> ChatCompletionChunk | None:
+        delta = Delta(content=output.text) if output.text else Delta()
+        if self.tool_parser is not None:
+            delta = self._tool_delta(self._tool_streams.setdefault(index, ToolCallStream(self.tool_parser)),
+                                     output.text, final=False)
+            if delta == Delta() and not (self.return_token_ids or self.num_logprobs is not None):
+                return None  # text held back (maybe a call starting): nothing to send yet
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(output),
+                                 token_ids=self._ids(output.token_ids))
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
                                    choices=[choice])
 
     def finish_chunk(self, index: int, finish_reason: str) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish_reason,
+        delta = Delta()
+        stream = self._tool_streams.get(index)
+        if stream is not None:
+            delta = self._tool_delta(stream, "", final=True)
+            if stream.called and finish_reason == "stop":
+                finish_reason = self.tool_parser.finish_reason
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
                                  token_ids=self._ids([]))
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
                                    choices=[choice])
+
+    @staticmethod
+    def _tool_delta(stream: ToolCallStream, text: str, final: bool) -> Delta:
+        content, calls = stream.finish() if final else stream.feed(text)
+        tool_calls = [ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
+                                    function=FunctionCallDelta(name=c.name, arguments=c.arguments))
+                      for c in calls]
+        return Delta(content=content or None, tool_calls=tool_calls or None)
+
+    def _message(self, choice: ChoiceResult) -> tuple[AssistantMessage, str | None]:
+        if self.tool_parser is None:
+            return AssistantMessage(content=choice.text), choice.finish_reason
+        content, calls = extract_tool_calls(self.tool_parser, choice.text)
+        if not calls:
+            return AssistantMessage(content=choice.text), choice.finish_reason
+        message = AssistantMessage(content=content, tool_calls=[
+            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
+        return message, self.tool_parser.finish_reason if choice.finish_reason == "stop" else choice.finish_reason
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
@@ -213,10 +268,9 @@ class ChatFormat(_Format):
         return ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model, usage=usage,
             prompt_token_ids=list(self.prompt_ids) if self.return_token_ids else None,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
-                                logprobs=self._logprobs(c.as_output()), finish_reason=c.finish_reason,
-                                token_ids=self._ids(c.token_ids))
-                     for i, c in enumerate(choices)])
+            choices=[ChatChoice(index=i, message=message, logprobs=self._logprobs(c.as_output()),
+                                finish_reason=finish_reason, token_ids=self._ids(c.token_ids))
+                     for i, c in enumerate(choices) for message, finish_reason in [self._message(c)]])
 
     def _logprobs(self, output: GenerationOutput) -> ChatLogprobs | None:
         if self.num_logprobs is None:

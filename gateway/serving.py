@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from gateway.errors import OpenAIError
-from gateway.generation import Generation
+from gateway.generation_group import Generating
 from gateway.responses import ChoiceResult, ResponseFormat, usage
 
 logger = logging.getLogger(__name__)
@@ -34,10 +34,11 @@ def _event(chunk: BaseModel, include_usage: bool) -> str:
     return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
 
 
-async def stream_sse(generation: Generation, fmt: ResponseFormat, *, include_usage: bool,
-                     num_prompt_tokens: int) -> AsyncIterator[str]:
+async def stream_sse(generation: Generating, fmt: ResponseFormat, *, include_usage: bool,
+                     num_prompt_tokens: int, continuous_usage: bool = False) -> AsyncIterator[str]:
     """SSE lines ending in `data: [DONE]`. An error after the stream started can only be
-    reported inside it: one `data: {"error": {...}}` event, then [DONE]."""
+    reported inside it: one `data: {"error": {...}}` event, then [DONE]. With
+    `continuous_usage` (vLLM's continuous_usage_stats) every chunk carries the usage so far."""
     num_tokens = [0] * generation.n
     first = [True] * generation.n  # no chunk of this choice sent yet
     try:
@@ -46,11 +47,17 @@ async def stream_sse(generation: Generation, fmt: ResponseFormat, *, include_usa
         async for index, output in generation.outputs():
             num_tokens[index] = output.num_tokens
             # A choice's first chunk goes out even when empty: it may carry the echo or ids.
+            so_far = usage(num_prompt_tokens, sum(num_tokens)) if continuous_usage else None
             if fmt.worth_a_chunk(output, first[index]) or (first[index] and output.finish_reason):
-                yield _event(fmt.chunk(index, output, first[index]), include_usage)
-                first[index] = False
+                chunk = fmt.chunk(index, output, first[index])
+                if chunk is not None:
+                    chunk.usage = so_far
+                    yield _event(chunk, include_usage)
+                    first[index] = False
             if output.finish_reason is not None:
-                yield _event(fmt.finish_chunk(index, output.finish_reason), include_usage)
+                chunk = fmt.finish_chunk(index, output.finish_reason)
+                chunk.usage = so_far
+                yield _event(chunk, include_usage)
         if include_usage:  # OpenAI's: the prompt once, the completion tokens of every choice
             yield _event(fmt.usage_chunk(usage(num_prompt_tokens, sum(num_tokens))), include_usage)
     except OpenAIError as exc:
@@ -65,7 +72,7 @@ async def stream_sse(generation: Generation, fmt: ResponseFormat, *, include_usa
     yield _DONE
 
 
-async def collect(generation: Generation, fmt: ResponseFormat, *, num_prompt_tokens: int,
+async def collect(generation: Generating, fmt: ResponseFormat, *, num_prompt_tokens: int,
                   request: Request) -> Response:
     """Run the generation to its end and answer with one JSON body; abort if the client
     disconnects first (OpenAIErrors propagate to the app's handler)."""
@@ -88,7 +95,7 @@ async def collect(generation: Generation, fmt: ResponseFormat, *, num_prompt_tok
     return JSONResponse(body.model_dump(mode="json"))
 
 
-async def _collect(generation: Generation, results: list[ChoiceResult]) -> None:
+async def _collect(generation: Generating, results: list[ChoiceResult]) -> None:
     async for index, output in generation.outputs():
         results[index].add(output)
 

@@ -1,6 +1,7 @@
 """Cutting streamed text at the first stop string.
 
-The stop string itself is not part of the output (OpenAI's behaviour). When stop strings
+The stop string itself is not part of the output (OpenAI's behaviour), unless the request
+asks for it (vLLM's `include_stop_str_in_output`). When stop strings
 overlap, the one that is complete first wins ("DaD" with stops "a" and "DaD" gives "D"). While streaming, the
 longest tail of the text that could still grow into a stop string is held back: once text is
 sent it cannot be taken back, so "…END" must not go out as "…EN" before the "D" arrives.
@@ -22,8 +23,9 @@ class StopCheck:
 
 
 class StopStringMatcher:
-    def __init__(self, stops: list[str] | None):
+    def __init__(self, stops: list[str] | None, include_stop: bool = False):
         self._stops = [s for s in (stops or []) if s]
+        self._include_stop = include_stop
         self._held = ""
         self.stopped = False
 
@@ -39,11 +41,11 @@ class StopStringMatcher:
         # The stop string that is complete first wins (then the longer one): what a token-by-
         # token check sees, however the text is chunked.
         hits = [(i + len(s), i) for s, i in ((s, buffer.find(s)) for s in self._stops) if i >= 0]
-        cut = min(hits)[1] if hits else -1
-        if cut >= 0:
+        if hits:
+            end, start = min(hits)
             self._held = ""
             self.stopped = True
-            return StopCheck(buffer[:cut], True)
+            return StopCheck(buffer[:end if self._include_stop else start], True)
         keep = self._partial_match_length(buffer)
         self._held = buffer[len(buffer) - keep:] if keep else ""
         return StopCheck(buffer[: len(buffer) - keep], False)

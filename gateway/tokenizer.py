@@ -17,18 +17,27 @@ class PromptTokenizer:
     """Wraps the Hugging Face tokenizer of a checkpoint folder. Methods are synchronous and
     CPU-bound; the app calls them in a worker thread so long prompts do not stall the loop."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None):
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        if chat_template is not None:  # vLLM's --chat-template: a file, or the template itself
+            path = Path(chat_template).expanduser()
+            if path.is_file():
+                self.hf.chat_template = path.read_text()
+            elif "{{" in chat_template or "{%" in chat_template:
+                self.hf.chat_template = chat_template
+            else:
+                raise ValueError(f"--chat-template {chat_template!r}: no such file (and not a Jinja template)")
         self.vocab_size = len(self.hf)  # includes added tokens such as <|im_end|>
+        self.special_ids = frozenset(self.hf.all_special_ids)  # BOS, EOS, pad, <|im_end|>, ...
 
     @property
     def backend(self) -> Tokenizer:
         """The `tokenizers.Tokenizer` DecodeStream steps with."""
         return self.hf.backend_tokenizer
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A /v1/completions prompt: special tokens (BOS) added the way the model expects."""
-        return list(self.hf.encode(text, add_special_tokens=True))
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     @property
     def template_supports_tools(self) -> bool:
@@ -41,7 +50,8 @@ class PromptTokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
         """Render the chat template (by default with the assistant's generation prompt), then
         tokenize. The template already writes any BOS, so no special tokens are added again."""
         if not self.hf.chat_template:
@@ -58,7 +68,7 @@ class PromptTokenizer:
             raise invalid(f"The chat template rejected the messages: {exc}", param="messages") from exc
         if not isinstance(text, str):
             raise invalid("The chat template did not render to text.", param="messages")
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def text_with_offsets(self, ids: list[int]) -> tuple[str, list[int]]:
         """`ids` decoded (special tokens skipped) and where each token's text starts in it."""
@@ -78,6 +88,6 @@ class PromptTokenizer:
                           f"(valid ids are 0..{self.vocab_size - 1}).", param=param,
                           code="invalid_token_id")
 
-    def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 

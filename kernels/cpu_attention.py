@@ -56,6 +56,7 @@ import cffi
 import torch
 
 from kernels import torch_attention
+from kernels.cpu_features import cpu_features
 
 SHORT_MAX_Q_LEN = 8  # requests with at most this many query rows run in the C kernel
 
@@ -65,17 +66,6 @@ HEADER = _KERNEL_DIR / "cpu_attention.h"
 _MODULE = "_pagedserve_cpu_attention"  # the compiled binding's name (its PyInit_ symbol)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `bf16` flag
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: a library built on one CPU may not run on another."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def cache_dir() -> Path:
@@ -94,7 +84,7 @@ def compile_library(compiler: str | None = None, source: Path = SOURCE, header: 
     declaration, kernel = header.read_text(), source.read_text()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     key = hashlib.sha256("\0".join([kernel, declaration, compiler, *_FLAGS, cffi.__version__, suffix,
-                                    platform.machine(), _cpu_signature()]).encode()).hexdigest()[:16]
+                                    platform.machine(), cpu_features().flags_line]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_attention-{key}{suffix}"
     if target.exists():
         return target

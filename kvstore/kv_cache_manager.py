@@ -214,18 +214,6 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(dropped))  # the prefix's first block evicted last
         return len(dropped)
 
-    def trim(self, request_id: str, num_tokens: int) -> int:
-        """Free the blocks of the request's table past the first cdiv(num_tokens): blocks
-        allocated ahead for tokens that were never computed (a multi-step step cut short,
-        or not made after all). They hold no computed token, so none of them is cached.
-        Returns how many were freed."""
-        table = self._tables[request_id]
-        keep = cdiv(num_tokens, self.block_size)
-        surplus = table[keep:]
-        del table[keep:]
-        self.block_pool.free_blocks(reversed(surplus))
-        return len(surplus)
-
     def free(self, request_id: str) -> None:
         """Release the request's blocks, GPU or CPU (a no-op for a request holding none).
         Cached blocks stay in the cache until evicted.
@@ -328,6 +316,11 @@ class KVCacheManager:
     def num_blocks_held(self, request_id: str) -> int:
         """Blocks the request holds (holes behind the window not counted)."""
         return len(_live(self._tables.get(request_id, ())))
+
+    def table_length(self, request_id: str) -> int:
+        """Entries of the request's GPU or CPU block table, holes behind the window included:
+        cdiv(tokens it covers, block_size)."""
+        return len(self._tables.get(request_id) or self._cpu_tables.get(request_id) or ())
 
     def request_ids(self) -> list[str]:
         """Requests holding at least one block."""

@@ -70,6 +70,16 @@ class EnvFlags:
                                  required=required and default is None,
                                  help=f"{help} (env {env_name(flag)})")
 
+    def names(self, flag: str, help: str = "") -> None:
+        """A flag taking one or more names (`--served-model-name a b`, or `a,b`), kept as
+        one comma-separated string; from the environment, comma- or space-separated."""
+        if not self._claim(flag):
+            return
+        value = self.env(flag)
+        default = ",".join(value.replace(",", " ").split()) if value else None
+        self.parser.add_argument(flag, nargs="+", action=_JoinNames, default=default,
+                                 help=f"{help} (env {env_name(flag)})")
+
     def switch(self, flag: str, help: str = "") -> None:
         """An on/off flag: on when given, or when its variable is 1, true or yes."""
         if not self._claim(flag):
@@ -89,3 +99,8 @@ class EnvFlags:
         self.parser.add_argument(flag, action="append",
                                  default=[v.strip() for v in values if v.strip()],
                                  help=f"{help} (env {one}, or {several}=a,b)")
+
+
+class _JoinNames(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, ",".join(n for v in values for n in v.replace(",", " ").split()))

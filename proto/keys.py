@@ -31,3 +31,22 @@ class RedisKeys:
     def worker_stats(self, worker_id: str) -> str:
         """The scheduler's WorkerStats for that worker (block pool, preemptions, integrity)."""
         return f"{self.prefix}:stats:{worker_id}"
+
+    @property
+    def schedulers(self) -> str:
+        """Set of scheduler ids that have sent a heartbeat (possibly dead: check scheduler(id))."""
+        return f"{self.prefix}:schedulers"
+
+    def scheduler(self, scheduler_id: str) -> str:
+        """A scheduler's SchedulerHeartbeat, with a TTL its heartbeat keeps refreshing."""
+        return f"{self.prefix}:scheduler:{scheduler_id}"
+
+    @property
+    def scheduler_lease(self) -> str:
+        """`<scheduler id>:<fencing token>` of the scheduler that drives the workers, with a TTL."""
+        return f"{self.prefix}:scheduler-lease"
+
+    @property
+    def scheduler_epoch(self) -> str:
+        """The last fencing token drawn by a scheduler taking the lease (scheduler_svc/leader.py)."""
+        return f"{self.prefix}:scheduler-epoch"

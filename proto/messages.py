@@ -21,8 +21,8 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 class Grammar(msgspec.Struct, frozen=True):
     """A constraint on the output (worker.proto `Grammar`)."""
 
-    kind: Literal["json_schema"]
-    spec: str  # for json_schema: the schema as JSON text
+    kind: Literal["json_schema", "regex", "choice", "lark"]  # proto/grammars.py says what each means
+    spec: str  # json_schema: the schema as JSON text; regex; choice: a JSON list; lark
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -78,7 +78,8 @@ class Logprobs(msgspec.Struct, frozen=True, array_like=True):
 
 class TokenEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """Output tokens of one request. `index` is the output position of token_ids[0];
-    a finished request's last event carries finish_reason (and `error` for "error").
+    a finished request's last event carries finish_reason (and `error` for "error"; for
+    "abort", the reason when the gateway itself ended the request).
 
     With `sampling.logprobs` set, `logprobs[i]` belongs to token_ids[i]. With
     `sampling.prompt_logprobs` set, events also carry `prompt_logprobs` for the prompt
@@ -108,6 +109,19 @@ class WorkerRegistration(msgspec.Struct, frozen=True):
     max_model_len: int
     started_at: float
     num_cpu_blocks: int = 0  # CPU swap space in blocks (WorkerInfo.num_cpu_blocks)
+    draining: bool = False  # SIGTERM: finishing what runs; route nothing new here
+
+
+class SchedulerHeartbeat(msgspec.Struct, frozen=True):
+    """What a live scheduler says about itself (scheduler_svc/heartbeat.py), refreshed
+    every `interval_s` under a TTL: the gateway's readiness and admission read it."""
+
+    scheduler_id: str  # its stream consumer name
+    worker_ids: list[str]  # the workers it drives now (joined, not retired)
+    num_waiting: int  # requests waiting for a step: in workers' waiting queues, or parked
+    max_waiting_requests: int  # the bound on num_waiting the gateway enforces; 0 = none
+    interval_s: float  # how often it is refreshed
+    updated_at: float  # time.time() when written
 
 
 class Histogram(msgspec.Struct, frozen=True, array_like=True):
@@ -176,3 +190,4 @@ stream_decoder = msgspec.msgpack.Decoder(StreamMessage)
 events_decoder = msgspec.msgpack.Decoder(list[TokenEvent])
 registration_decoder = msgspec.msgpack.Decoder(WorkerRegistration)
 stats_decoder = msgspec.msgpack.Decoder(WorkerStats)
+heartbeat_decoder = msgspec.msgpack.Decoder(SchedulerHeartbeat)

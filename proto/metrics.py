@@ -19,7 +19,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, start_http_server
+import json
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                     Metric)
 
@@ -73,22 +78,12 @@ class StepRecorder:
         self.gap = HistogramRecorder(GAP_SECONDS)
 
     def observe(self, step: worker_pb2.StepRequest, result: worker_pb2.StepResult) -> None:
-        """One step; a multi-step one (result.passes) counts as each of its passes."""
-        if result.passes:
-            for one in result.passes:
-                self._observe(one.execute_seconds, one.num_requests, one.num_tokens,
-                              one.gap_seconds if one.HasField("gap_seconds") else None)
-            return
         scheduled = step.num_scheduled_tokens
-        self._observe(result.execute_seconds, len(scheduled), sum(scheduled.values()),
-                      result.gap_seconds if result.HasField("gap_seconds") else None)
-
-    def _observe(self, seconds: float, num_requests: int, num_tokens: int, gap: float | None) -> None:
-        self.duration.observe(seconds)
-        self.batch_size.observe(num_requests)
-        self.tokens.observe(num_tokens)
-        if gap is not None:
-            self.gap.observe(gap)
+        self.duration.observe(result.execute_seconds)
+        self.batch_size.observe(len(scheduled))
+        self.tokens.observe(sum(scheduled.values()))
+        if result.HasField("gap_seconds"):
+            self.gap.observe(result.gap_seconds)
 
     def snapshot(self) -> StepHistograms:
         return StepHistograms(duration=self.duration.snapshot(), batch_size=self.batch_size.snapshot(),
@@ -210,11 +205,36 @@ class StepCollector:
         return step_families([(self._worker_id, self._recorder.snapshot())])
 
 
-class MetricsServer:
-    """`registry` served at http://host:port/metrics from a thread, until close()."""
+Health = Callable[[], tuple[bool, dict]]  # (healthy, what to say) for GET /health
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int):
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # a scrape a second is not news
+        pass
+
+
+class MetricsServer:
+    """`registry` served at http://host:port/metrics from a thread, until close(); with
+    `health`, also GET /health: its answer as JSON, 200 when healthy, else 503."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, health: Health | None = None):
+        metrics_app = make_wsgi_app(registry)
+
+        def app(environ, start_response):
+            if health is not None and environ.get("PATH_INFO") == "/health":
+                healthy, body = health()
+                start_response("200 OK" if healthy else "503 Service Unavailable",
+                               [("Content-Type", "application/json")])
+                return [json.dumps(body).encode()]
+            return metrics_app(environ, start_response)
+
+        self._server = make_server(host, port, app, _ThreadingServer, handler_class=_QuietHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
         self.port = self._server.server_port
 
     def close(self) -> None:
@@ -223,10 +243,11 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def serve_metrics(collector, host: str, port: int) -> MetricsServer | None:
-    """A /metrics server for one collector on its own registry; None when port is 0 (off)."""
+def serve_metrics(collector, host: str, port: int, health: Health | None = None) -> MetricsServer | None:
+    """A /metrics server (and /health, given `health`) for one collector on its own
+    registry; None when port is 0 (off)."""
     if not port:
         return None
     registry = CollectorRegistry()
     registry.register(collector)
-    return MetricsServer(registry, host, port)
+    return MetricsServer(registry, host, port, health)

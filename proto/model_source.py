@@ -49,10 +49,16 @@ def resolve_model(name: str) -> Path:
                             f"from {constants.ENDPOINT} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def served_name(name: str, served_model_name: str | None = None) -> str:
-    """The name clients use: `served_model_name` when given; else a folder's basename, or
-    the Hub id itself."""
-    if served_model_name:
-        return served_model_name
+def served_names(name: str, served_model_name: str | None = None) -> list[str]:
+    """Every name clients may use: those in `served_model_name` (comma-separated) when
+    given; else a folder's basename, or the Hub id itself."""
+    given = [n for n in (served_model_name or "").split(",") if n]
+    if given:
+        return given
     path = Path(name).expanduser()
-    return path.resolve().name if path.is_dir() or looks_like_path(name) else name
+    return [path.resolve().name if path.is_dir() or looks_like_path(name) else name]
+
+
+def served_name(name: str, served_model_name: str | None = None) -> str:
+    """The name responses report and workers register under: the first served name."""
+    return served_names(name, served_model_name)[0]

@@ -4,8 +4,12 @@ choice with these ids, the scheduler forks children under them.
 
 A request's own id never contains SEPARATOR (the scheduler rejects one that does); sequence
 i of a request with n > 1 is `f"{request_id}/{i}"` and samples with `child_seed(seed, i)`.
-A request with n == 1 is its own only sequence, under its own id.
+A request with n == 1 is its own only sequence, under its own id. A sampled request that
+brings no seed samples with `request_seed(request_id)`, so every request's draws are fixed
+by what it is (worker_svc/sampler.py draws from (seed, position)).
 """
+
+import hashlib
 
 SEPARATOR = "/"
 _U64 = 2**64
@@ -32,4 +36,12 @@ def child_seed(seed: int | None, index: int) -> int | None:
     if seed is None or index == 0:
         return seed
     value = (seed + index) % _U64
+    return value - _U64 if value >= 2**63 else value
+
+
+def request_seed(request_id: str) -> int:
+    """The seed of a request that brought none: from its id (unique, and the same after a
+    scheduler restart re-reads it), so a position re-sampled on another worker after a
+    crash draws the token the client already has."""
+    value = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
     return value - _U64 if value >= 2**63 else value

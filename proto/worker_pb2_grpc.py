@@ -54,11 +54,6 @@ class WorkerStub:
                 request_serializer=proto_dot_worker__pb2.HealthRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.HealthReply.FromString,
                 _registered_method=True)
-        self.Cut = channel.unary_unary(
-                '/pagedserve.Worker/Cut',
-                request_serializer=proto_dot_worker__pb2.CutRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.CutReply.FromString,
-                _registered_method=True)
 
 
 class WorkerServicer:
@@ -96,12 +91,6 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Cut(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,11 +113,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=proto_dot_worker__pb2.HealthRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.HealthReply.SerializeToString,
-            ),
-            'Cut': grpc.unary_unary_rpc_method_handler(
-                    servicer.Cut,
-                    request_deserializer=proto_dot_worker__pb2.CutRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.CutReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -239,33 +223,6 @@ class Worker:
             '/pagedserve.Worker/Health',
             proto_dot_worker__pb2.HealthRequest.SerializeToString,
             proto_dot_worker__pb2.HealthReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Cut(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagedserve.Worker/Cut',
-            proto_dot_worker__pb2.CutRequest.SerializeToString,
-            proto_dot_worker__pb2.CutReply.FromString,
             options,
             channel_credentials,
             insecure,

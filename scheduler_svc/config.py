@@ -23,9 +23,6 @@ class SchedulerConfig:
     # its CPU swap space (WorkerInfo.num_cpu_blocks) and back when it resumes, falling back
     # to recompute when the swap space is full.
     preemption_mode: str = "recompute"
-    # Multi-step decoding: a step planned while no request waits runs up to this many
-    # forward passes on the worker, one round trip for all of them (scheduler_svc/step.py).
-    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -36,8 +33,6 @@ class SchedulerConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, "
                              f"got {self.long_prefill_token_threshold}")

@@ -27,10 +27,11 @@ live worker, rendered by proto/metrics.py, the renderer the gateway uses for the
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from proto import worker_pb2
 from proto.messages import RequestHistograms, StepHistograms, WorkerStats
-from proto.metrics import (REQUEST_SECONDS, HistogramRecorder, MetricsServer, StepRecorder,
+from proto.metrics import (REQUEST_SECONDS, Health, HistogramRecorder, MetricsServer, StepRecorder,
                            WorkerStatsCollector, serve_metrics)
 
 
@@ -109,5 +110,20 @@ class SchedulerMetrics:
         self._latest.pop(worker_id, None)
         self.collector.snapshot = list(self._latest.values())
 
-    def serve(self, host: str, port: int) -> MetricsServer | None:
-        return serve_metrics(self.collector, host, port)
+    def serve(self, host: str, port: int, health: Health | None = None) -> MetricsServer | None:
+        return serve_metrics(self.collector, host, port, health)
+
+
+def worker_stats(scheduler, worker_id: str, check: bool, recorder: WorkerRecorder) -> WorkerStats:
+    """`scheduler`'s accounting and `recorder`'s histograms
+    as the WorkerStats message; with `check`, after running check_integrity() (O(blocks):
+    callers do it when idle) and recording its complaint."""
+    problem = None
+    if check:
+        try:
+            scheduler.check_integrity()
+        except AssertionError as exc:
+            problem = str(exc) or "check_integrity failed"
+    requests, steps = recorder.snapshot(scheduler)
+    return WorkerStats(worker_id=worker_id, integrity_error=problem, updated_at=time.time(),
+                       requests=requests, steps=steps, **asdict(scheduler.stats()))

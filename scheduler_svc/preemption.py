@@ -1,62 +1,64 @@
-"""Taking requests off this worker's GPU blocks, a mixin of BatchScheduler
-(scheduler_svc/batching.py), whose state it reads and changes: preemption (by recompute,
-or by swap to the worker's CPU swap space; when and whom schedule() decides, as the
-batching module docstring says) and draining every request when the worker is lost.
+"""Preemption: how a running request gives up its GPU blocks when the pool runs out.
+
+When and whom the planner decides (scheduler_svc/planner.py: the running request with the
+largest (priority, arrival)); this decides how:
+  recompute  its blocks are freed (cached ones stay cached), it goes back to waiting with
+             num_computed_tokens = 0, and the worker forgets it (finished_request_ids);
+  swap       (preemption_mode "swap", when the worker's CPU swap space holds its blocks)
+             its blocks move to CPU blocks -- the step's blocks_to_swap_out -- it waits in
+             `swapped` keeping num_computed_tokens, and the worker keeps its state
+             (swapped_out_request_ids). A child the worker has not seen yet is always
+             recomputed.
 """
 
-import bisect
+from collections.abc import Callable
 
-from scheduler_svc.request import RequestState, RequestStatus, by_sort_key
+from kvstore.kv_cache_manager import KVCacheManager
+from scheduler_svc.queues import RequestQueues
+from scheduler_svc.request import SchedulerRequest
 
 
-class PreemptionMixin:
-    """BatchScheduler's `_preempt` and `drain`."""
+class Preemptor:
+    """Preempts requests, and keeps the swap-outs the next step carries."""
 
-    def _preempt(self, req: RequestState) -> None:
-        """Preempt a request already removed from `running`: by swap when that is the
-        mode and the CPU swap space has room for its blocks, else by recompute (always for
-        a forked child the worker has not seen yet)."""
+    def __init__(self, preemption_mode: str, kv: KVCacheManager, queues: RequestQueues,
+                 forget: Callable[[str], None]) -> None:
+        self._swap = preemption_mode == "swap"
+        self._kv = kv
+        self._queues = queues
+        self._forget = forget  # the worker drops the request in the next step
+        # (gpu, cpu) block pairs by request, for the next step; an abort before it goes
+        # out drops the request's own.
+        self._swap_outs: dict[str, list[tuple[int, int]]] = {}
+        self.num_preemptions = 0  # since start, by recompute or swap
+        self.num_swapped_out = 0  # since start, by swap
+
+    def preempt(self, req: SchedulerRequest, may_swap: bool = True) -> None:
+        """Preempt a request the caller took off running (`RequestQueues.pop_victim`): by
+        swap when that is the mode, `may_swap` and the swap space has room for its blocks,
+        else by recompute."""
         req.num_preemptions += 1
         self.num_preemptions += 1
         rid = req.request_id
-        self._copies.pop(rid, None)  # its copy-on-write target goes back to the pool
-        if rid in self._unsent:
-            self._unsent.discard(rid)
-        elif self.config.preemption_mode == "swap" and self.kv.can_swap_out(rid):
-            self._swap_out[rid] = self.kv.swap_out(rid)
-            self._replaced.discard(rid)
-            req.status = RequestStatus.SWAPPED
+        if may_swap and self._swap and self._kv.can_swap_out(rid):
+            self._swap_outs[rid] = self._kv.swap_out(rid)
+            self._queues.park_swapped(req)
             self.num_swapped_out += 1
-            bisect.insort(self.swapped, req, key=by_sort_key)
             return
-        self.kv.free(rid)
-        req.reset_for_recompute()
-        # Back by (priority, arrival): the front of the queue unless a request of higher
-        # priority waits, so it resumes before anything that arrived after it.
-        bisect.insort(self.waiting, req, key=by_sort_key)
-        self._finished_ids.append(req.request_id)
+        self._kv.free(rid)
+        self._queues.requeue(req)
+        self._forget(rid)
 
-    # -- worker loss ---------------------------------------------------------------------
+    def drop(self, request_id: str) -> None:
+        """The request was aborted: a swap-out of its blocks must not go out (its CPU
+        blocks are free for another)."""
+        self._swap_outs.pop(request_id, None)
 
-    def drain(self) -> list[RequestState]:
-        """Remove and return every unfinished request, in (priority, arrival) order, reset
-        to recompute elsewhere (`add_state` on another scheduler); frees every block and
-        forgets the steps in flight. Tokens they sampled are lost and will be sampled
-        again, so the gateway may see an output index twice.
+    def take_swap_outs(self) -> dict[str, list[tuple[int, int]]]:
+        """The swap-outs the next step carries, by request; none are pending after."""
+        swap_outs, self._swap_outs = self._swap_outs, {}
+        return swap_outs
 
-        If this worker is used again, the next step tells it to forget the drained requests.
-        """
-        states = sorted(self.waiting + self.running + self.swapped, key=by_sort_key)
-        for req in self.running + self.swapped:
-            self.kv.free(req.request_id)
-            self._finished_ids.append(req.request_id)
-        for req in states:
-            req.reset_for_recompute()
-        self.waiting, self.running, self.swapped = [], [], []
-        self._swap_out, self._swap_in, self._copies, self._replaced = {}, [], {}, set()
-        self._unsent, self._children = set(), {}  # children re-route as n == 1 requests
-        self._requests.clear()
-        self._load_tokens = 0
-        self._in_flight = []
-        self._ahead_blocked = False
-        return states
+    def clear(self) -> None:
+        """Every request left (drained)."""
+        self._swap_outs = {}

@@ -6,13 +6,19 @@ A preempted or re-routed request keeps every token it generated; it goes back to
 WAITING with num_computed_tokens = 0 and is recomputed from prompt + outputs.
 With preemption_mode "swap": RUNNING --swapped out--> SWAPPED --swapped in--> RUNNING;
 a swapped request keeps num_computed_tokens (its K/V sit in the worker's CPU blocks).
+
+Which queue a request is in, and so its status, and its tokens are RequestQueues' to
+change (scheduler_svc/queues.py); a step advances its computed tokens (`advance`).
 """
 
 import enum
 from dataclasses import dataclass, field
 
+import msgspec
+
 from proto import worker_pb2
 from proto.messages import FinishReason, NewRequest, SamplingParams
+from proto.parallel import request_seed
 
 
 class RequestStatus(enum.Enum):
@@ -23,7 +29,7 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(eq=False)
-class RequestState:
+class SchedulerRequest:
     """Invariants: 0 <= num_computed_tokens <= len(token_ids) + num_pending; the last
     token (with num_pending, the last token in flight) has no K/V until a step computes
     it; num_prompt_tokens <= len(token_ids)."""
@@ -48,17 +54,22 @@ class RequestState:
     n: int = 1
     parent_id: str | None = None
     # Tokens that steps in flight sample for it and update() has not appended yet: with
-    # steps scheduled ahead (scheduler_svc/batching.py), a step computes the token the
-    # step before it samples, which the worker has and the scheduler does not yet.
+    # steps planned ahead, a step computes the token the step before it samples, which
+    # the worker has and the scheduler does not yet.
     num_pending: int = 0
 
     @classmethod
-    def from_new_request(cls, req: NewRequest) -> "RequestState":
+    def from_new_request(cls, req: NewRequest) -> "SchedulerRequest":
+        """A sampled request without a seed gets `request_seed(request_id)`: its draws are
+        then fixed wherever it runs, like a seeded one's."""
+        sampling = req.sampling
+        if sampling.seed is None and sampling.temperature > 0:
+            sampling = msgspec.structs.replace(sampling, seed=request_seed(req.request_id))
         return cls(
             request_id=req.request_id,
             token_ids=list(req.prompt_token_ids),
             num_prompt_tokens=len(req.prompt_token_ids),
-            sampling=req.sampling,
+            sampling=sampling,
             reply_channel=req.reply_channel,
             arrival_time=req.arrival_time,
             priority=req.priority,
@@ -89,14 +100,41 @@ class RequestState:
         never computed, since nothing is sampled after it."""
         return self.num_prompt_tokens + self.sampling.max_tokens - 1
 
+    @property
+    def target_tokens(self) -> int:
+        """Tokens it computes before it samples: all it holds, but for a parent of n > 1,
+        which stops one short of its prompt and forks (the children compute the last
+        prompt token, each sampling its own first output)."""
+        return self.num_prompt_tokens - 1 if self.n > 1 else len(self.token_ids)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """False for a request asking for prompt logprobs: they need the logits of every
+        prompt token, so it takes nothing from the prefix cache (proto/worker.proto)."""
+        return self.sampling.prompt_logprobs is None
+
+    def samples_its_last_token(self) -> bool:
+        """True when the tokens in flight for it reach its max_tokens: the step in flight
+        finishes it."""
+        return self.num_pending > 0 and self.num_output_tokens + self.num_pending >= self.sampling.max_tokens
+
+    def advance(self, num_new_tokens: int) -> bool:
+        """A step computes `num_new_tokens` more of its tokens; True when that catches it
+        up with every token it has or has in flight, so the step samples one more (in
+        flight until `RequestQueues.append`)."""
+        self.num_computed_tokens += num_new_tokens
+        if self.num_computed_tokens != len(self.token_ids) + self.num_pending:
+            return False
+        self.num_pending += 1
+        return True
+
     def reset_for_recompute(self) -> None:
         """Forget all K/V (preemption or re-routing); the tokens stay."""
         self.num_computed_tokens = 0
         self.num_pending = 0
-        self.status = RequestStatus.WAITING
 
 
-def by_sort_key(req: RequestState) -> tuple[int, float, str]:
+def by_sort_key(req: SchedulerRequest) -> tuple[int, float, str]:
     """`req.sort_key`: the key the scheduler's queues are sorted by (bisect, sorted)."""
     return req.sort_key
 

@@ -1,22 +1,17 @@
 """The scheduler service: the Redis and gRPC shell around one BatchScheduler per worker.
 
-Three kinds of task share one asyncio loop:
-  * `_read_requests` — XREADGROUP on the requests stream; routes NewRequest to a worker
-    (prefix-aware: `scheduler_svc.routing`) and AbortRequest to whichever worker holds
-    the request;
-  * `_discover_workers` — polls the registry; a new registration gets a WorkerHandle and
-    its own step loop, a vanished one is retired and its requests re-routed;
-  * `_step_loop` (one per worker) — schedule() → the worker's Steps stream (gRPC) →
-    update(), XACKing finished requests. With async scheduling (by default for
-    accelerator workers), while a step runs on the worker the loop plans and sends the
-    next one (BatchScheduler.can_schedule_ahead), so the worker goes from one step
-    straight into the next instead of waiting a round trip for it. While a multi-step step runs
-    (--num-scheduler-steps), a request routed to its worker sends Cut, so the step ends
-    after its current pass and the newcomer's prefill comes next.
-    Only this loop drains its worker, so a step in flight is never torn apart.
-
-Worker discovery, joining, retiring and re-routing a lost worker's requests:
-scheduler_svc/workers.py (WorkerHandle, WorkersMixin).
+It wires three parts, each owning its state:
+  * `WorkerPool` (scheduler_svc/worker_pool.py) -- the workers: discovery in the registry,
+    joining (a WorkerHandle with its own BatchScheduler), retiring, evacuation;
+  * `RequestLedger` (scheduler_svc/ledger.py) -- where every request is: on a worker,
+    parked until one joins, or in transit; its stream entry; its children (n > 1);
+  * `StepLoop` (scheduler_svc/step_loop.py), one per worker -- schedule() -> Steps
+    (gRPC) -> update(), stats; its worker evacuated and its requests re-routed when it ends.
+and runs two tasks of its own on the same asyncio loop:
+  * `_read_requests` -- XREADGROUP on the requests stream; routes a NewRequest to a worker
+    (prefix-aware: `scheduler_svc.routing`) and an AbortRequest to wherever the request is;
+  * `_discover_workers` -- refreshes the pool; a worker that joins gets its step loop and
+    the parked requests.
 """
 
 from __future__ import annotations
@@ -25,10 +20,8 @@ import asyncio
 import logging
 import socket
 import time
-from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-import grpc
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -37,14 +30,21 @@ from proto import worker_pb2
 from proto.keys import SCHEDULER_GROUP, STREAM_FIELD, RedisKeys
 from proto.messages import AbortRequest, NewRequest, TokenEvent, stream_decoder, stream_encoder
 from proto.parallel import parent_request_id
+from proto.registry import WorkerRegistry
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.heartbeat import Heartbeat, Load
+from scheduler_svc.leader import LeaderLease
+from scheduler_svc.ledger import RequestLedger, Unrouted
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.request import RequestState
-from scheduler_svc.stats import worker_stats
+from scheduler_svc.request import SchedulerRequest
 from scheduler_svc.routing import pick_worker
-from scheduler_svc.workers import WorkerHandle, WorkersMixin
+from scheduler_svc.step_loop import StepLoop
+from scheduler_svc.worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("pagedserve.scheduler")
+
+_RETRY_S = 0.25  # first wait before reading the stream again after a Redis error
+_MAX_RETRY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -63,15 +63,23 @@ class SchedulerServiceConfig:
     retired_retry_s: float = 30.0  # a retired worker that still looks registered is redialled after this
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # /metrics (scheduler_svc/metrics.py) on this port; 0 = none
-    # Plan step k+1 while step k runs (scheduler_svc/batching.py): "on", "off", or "auto":
+    # Plan step k+1 while step k runs (scheduler_svc/step_loop.py): "on", "off", or "auto":
+    # Bound on the requests waiting for a step (in workers' waiting queues or parked), which
+    # the gateway enforces from the heartbeat with 429 + Retry-After; 0 = no bound.
+    max_waiting_requests: int = 1024
+    heartbeat_interval_s: float = 0.5
+    heartbeat_ttl_s: float = 3.0  # the heartbeat expires this long after a death
+    lease_ttl_s: float = 3.0  # the leader lease (scheduler_svc/leader.py): a standby takes over within about this
     # on for a worker that computes on an accelerator, off for one on the CPU, where the
     # host work it overlaps with a step competes with that step for the same cores
-    # (docs/performance.md has the numbers).
+    # (docs/performance.md, "Async scheduling").
     async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be 'auto', 'on' or 'off', got {self.async_scheduling!r}")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
 
     def schedules_ahead(self, info: worker_pb2.WorkerInfo) -> bool:
         """Whether steps for this worker are planned while the one before runs."""
@@ -80,65 +88,190 @@ class SchedulerServiceConfig:
         return self.async_scheduling == "on"
 
 
-class SchedulerService(WorkersMixin):
+class SchedulerService:
     def __init__(self, config: SchedulerServiceConfig):
         self.config = config
         self.keys = RedisKeys(config.key_prefix)
         self.redis = aioredis.Redis.from_url(config.redis_url)
-        self.workers: dict[str, WorkerHandle] = {}
-        self.owner: dict[str, WorkerHandle] = {}  # request id → the worker holding it
-        self.entry_ids: dict[str, bytes] = {}  # request id → its stream entry, acked when done
-        self.unassigned: list[NewRequest | RequestState] = []  # waiting for a live worker
-        self.reroutes: dict[str, int] = {}
-        # Retired registrations (worker id, started_at) → when to try them again: a killed
-        # worker's registration lingers until its TTL runs out; don't redial it meanwhile.
-        self.retired: dict[tuple[str, float], float] = {}
-        # Aborts that overtook their NewRequest (the gateway's XADD was cancelled midway):
-        # remembered, boundedly, so the request is dropped when it does arrive.
-        self.early_aborts: OrderedDict[str, None] = OrderedDict()
-        self.in_transit: list[NewRequest | RequestState] = []  # being routed by _route_all
+        self.pool = WorkerPool(WorkerRegistry(self.keys), self.redis, config.batching,
+                               config.retired_retry_s, config.schedules_ahead)
+        self.ledger = RequestLedger(config.max_early_aborts)
         self.metrics = SchedulerMetrics()
-        self._cuts: set[asyncio.Task] = set()  # Cut RPCs under way
+        self.heartbeat = Heartbeat(self.redis, self.keys, config.consumer_name,
+                                   interval_s=config.heartbeat_interval_s, ttl_s=config.heartbeat_ttl_s,
+                                   max_waiting_requests=config.max_waiting_requests, load=self.load)
+        self.lease = LeaderLease(self.redis, self.keys, config.consumer_name, config.lease_ttl_s)
+        self._tasks: list[asyncio.Task] = []  # the heartbeat; the leader's read and discovery loops
         self._stopping = False
+        self._unacked: list[bytes] = []  # finished entries Redis has not acknowledged yet
 
     # ---- lifecycle -------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Serve until `stop` is set: heartbeat at once, wait for the leader lease (a
+        standby meanwhile), then drive the workers (`_lead`). Raises LeaseLost when another
+        scheduler took the lease (restart as a standby), or what crashed a loop."""
         stop = stop or asyncio.Event()
-        try:
-            await self.redis.xgroup_create(self.keys.requests, SCHEDULER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        await self._refresh_workers()  # know every live worker before routing anything
-        metrics_server = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
-        tasks = [asyncio.create_task(self._read_requests(), name="read-requests"),
-                 asyncio.create_task(self._discover_workers(), name="discover-workers")]
-        log.info("scheduler %s reading %s", self.config.consumer_name, self.keys.requests)
+        await self._create_group()
+        metrics_server = self.metrics.serve(self.config.metrics_host, self.config.metrics_port, self.health)
+        self._tasks = [asyncio.create_task(self.heartbeat.run(), name="heartbeat")]
+        leading = asyncio.create_task(self._lead(), name="lead")
         waiter = asyncio.create_task(stop.wait())
         done: set[asyncio.Task] = set()
         try:
-            done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([waiter, leading, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
         finally:
             # The loops also check _stopping: a blocking redis-py read may swallow a cancellation.
             self._stopping = True
-            everything = [waiter, *tasks, *(h.task for h in self.workers.values() if h.task)]
+            everything = [waiter, leading, *self._tasks, *(h.task for h in self.pool.handles() if h.task)]
             try:
                 for task in everything:
                     task.cancel()
                 await asyncio.wait(everything, timeout=3)
             finally:
-                for handle in list(self.workers.values()):
-                    try:
-                        await handle.channel.close()
-                    except Exception as exc:
-                        log.warning("closing the channel to worker %s: %s", handle.worker_id, exc)
+                await self.heartbeat.clear()
+                try:
+                    await self.lease.release()
+                except (aioredis.RedisError, OSError):
+                    pass  # its TTL frees it
+                await self.pool.close()
                 if metrics_server is not None:
                     metrics_server.close()
                 await self.redis.aclose()
-        for task in done:  # surface a crashed reader/discovery task instead of hiding it
+        for task in done:  # surface a crashed loop (or a lost lease) instead of hiding it
             if task is not waiter and not task.cancelled() and task.exception():
                 raise task.exception()
+
+    async def _lead(self) -> None:
+        """Take the lease (waiting as a standby while another scheduler holds it), claim
+        every pending request of the stream (a dead leader's too), start reading and
+        discovering, then renew the lease until a loop crashes or the lease is lost."""
+        if not await self._try_acquire():
+            log.info("scheduler %s is a standby: another scheduler holds the lease", self.config.consumer_name)
+            while not await self._try_acquire():
+                await asyncio.sleep(self.lease.ttl_s / 6)
+        log.info("scheduler %s leads (fencing token %d), reading %s", self.config.consumer_name,
+                 self.lease.token, self.keys.requests)
+        await self._take_over()
+        loops = [asyncio.create_task(self._read_requests(), name="read-requests"),
+                 asyncio.create_task(self._discover_workers(), name="discover-workers")]
+        self._tasks.extend(loops)
+        failing = False
+        while True:
+            await asyncio.wait(loops, timeout=self.lease.ttl_s / 3)
+            for task in loops:
+                if task.done():
+                    task.result()  # raises what crashed it
+                    raise RuntimeError(f"{task.get_name()} ended")
+            try:
+                await self.lease.renew()
+            except (aioredis.RedisError, OSError) as exc:
+                if not failing:
+                    log.warning("could not renew the leader lease: %s", exc)
+                failing = True
+                continue
+            failing = False
+
+    async def _try_acquire(self) -> bool:
+        try:
+            return await self.lease.acquire()
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("could not try the leader lease: %s", exc)
+            return False
+
+    async def _take_over(self) -> None:
+        """Claim the pending requests, then learn every live worker before routing anything;
+        a Redis error here is retried with a backoff (a group gone with an empty Redis is
+        made again), never the end of the scheduler."""
+        delay = _RETRY_S
+        while True:
+            try:
+                await self._claim_pending()
+                await self._refresh_workers()
+                return
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self._create_group()
+            except (aioredis.RedisError, OSError) as exc:
+                log.warning("taking over failed (%s); retrying", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _MAX_RETRY_S)
+
+    async def _claim_pending(self) -> None:
+        """Every pending entry of the group becomes ours (XAUTOCLAIM): a dead leader's
+        requests are served again, from their prompts; with (seed, position) sampling and
+        `request_seed` they come out as the client already has them, and its gateway drops
+        the indices it has."""
+        start: bytes | str = "0-0"
+        claimed = 0
+        while True:
+            next_start, entries, *_ = await self.redis.xautoclaim(
+                self.keys.requests, SCHEDULER_GROUP, self.config.consumer_name, min_idle_time=0,
+                start_id=start, count=self.config.read_batch)
+            claimed += len(entries)
+            if next_start in (b"0-0", "0-0"):
+                break
+            start = next_start
+        if claimed:
+            log.info("claimed %d pending request(s)", claimed)
+
+    def health(self) -> tuple[bool, dict]:
+        """GET /health on the metrics port (called from its thread): healthy while the
+        heartbeat reaches Redis (its last beat younger than its TTL); the role says whether
+        this scheduler leads (and drives how many workers) or stands by."""
+        written_at, load = self.heartbeat.written_at, self.heartbeat.written
+        age = None if written_at is None else time.monotonic() - written_at
+        healthy = age is not None and age < self.config.heartbeat_ttl_s
+        return healthy, {"status": "ok" if healthy else "heartbeat_not_written",
+                         "role": "leader" if self.lease.token > 0 else "standby",
+                         "workers": load.worker_ids if load else [],
+                         "heartbeat_age_s": None if age is None else round(age, 3)}
+
+    def load(self) -> Load:
+        """The heartbeat's report: the live workers, and the requests waiting for a step
+        (on a worker's waiting queue, parked until a worker joins, or in transit)."""
+        live = self.pool.live()
+        waiting = sum(len(h.scheduler.queues.waiting) for h in live)
+        return Load([h.worker_id for h in live],
+                    waiting + len(self.ledger.unassigned) + len(self.ledger.in_transit))
+
+    # ---- workers ---------------------------------------------------------------------
+
+    async def _discover_workers(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.config.discovery_interval_s)
+            await self._refresh_workers()
+
+    async def _refresh_workers(self) -> None:
+        for handle in await self.pool.refresh():
+            self.start_worker(handle)
+            await self._route_all(self.ledger.take_parked())
+
+    def start_worker(self, handle: WorkerHandle) -> None:
+        """Put the worker in the pool and start its step loop."""
+        self.pool.add(handle)
+        handle.task = asyncio.create_task(self._drive(handle), name=f"steps-{handle.worker_id}")
+
+    async def _drive(self, handle: WorkerHandle) -> None:
+        """The worker's step loop, then (once it is retired) its evacuation."""
+        loop = StepLoop(handle, self.redis, self.keys, self.metrics, self.config.step_timeout_s,
+                        self.config.idle_stats_interval_s, self._finished, self.lease.token)
+        try:
+            await loop.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug or a Redis error: never leave a dead loop holding requests
+            log.exception("step loop of worker %s crashed", handle.worker_id)
+            handle.retire("its step loop crashed")
+        finally:
+            if not self._stopping:
+                try:
+                    states = await self.pool.evacuate(handle)
+                    self.metrics.forget_worker(handle.worker_id)
+                    await self._route_all(states, lost_worker=True)
+                except Exception:
+                    log.exception("re-routing the requests of worker %s failed", handle.worker_id)
 
     # ---- requests in -----------------------------------------------------------------
 
@@ -146,12 +279,32 @@ class SchedulerService(WorkersMixin):
         # First our own pending entries (delivered before a restart), then new ones. A
         # history read returns the pending entries after `stream_id`, acked or not, so it
         # moves past each batch; an empty history read means the history is done.
+        # Redis out of reach: retried with a backoff, never the end of the scheduler; a
+        # Redis that came back empty (no persistence) gets the stream and group again.
         stream_id: str | bytes = "0"
         history = True
+        delay = _RETRY_S
         while not self._stopping:
-            reply = await self.redis.xreadgroup(
-                SCHEDULER_GROUP, self.config.consumer_name, {self.keys.requests: stream_id},
-                count=self.config.read_batch, block=None if history else 1000)
+            try:
+                reply = await self.redis.xreadgroup(
+                    SCHEDULER_GROUP, self.config.consumer_name, {self.keys.requests: stream_id},
+                    count=self.config.read_batch, block=None if history else 1000)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("the requests stream or its group is gone (Redis restarted empty?); "
+                            "creating them again")
+                await self._create_group()
+                continue
+            except (aioredis.RedisError, OSError) as exc:
+                if delay == _RETRY_S:  # once per outage
+                    log.warning("reading %s failed (%s); retrying", self.keys.requests, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _MAX_RETRY_S)
+                continue
+            if delay != _RETRY_S:
+                log.info("reading %s again", self.keys.requests)
+                delay = _RETRY_S
             entries = reply[0][1] if reply else []
             if history:
                 if not entries:
@@ -160,6 +313,13 @@ class SchedulerService(WorkersMixin):
                 stream_id = entries[-1][0]
             for entry_id, fields in entries:
                 await self._handle_entry(entry_id, fields)
+
+    async def _create_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.requests, SCHEDULER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
 
     async def _handle_entry(self, entry_id: bytes, fields: dict) -> None:
         try:
@@ -171,63 +331,45 @@ class SchedulerService(WorkersMixin):
         if isinstance(message, AbortRequest):
             await self._ack(entry_id)
             await self._abort(message.request_id)
-            return
-        if message.request_id in self.entry_ids:  # re-delivered while still in flight
-            return
-        if message.request_id in self.early_aborts:
-            del self.early_aborts[message.request_id]
+        elif message.request_id in self.ledger.entries:  # delivered again while in flight
+            pass
+        elif self.ledger.take_early_abort(message.request_id):
             await self._ack(entry_id)
-            return
-        self.entry_ids[message.request_id] = entry_id
-        await self._route(message)
+        else:
+            self.ledger.open(message.request_id, entry_id)
+            await self._route(message)
 
     async def _abort(self, request_id: str) -> None:
-        """Abort a request wherever it is -- on a worker, parked in `unassigned`, or in
-        transit between workers -- and (n > 1) its children wherever each is: forked on
-        the parent's worker or re-routed one by one after a worker loss. A child's id
-        (`p/1`, proto/parallel.py) aborts that child alone; the parent's entry is done with
-        its last child. A request id not seen yet is remembered (boundedly) as an early
-        abort: its NewRequest is dropped when it arrives."""
+        """Abort a request wherever it is (the ledger says where) and, n > 1, its children
+        wherever each is. A child's id (`p/1`, proto/parallel.py) aborts that child alone;
+        the parent's entry is done with its last child. A request id not seen yet is
+        remembered (boundedly) as an early abort: its NewRequest is dropped when it comes."""
         parent_id = parent_request_id(request_id)
-
-        def is_child(rid: str) -> bool:
-            return parent_request_id(rid) == request_id
-
-        # Waiting for a live worker or between workers: removed first, so nothing routes
-        # them afterwards (_route_all and _evacuate skip what is no longer in transit).
-        gone = [r.request_id for r in (*self.unassigned, *self.in_transit)
-                if r.request_id == request_id or is_child(r.request_id)]
-        if gone:
-            self.unassigned = [r for r in self.unassigned if r.request_id not in gone]
-            self.in_transit = [r for r in self.in_transit if r.request_id not in gone]
-        # On workers: its own (a forked child lives on its parent's worker) and those of
-        # children re-routed one by one. abort_request(parent) aborts a parent's children.
-        children = [rid for rid in self.owner if is_child(rid)]
-        holders = (self.owner.get(request_id), self.owner.get(parent_id) if parent_id else None,
-                   *(self.owner[rid] for rid in children))
-        for handle in {id(h): h for h in holders if h is not None}.values():
+        # Parked or in transit: taken out first, so nothing routes them afterwards.
+        gone = self.ledger.take_unrouted(request_id)
+        children = self.ledger.assigned_children(request_id)
+        # abort_request(parent) on a worker aborts the children forked there too.
+        for handle in self.ledger.holders(request_id):
             if handle.scheduler.abort_request(request_id):
                 handle.wake.set()  # the worker learns to forget it in the next step
                 gone.append(request_id)
-        for child_id in {*children, *(rid for rid in gone if is_child(rid))}:
-            self._forget(child_id)  # children have no stream entry of their own
+        for child_id in {*children, *(rid for rid in gone if parent_request_id(rid) == request_id)}:
+            self.ledger.close(child_id)  # children have no stream entry of their own
         if parent_id is not None:
-            self._forget(request_id)
+            self.ledger.close(request_id)
             if gone:  # else already finished (the finish did this) or not forked yet
                 await self._maybe_finish_parent(parent_id)
-        elif request_id in self.entry_ids:
+        elif request_id in self.ledger.entries:
             await self._finish(request_id)
         else:
-            self.early_aborts[request_id] = None
-            while len(self.early_aborts) > self.config.max_early_aborts:
-                self.early_aborts.popitem(last=False)
+            self.ledger.remember_early_abort(request_id)
 
-    async def _route(self, item: NewRequest | RequestState) -> None:
+    async def _route(self, item: Unrouted) -> None:
         """The live worker holding the longest cached prefix of the request's tokens,
         unless it is much more loaded than another (the score: scheduler_svc.routing)."""
-        live = [h for h in self.workers.values() if not h.retiring]
+        live = self.pool.live()
         if not live:
-            self.unassigned.append(item)
+            self.ledger.park(item)
             return
         tokens = item.prompt_token_ids if isinstance(item, NewRequest) else item.token_ids
         handle = pick_worker(live, tokens, lambda h: h.scheduler)
@@ -236,164 +378,78 @@ class SchedulerService(WorkersMixin):
         if error is not None:  # it can never fit on that worker: tell the client, drop it
             await self._publish(item.reply_channel, error)
             await self._finish(item.request_id)
-            if isinstance(item, RequestState) and item.parent_id is not None:
+            if isinstance(item, SchedulerRequest) and item.parent_id is not None:
                 await self._maybe_finish_parent(item.parent_id)
             return
-        self.owner[item.request_id] = handle
+        self.ledger.assign(item.request_id, handle)
         handle.wake.set()
-        if handle.cuttable:  # a multi-step step runs: end it after its current pass
-            step_id, handle.cuttable = handle.cuttable, 0
-            task = asyncio.create_task(self._cut(handle, step_id))  # routing goes on meanwhile
-            self._cuts.add(task)  # held until done: the loop keeps only weak references
-            task.add_done_callback(self._cuts.discard)
 
-    # ---- workers ---------------------------------------------------------------------
-
-    async def _route_all(self, items: list[NewRequest | RequestState]) -> None:
-        """Route each in turn; those not routed yet count as unfinished children meanwhile
-        (so a sibling that fails to route does not finish its parent's entry early)."""
-        self.in_transit.extend(items)
+    async def _route_all(self, items: list[Unrouted], lost_worker: bool = False) -> None:
+        """Route each in turn (`lost_worker`: drained from a lost worker -- a request that
+        lost too many gets an error instead). Those not routed yet are in transit
+        meanwhile: an abort takes them out, and a sibling that fails to route does not
+        finish its parent's entry early."""
+        self.ledger.start_transit(items)
         try:
             for item in items:
-                if self._untransit(item):  # else aborted meanwhile
+                if not self.ledger.end_transit(item):  # aborted meanwhile
+                    continue
+                losses = self.ledger.lost_worker(item.request_id) if lost_worker else 0
+                if losses > self.config.max_reroutes:
+                    await self._give_up(item, losses)
+                else:
                     await self._route(item)
         finally:
             for item in items:
-                self._untransit(item)
+                self.ledger.end_transit(item)
 
-    async def _step_loop(self, handle: WorkerHandle) -> None:
-        try:
-            await self._steps(handle)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug or a Redis error: never leave a dead loop holding requests
-            log.exception("step loop of worker %s crashed", handle.worker_id)
-            self._retire(handle, "its step loop crashed")
-        finally:
-            if not self._stopping:
-                try:
-                    await self._evacuate(handle)
-                except Exception:
-                    log.exception("re-routing the requests of worker %s failed", handle.worker_id)
-
-    async def _send(self, handle: WorkerHandle, steps: grpc.aio.StreamStreamCall,
-                    step: worker_pb2.StepRequest) -> worker_pb2.StepRequest:
-        """Send the step on the worker's stream (on its way once this returns)."""
-        handle.recorder.scheduled(handle.scheduler, step)
-        await steps.write(step)
-        return step
-
-    async def _steps(self, handle: WorkerHandle) -> None:
-        scheduler = handle.scheduler
-        steps = handle.stub.Steps()  # results come back in the order the steps went
-        in_flight: deque[worker_pb2.StepRequest] = deque()  # oldest first
-        try:
-            while not handle.retiring:
-                if not in_flight:
-                    step = scheduler.schedule()
-                    if step is None:
-                        # Idle: a consistent moment to self-check; repeated while idle so
-                        # readers of the stats can tell fresh from stale by updated_at.
-                        await self._write_stats(handle)
-                        try:
-                            await asyncio.wait_for(handle.wake.wait(), self.config.idle_stats_interval_s)
-                        except TimeoutError:
-                            continue
-                        handle.wake.clear()
-                        continue
-                    in_flight.append(await self._send(handle, steps, step))
-                if handle.schedules_ahead and scheduler.can_schedule_ahead():
-                    ahead = scheduler.schedule()
-                    if ahead is not None:
-                        in_flight.append(await self._send(handle, steps, ahead))
-                step = in_flight.popleft()
-                handle.cuttable = step.step_id if step.num_passes > 1 else 0
-                updated = await self._update(handle, step, steps)
-                handle.cuttable = 0
-                if not updated:
-                    break
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:  # a write to a broken stream
-            self._retire(handle, f"Steps stream failed: {exc}")
-        finally:
-            steps.cancel()  # retired with steps in flight: the worker is gone
-
-    async def _update(self, handle: WorkerHandle, step: worker_pb2.StepRequest,
-                      steps: grpc.aio.StreamStreamCall) -> bool:
-        """Await the step's result and apply it; False (and the worker retired) if it failed."""
-        scheduler = handle.scheduler
-        try:
-            async with asyncio.timeout(self.config.step_timeout_s):
-                result = await steps.read()
-            if result is grpc.aio.EOF:
-                raise EOFError("the worker ended the Steps stream")
-        except (grpc.aio.AioRpcError, TimeoutError, EOFError) as exc:
-            why = (f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError)
-                   else str(exc) or f"no result in {self.config.step_timeout_s} s")
-            self._retire(handle, f"step {step.step_id} failed: {why}")
-            return False
-        try:
-            finished = scheduler.update(step, result)
-        except ValueError as exc:  # the worker broke the Step contract: stop trusting it
-            self._retire(handle, f"bad StepResult: {exc}")
-            return False
-        handle.recorder.stepped(scheduler, step, result, finished)
-        for state in finished:
-            await self._finish(state.request_id)
-            if state.parent_id is not None:
-                await self._maybe_finish_parent(state.parent_id)
-        if time.monotonic() - handle.stats_at >= self.config.idle_stats_interval_s:
-            await self._write_stats(handle, check=False)  # under load too, about once a second
-        return True
-
-    def _untransit(self, item: NewRequest | RequestState) -> bool:
-        """Take `item` out of `in_transit`; False if it was not there (an abort took it)."""
-        before = len(self.in_transit)
-        self.in_transit = [r for r in self.in_transit if r is not item]
-        return len(self.in_transit) < before
-
-    async def _write_stats(self, handle: WorkerHandle, check: bool = True) -> None:
-        """WorkerStats to Redis; with `check`, after check_integrity() (O(blocks): when idle)."""
-        handle.stats_at = time.monotonic()
-        stats = worker_stats(handle.scheduler, handle.worker_id, check, handle.recorder)
-        self.metrics.publish(stats)
-        if stats.integrity_error:
-            log.error("worker %s: block pool integrity: %s", handle.worker_id, stats.integrity_error)
-        try:
-            await self.redis.set(self.keys.worker_stats(handle.worker_id), stream_encoder.encode(stats),
-                                 ex=3600)
-        except aioredis.RedisError as exc:
-            log.warning("could not write stats: %s", exc)
+    async def _give_up(self, state: SchedulerRequest, losses: int) -> None:
+        event = TokenEvent(state.request_id, index=state.num_output_tokens, finish_reason="error",
+                           error=f"request lost its worker {losses} times; giving up")
+        await self._publish(state.reply_channel, event)
+        await self._finish(state.request_id)
+        if state.parent_id is not None:
+            await self._maybe_finish_parent(state.parent_id)
 
     # ---- requests out ----------------------------------------------------------------
 
+    async def _finished(self, state: SchedulerRequest) -> None:
+        """A worker finished the request (its step loop's update)."""
+        await self._finish(state.request_id)
+        if state.parent_id is not None:
+            await self._maybe_finish_parent(state.parent_id)
+
     async def _publish(self, channel: str, event: TokenEvent) -> None:
-        await self.redis.publish(channel, stream_encoder.encode([event]))
+        """An error event for a client; with Redis out of reach it is lost (logged), and the
+        client's request ends by its timeout."""
+        try:
+            await self.redis.publish(channel, stream_encoder.encode([event]))
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("could not tell %s: %s", event.request_id, exc)
 
     async def _finish(self, request_id: str) -> None:
-        entry_id = self.entry_ids.get(request_id)
-        self._forget(request_id)
+        entry_id = self.ledger.close(request_id)
         if entry_id is not None:
             await self._ack(entry_id)
 
-    def _has_children(self, parent_id: str) -> bool:
-        """True while a child of `parent_id` is unfinished on a worker or waits for one."""
-        return (any(h.scheduler.has_children(parent_id) for h in self.workers.values())
-                or any(parent_request_id(item.request_id) == parent_id
-                       for item in (*self.unassigned, *self.in_transit)))
-
     async def _maybe_finish_parent(self, parent_id: str) -> None:
-        """n > 1: the stream entry is the parent's, done with its last child."""
-        if parent_id in self.entry_ids and not self._has_children(parent_id):
+        """n > 1: the stream entry is the parent's, done with its last child (on a worker,
+        parked or in transit)."""
+        if (parent_id in self.ledger.entries and not self.pool.has_children(parent_id)
+                and not self.ledger.has_unrouted_children(parent_id)):
             await self._finish(parent_id)
 
-    def _forget(self, request_id: str) -> None:
-        self.owner.pop(request_id, None)
-        self.entry_ids.pop(request_id, None)
-        self.reroutes.pop(request_id, None)
-
     async def _ack(self, entry_id: bytes) -> None:
-        """Acknowledge and delete: a finished request's entry is of no further use."""
+        """Acknowledge and delete: a finished request's entry is of no further use. With
+        Redis out of reach the entry is kept and acknowledged with the next one (a Redis
+        error never stops a step loop, so it never retires a healthy worker)."""
+        batch, self._unacked = [*self._unacked, entry_id], []
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(self.keys.requests, SCHEDULER_GROUP, entry_id)
-        pipe.xdel(self.keys.requests, entry_id)
-        await pipe.execute()
+        pipe.xack(self.keys.requests, SCHEDULER_GROUP, *batch)
+        pipe.xdel(self.keys.requests, *batch)
+        try:
+            await pipe.execute()
+        except (aioredis.RedisError, OSError) as exc:
+            if len(batch) == 1:  # once per outage
+                log.warning("could not acknowledge finished requests (%s); retrying with the next", exc)
+            self._unacked = batch + self._unacked

@@ -3,10 +3,9 @@
 The field names are WorkerStats' (proto/messages.py), which carries them through Redis.
 """
 
-import time
-from dataclasses import asdict, dataclass
+from __future__ import annotations
 
-from proto.messages import WorkerStats
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -37,40 +36,3 @@ class SchedulerStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-def scheduler_stats(sched) -> SchedulerStats:
-    """A BatchScheduler's block pool and prefix cache accounting now (O(num_blocks))."""
-    kv, pool = sched.kv, sched.kv.block_pool
-    used = kv.num_blocks - kv.num_free_blocks
-    # Shared blocks are full: subtract the tokens block tables count more than once.
-    held = (sum(req.num_computed_tokens for req in sched.running)
-            - kv.block_size * kv.num_shared_references())
-    slots = used * kv.block_size
-    return SchedulerStats(
-        num_blocks=kv.num_blocks, num_used_blocks=used,
-        num_cached_blocks=pool.num_cached_free_blocks(), num_free_blocks=kv.num_free_blocks,
-        num_running=sched.num_running, num_waiting=sched.num_waiting,
-        num_preemptions=sched.num_preemptions, num_steps=sched.num_steps,
-        prefix_cache_queries=sched.prefix_cache_queries,
-        prefix_cache_hits=sched.prefix_cache_hits, num_evicted_blocks=pool.num_evictions,
-        kv_waste=1.0 - held / slots if slots else 0.0,
-        num_swapped=len(sched.swapped), num_swapped_out=sched.num_swapped_out,
-        num_cpu_blocks=kv.num_cpu_blocks, num_free_cpu_blocks=kv.cpu_pool.num_free_blocks,
-        num_forks=sched.num_forks, num_cow_copies=sched.num_cow_copies,
-        num_aborted=sched.num_aborted, num_steps_ahead=sched.num_steps_ahead)
-
-
-def worker_stats(scheduler, worker_id: str, check: bool, recorder) -> WorkerStats:
-    """`scheduler`'s accounting and `recorder`'s histograms (scheduler_svc.metrics.WorkerRecorder)
-    as the WorkerStats message; with `check`, after running check_integrity() (O(blocks):
-    callers do it when idle) and recording its complaint."""
-    problem = None
-    if check:
-        try:
-            scheduler.check_integrity()
-        except AssertionError as exc:
-            problem = str(exc) or "check_integrity failed"
-    requests, steps = recorder.snapshot(scheduler)
-    return WorkerStats(worker_id=worker_id, integrity_error=problem, updated_at=time.time(),
-                       requests=requests, steps=steps, **asdict(scheduler.stats()))

@@ -1,228 +1,173 @@
-"""The step message out of a BatchScheduler and the worker's result back in: a mixin of
-BatchScheduler (scheduler_svc/batching.py), whose state it reads and changes.
+"""The step message out of a scheduler, and the worker's result back in.
 
 The step carries admitted requests in full (prompt + outputs so far, block table) and
 running ones as diffs (the block ids allocated this step). num_computed_tokens advances
-when the step is built: the worker computes exactly what was scheduled, and a request the
-step catches up counts one token in flight (num_pending) until its result. `update` then
-offers the blocks the step filled to the prefix cache, appends the sampled tokens and
-finishes requests the worker finished.
+when the step is built: the worker computes exactly what was planned, and a request the
+step catches up counts one token in flight (num_pending) until its result comes back.
 
-Steps planned ahead (BatchScheduler.can_schedule_ahead): the worker finds the next step
-queued when it finishes the first. The step ahead assumes every request the step in flight
-samples for gets its token (`num_pending`): a decode computes that token, which only the
-worker knows yet (the step carries `after_step_id`). `update()` takes results oldest first
-and reconciles: a request the step in flight finished (EOS, a stop token) was scheduled once
-more for nothing -- the worker skips it, and its blocks were freed at the first update. A
-step ahead never preempts, swaps or forks: a request that cannot grow without a preemption
-ends the step there (the one after it is planned after update(), with nothing in flight), a
-request about to sample its last token (max_tokens) or to fork (n > 1) waits for update().
+Steps planned ahead (async scheduling): the step after the one in flight carries
+`after_step_id`, and computes the token the step before samples, which only the worker
+has yet. Results come back oldest first; a request the step in flight finished (EOS, a
+stop token) was planned once more for nothing -- the worker skips it.
 
-Multi-step (SchedulerConfig.num_scheduler_steps > 1): a step planned with nothing in
-flight, nothing waiting or swapped and no preemption, in which every request samples,
-runs up to that many passes on the worker (worker_svc/multi_step.py): after the first,
-each request decodes on, one token a pass, until it finishes or the passes run out. The
-step allocates blocks for all of its passes when the pool has room for them (else it has
-one), and counts their tokens in flight; `update()` takes every pass's tokens.
-No step is planned ahead of a multi-step one. A request arriving meanwhile makes the
-scheduler service send Cut: the worker ends the step after the pass that runs, and
-`update()` gives back what the passes that did not run were allocated.
+Invariants (`check_integrity`): at most two steps are in flight; a running request's
+tokens in flight are the steps in flight that sample for it, and it has tokens left to
+compute (counting those in flight) unless the step that catches it up is in flight.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from proto import worker_pb2
-from scheduler_svc.request import RequestState, RequestStatus, to_pb_sampling
+from scheduler_svc.planner import StepPlan
+from scheduler_svc.queues import RequestQueues
+from scheduler_svc.request import RequestStatus, SchedulerRequest, to_pb_sampling
 
 _RUNNING = RequestStatus.RUNNING
+_BlockPair = worker_pb2.BlockPair
+# Makes a ScheduledRequest from a tuple of its fields in one C call: its NamedTuple
+# constructor is a Python call, and build() makes one per request per step.
+_new_record = tuple.__new__
+
+
+class ScheduledRequest(NamedTuple):
+    """One request of a step in flight (a tuple: one is made per request per step)."""
+
+    request: SchedulerRequest
+    num_new_tokens: int  # tokens the step computes for it
+    num_computed_tokens: int  # its computed tokens once the step ran
+    samples: bool  # the step catches it up: the worker samples a token for it
 
 
 @dataclass(frozen=True, slots=True)
 class InFlightStep:
-    """A step sent and not updated yet, and for each of its requests in step order:
-    (request, tokens its first pass computes, its num_computed_tokens after the step, the
-    tokens the worker samples for it: 0, 1, or with multi-step up to num_passes)."""
+    """A step sent and not updated yet, with its requests in step order."""
 
     step: worker_pb2.StepRequest
-    reqs: list[tuple[RequestState, int, int, int]]
+    requests: tuple[ScheduledRequest, ...]
 
 
-class StepMixin:
-    """BatchScheduler's `_extra_passes`, `_build_step`, `update` and `_finish`."""
+class StepBuilder:
+    """Builds each step message and holds the steps in flight until their results."""
 
-    def _extra_passes(self, scheduled: dict[str, int], new_blocks: dict[str, list[int]]) -> dict[str, int]:
-        """Multi-step: request id -> the passes after the first it decodes in (up to
-        num_scheduler_steps - 1, within its max_tokens), its blocks for them allocated and
-        appended to new_blocks. Empty, with nothing allocated, unless every request of the
-        step samples in the first pass (no prefill chunk waits behind the passes) and the
-        pool has room for all of them (no preemption for passes that may not run)."""
-        limit = self.config.num_scheduler_steps - 1
-        extra: dict[str, int] = {}
-        for request_id, num_new in scheduled.items() if limit else ():
-            req = self._requests[request_id]
-            computed = req.num_computed_tokens + num_new
-            more = min(limit, req.sampling.max_tokens - req.num_output_tokens - req.num_pending - 1)
-            samples = computed == req.num_tokens + req.num_pending
-            ids = self.kv.allocate_slots(request_id, computed + more) if samples and more > 0 else []
-            if not samples or ids is None:  # one pass after all: give back what was taken
-                for rid in extra:
-                    taken = self.kv.trim(rid, self._requests[rid].num_computed_tokens + scheduled[rid])
-                    del new_blocks[rid][len(new_blocks[rid]) - taken:]
-                return {}
-            if more > 0:
-                new_blocks[request_id] = [*new_blocks[request_id], *ids]
-                extra[request_id] = more
-        return extra
+    def __init__(self) -> None:
+        self._next_step_id = 1
+        self._in_flight: list[InFlightStep] = []  # oldest first
+        self._to_forget: list[str] = []  # request ids the worker forgets in the next step
+        self.num_steps_ahead = 0  # steps planned while one was in flight, since start
 
-    def _build_step(self, scheduled: dict[str, int], new_blocks: dict[str, list[int]],
-                    admitted: list[RequestState], extra: dict[str, int]) -> worker_pb2.StepRequest:
-        """The step message; advances num_computed_tokens by what it schedules. Running
-        requests come first in `scheduled`, then the admitted ones. Multi-step: `extra`
-        (from _extra_passes) holds the passes after the first each request decodes in."""
-        step = worker_pb2.StepRequest(step_id=self._next_step_id,
-                                      finished_request_ids=self._finished_ids)
-        if extra:
-            step.num_passes = 1 + max(extra.values())
-        if self._swap_out:
-            step.swapped_out_request_ids.extend(self._swap_out)
-            for pairs in self._swap_out.values():
-                step.blocks_to_swap_out.extend(worker_pb2.BlockPair(src=s, dst=d) for s, d in pairs)
-            self._swap_out = {}
-        if self._swap_in:
-            step.blocks_to_swap_in.extend(worker_pb2.BlockPair(src=s, dst=d) for s, d in self._swap_in)
-            self._swap_in = []
-        if self._copies:
-            step.blocks_to_copy.extend(worker_pb2.BlockPair(src=s, dst=d)
-                                       for s, d in self._copies.values())
-            self._copies = {}
+    @property
+    def num_steps(self) -> int:
+        """Steps built so far (the last step_id)."""
+        return self._next_step_id - 1
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def forget(self, request_id: str) -> None:
+        """The worker drops the request in the next step (finished, aborted, preempted by
+        recompute, a forked parent)."""
+        self._to_forget.append(request_id)
+
+    def build(self, plan: StepPlan, swap_outs: dict[str, list[tuple[int, int]]],
+              copies: list[tuple[int, int]]) -> worker_pb2.StepRequest:
+        """The step message for `plan`, with the block copies it carries; advances each
+        request's num_computed_tokens by what the step computes for it."""
+        step = worker_pb2.StepRequest(step_id=self._next_step_id, finished_request_ids=self._to_forget)
+        if swap_outs:
+            step.swapped_out_request_ids.extend(swap_outs)
+            for pairs in swap_outs.values():
+                step.blocks_to_swap_out.extend(_BlockPair(src=s, dst=d) for s, d in pairs)
+        if plan.swap_in:
+            step.blocks_to_swap_in.extend(_BlockPair(src=s, dst=d) for s, d in plan.swap_in)
+        if copies:
+            step.blocks_to_copy.extend(_BlockPair(src=s, dst=d) for s, d in copies)
         if self._in_flight:  # planned ahead: the worker runs it after the step in flight
             step.after_step_id = self._in_flight[-1].step.step_id
             self.num_steps_ahead += 1
-        replaced, self._replaced = self._replaced, set()
-        requests, reqs = self._requests, []
-        add_cached = step.cached_requests.add
-        unsent = self._unsent
-        for request_id, num_new in scheduled.items():
-            req = requests[request_id]
-            if request_id not in new_blocks:
-                break  # the admitted ones: below
-            if request_id in unsent:  # a forked child: in full, with its (shared) table
-                unsent.discard(request_id)
-                admitted.append(req)
-                continue
-            if request_id in replaced:  # swapped in (or copied on write): the whole table
-                add_cached(request_id=request_id, new_block_ids=self.kv.block_ids(request_id),
-                           num_computed_tokens=req.num_computed_tokens, replace_block_ids=True)
-            # Every block allocated before this step went out in an earlier step.
-            elif ids := new_blocks[request_id]:
-                add_cached(request_id=request_id, new_block_ids=ids,
+        add_cached, requests, scheduled = step.cached_requests.add, [], {}
+        for req, num_new, block_ids in plan.running:
+            if block_ids:  # every block allocated before went out in an earlier step
+                add_cached(request_id=req.request_id, new_block_ids=block_ids,
                            num_computed_tokens=req.num_computed_tokens)
             else:  # (an empty repeated field costs as much as a full one to pass)
-                add_cached(request_id=request_id, num_computed_tokens=req.num_computed_tokens)
-            reqs.append(_advance(req, num_new, extra.get(request_id, 0)))
-        for req in admitted:
-            num_new = scheduled[req.request_id]
+                add_cached(request_id=req.request_id, num_computed_tokens=req.num_computed_tokens)
+            scheduled[req.request_id] = num_new
+            samples = req.advance(num_new)
+            requests.append(_new_record(ScheduledRequest, (req, num_new, req.num_computed_tokens, samples)))
+        for req, num_new, block_ids in plan.resumed:
+            add_cached(request_id=req.request_id, new_block_ids=block_ids,
+                       num_computed_tokens=req.num_computed_tokens, replace_block_ids=True)
+            scheduled[req.request_id] = num_new
+            samples = req.advance(num_new)
+            requests.append(_new_record(ScheduledRequest, (req, num_new, req.num_computed_tokens, samples)))
+        for req, num_new, block_ids in plan.new:
             step.new_requests.add(
-                request_id=req.request_id, token_ids=req.token_ids,
-                num_prompt_tokens=req.num_prompt_tokens,
-                block_ids=self.kv.block_ids(req.request_id),
-                num_computed_tokens=req.num_computed_tokens,
+                request_id=req.request_id, token_ids=req.token_ids, num_prompt_tokens=req.num_prompt_tokens,
+                block_ids=block_ids, num_computed_tokens=req.num_computed_tokens,
                 sampling=to_pb_sampling(req.sampling), reply_channel=req.reply_channel)
-            reqs.append(_advance(req, num_new, extra.get(req.request_id, 0)))
+            scheduled[req.request_id] = num_new
+            samples = req.advance(num_new)
+            requests.append(_new_record(ScheduledRequest, (req, num_new, req.num_computed_tokens, samples)))
         step.num_scheduled_tokens.update(scheduled)
-        self._finished_ids = []
+        self._to_forget = []
         self._next_step_id += 1
-        self._in_flight.append(InFlightStep(step, reqs))
+        self._in_flight.append(InFlightStep(step, tuple(requests)))
         return step
 
-    def update(self, step: worker_pb2.StepRequest,
-               result: worker_pb2.StepResult) -> list[RequestState]:
-        """Apply the worker's result of `step`, the oldest step in flight.
-
-        Appends each sampled token; a non-empty finish_reason finishes the request (the
-        worker applied the stop rule), freeing its blocks. Tokens of requests aborted while
-        the step was in flight are ignored, as is a request a step before finished (the
-        worker samples nothing for it). A multi-step step samples a request's tokens in
-        every pass it ran in: all it was scheduled for, or fewer when the last finished
-        it or a Cut ended the step early (`result.passes` says how many ran; its blocks
-        past its computed tokens are then freed). Returns the requests finished here.
-        Raises ValueError, changing nothing, when the result breaks the step contract.
-        """
+    def take_result(self, step: worker_pb2.StepRequest, result: worker_pb2.StepResult
+                    ) -> list[tuple[ScheduledRequest, worker_pb2.SampledToken | None]]:
+        """Take `step`, the oldest in flight, off with its result: each request still
+        running, in step order, with the token sampled for it. Requests aborted, or
+        finished by an earlier step, while it was in flight are left out (their tokens
+        dropped). Raises ValueError, changing nothing, when the result breaks the step
+        contract."""
         if not self._in_flight or step.step_id != self._in_flight[0].step.step_id:
             raise ValueError(f"step {step.step_id} is not the oldest step in flight")
         if result.step_id != step.step_id:
             raise ValueError(f"result of step {result.step_id} given for step {step.step_id}")
-        # Multi-step: the passes that ran (fewer than planned when a Cut ended it early).
-        passes = len(result.passes) if step.num_passes > 1 else 1
-        if not 1 <= passes <= max(step.num_passes, 1):
-            raise ValueError(f"step {step.step_id}: {passes} passes ran, {step.num_passes} planned")
         sampled: dict[str, list[worker_pb2.SampledToken]] = {}
         for token in result.sampled:
             sampled.setdefault(token.request_id, []).append(token)
         if unscheduled := [rid for rid in sampled if rid not in step.num_scheduled_tokens]:
-            raise ValueError(
-                f"step {step.step_id}: tokens for unscheduled requests {sorted(unscheduled)}")
-        # Requests aborted, or finished by an earlier step, while this one was in flight
-        # are FINISHED: their tokens are dropped.
-        live = [entry for entry in self._in_flight[0].reqs if entry[0].status is _RUNNING]
-        for req, _, computed, num_samples in live:
+            raise ValueError(f"step {step.step_id}: tokens for unscheduled requests {sorted(unscheduled)}")
+        live = []
+        for scheduled in self._in_flight[0].requests:
+            req = scheduled.request
+            if req.status is not _RUNNING:
+                continue
             tokens = sampled.get(req.request_id, ())
             # The worker samples exactly when the step catches a request up.
-            if bool(num_samples) != bool(tokens):
+            if scheduled.samples != bool(tokens):
                 raise ValueError(
                     f"step {step.step_id}: request {req.request_id} "
-                    f"{'needs' if num_samples else 'must not get'} a sampled token "
-                    f"({computed} of {req.num_tokens} tokens computed)")
-            expected = min(num_samples, passes)  # one a pass it ran in
-            if len(tokens) > expected or any(t.finish_reason for t in tokens[:-1]) or (
-                    len(tokens) < expected and not tokens[-1].finish_reason):
+                    f"{'needs' if scheduled.samples else 'must not get'} a sampled token "
+                    f"({scheduled.num_computed_tokens} of {req.num_tokens} tokens computed)")
+            if len(tokens) > 1:
                 raise ValueError(
-                    f"step {step.step_id}: request {req.request_id} got {len(tokens)} tokens, "
-                    f"{expected} expected (fewer only when the last one finishes it)")
-
+                    f"step {step.step_id}: request {req.request_id} got {len(tokens)} tokens, one expected")
+            live.append((scheduled, tokens[0] if tokens else None))
         self._in_flight.pop(0)
-        caching, bs = self.kv.enable_prefix_caching, self.kv.block_size
-        finished = []
-        for req, n, computed, num_samples in live:  # in step order, so finished requests come back in order
-            tokens = sampled.get(req.request_id)
-            if tokens is not None:
-                req.token_ids.extend(token.token_id for token in tokens)
-                req.num_pending -= num_samples
-                self._load_tokens += len(tokens)
-                computed -= num_samples - len(tokens)  # passes it finished before, or cut
-                n += len(tokens) - 1  # the passes after the first computed one token each
-                if len(tokens) < num_samples and not tokens[-1].finish_reason:  # cut short
-                    req.num_computed_tokens = computed
-                    self.kv.trim(req.request_id, computed)  # as the worker did
-            if caching and computed % bs < n:  # the step filled a block
-                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.block_hashes, computed)
-            if tokens is None:
-                if req.n > 1 and computed == req.num_prompt_tokens - 1:
-                    self._fork(req)
-            elif tokens[-1].finish_reason:
-                self._finish(req, tokens[-1].finish_reason)
-                finished.append(req)
-        return finished
+        return live
 
-    def _finish(self, req: RequestState, reason: str) -> None:
-        self._forget_child(req)
-        self.running.remove(req)
-        del self._requests[req.request_id]
-        self._load_tokens -= req.num_tokens
-        self.kv.free(req.request_id)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason  # type: ignore[assignment]  # the worker's "stop" / "length"
-        self._finished_ids.append(req.request_id)
+    def clear(self) -> None:
+        """The worker was lost: no result of a step in flight will come."""
+        self._in_flight = []
 
+    def check_integrity(self, queues: RequestQueues) -> None:
+        assert len(self._in_flight) <= 2, f"{len(self._in_flight)} steps in flight"
+        in_flight = {rid for f in self._in_flight for rid in f.step.num_scheduled_tokens}
+        sampling: dict[int, int] = {}  # id(request) -> steps in flight that sample for it
+        for f in self._in_flight:
+            for scheduled in f.requests:
+                sampling[id(scheduled.request)] = sampling.get(id(scheduled.request), 0) + scheduled.samples
+        for req in queues.running:
+            rid, samples = req.request_id, sampling.get(id(req), 0)
+            assert req.num_pending == samples, (
+                f"running {rid} has {req.num_pending} tokens pending, steps in flight sample {samples}")
+            lacking = req.num_tokens + req.num_pending - req.num_computed_tokens
+            assert lacking > 0 or (lacking == 0 and rid in in_flight), (
+                f"running {rid} has {req.num_computed_tokens} of {req.num_tokens} "
+                f"(+{req.num_pending} in flight) tokens computed")
 
-def _advance(req: RequestState, num_new: int, extra: int = 0) -> tuple[RequestState, int, int, int]:
-    """Advance the request past a step whose first pass computes `num_new` of its tokens;
-    its entry in that InFlightStep. The step samples when its first pass catches the
-    request up with every token it has or has in flight; a multi-step step then decodes
-    it in `extra` passes more (each computes the token the one before sampled)."""
-    computed = req.num_computed_tokens = req.num_computed_tokens + num_new
-    if computed != req.num_tokens + req.num_pending:
-        return req, num_new, computed, 0
-    computed = req.num_computed_tokens = computed + extra
-    req.num_pending += 1 + extra
-    return req, num_new, computed, 1 + extra

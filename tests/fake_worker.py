@@ -15,12 +15,14 @@ proto/worker.proto gives (swap-out, forget/add/diff, swap-in, copies). A swapped
 request keeps its tokens but no block table; on swap-out the fake records the checksums
 its blocks held and on swap-in checks the blocks it gets back hold exactly those.
 
+With `sliding_window=W` it models a model whose every layer sees the last W keys: a
+request reads (and so holds) only the blocks its next query's window reaches; entries
+before them are holes the scheduler gave back (their ids are stale or HOLE_BLOCK_ID).
+
 It asserts that every step is consistent with the contract in proto/worker.proto, and that
 no step writes into a block another live request holds (shared blocks are read-only). A
 step planned ahead (after_step_id) must follow that step, and only such a step may list
-a request that step finished (the fake skips it, as the worker does). A multi-step step
-(num_passes) runs its passes as the worker does (worker_svc/multi_step.py), or as
-many as `cut_after` says, as after a Cut.
+a request that step finished (the fake skips it, as the worker does).
 """
 
 import zlib
@@ -38,14 +40,16 @@ class _WorkerRequest:
     sampling: worker_pb2.SamplingParams
     finished: bool = False
     finished_in: int = 0  # the step that finished it
+    first_read: int = 0  # the first position the current step's queries read
     swapped: list | None = None  # while swapped out: its blocks' slot entries, in table order
 
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, max_num_batched_tokens: int,
                  vocab_size: int = 1000, eos_token_id: int | None = None,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, sliding_window: int | None = None) -> None:
         self.num_blocks = num_blocks
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = vocab_size
@@ -58,14 +62,21 @@ class FakeWorker:
         self.num_swapped_out = self.num_swapped_in = self.num_copies = 0
         self.last_step_id = 0
         self.steps: list[worker_pb2.StepRequest] = []  # every step applied, for assertions
-        self.cut_after = 0  # > 0: every multi-step step ends after this many passes, as if cut
-        self.num_cuts = 0
 
     def _slot(self, request_id: str, req: _WorkerRequest, pos: int) -> int:
         index = pos // self.block_size
         assert index < len(req.block_ids), (
             f"{request_id}: position {pos} lies beyond its {len(req.block_ids)} blocks")
         return req.block_ids[index] * self.block_size + pos % self.block_size
+
+    def _first_needed(self, req: _WorkerRequest, num_computed: int | None = None) -> int:
+        """Position of the first key the request's next query (at `num_computed`) sees."""
+        num_computed = req.num_computed_tokens if num_computed is None else num_computed
+        return 0 if self.sliding_window is None else max(0, num_computed - self.sliding_window + 1)
+
+    def _held(self, req: _WorkerRequest) -> list[int]:
+        """The request's block ids its window still reaches (all of them without a window)."""
+        return req.block_ids[self._first_needed(req) // self.block_size:]
 
     def step(self, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         assert step.step_id == self.last_step_id + 1, (
@@ -82,8 +93,8 @@ class FakeWorker:
             req = self.requests[request_id]
             assert req.swapped is None and not req.finished, f"{request_id} swapped out twice"
             sources = {s for s, _ in out_pairs}
-            assert set(req.block_ids) <= sources, f"{request_id} swapped out without its blocks"
-            req.swapped = self._block_entries(self.cache, req.block_ids)
+            assert set(self._held(req)) <= sources, f"{request_id} swapped out without its blocks"
+            req.swapped = self._block_entries(self.cache, self._held(req))
             req.block_ids = []
         for request_id in step.finished_request_ids:  # forgotten before anything runs
             self.requests.pop(request_id, None)
@@ -115,7 +126,8 @@ class FakeWorker:
         for request_id, req in self.requests.items():
             if req.swapped is not None and req.block_ids:  # swapped in this step
                 # (the table may end in blocks allocated for this step's tokens)
-                entries = self._block_entries(self.cache, req.block_ids[:len(req.swapped)])
+                first = self._first_needed(req) // self.block_size
+                entries = self._block_entries(self.cache, req.block_ids[first:first + len(req.swapped)])
                 assert entries == req.swapped, (
                     f"{request_id}: blocks swapped in hold {entries}, swapped out {req.swapped}")
                 req.swapped = None
@@ -132,26 +144,10 @@ class FakeWorker:
             assert self.requests[request_id].finished_in == step.after_step_id, (
                 f"{request_id} scheduled after it finished")
         order = [rid for rid in order if rid not in finished]
-        sampled = self._pass(step.step_id, order, scheduled, holders)
-        result = worker_pb2.StepResult(step_id=step.step_id, sampled=sampled)
-        if step.num_passes > 1:
-            result.passes.add(num_requests=len(order))
-        for i in range(1, step.num_passes):  # multi-step: decode on what sampled, unfinished
-            order = [token.request_id for token in sampled if not token.finish_reason]
-            if not order:
-                break
-            if self.cut_after and i >= self.cut_after:  # as after a Cut: drop unused blocks
-                for request_id in order:
-                    req = self.requests[request_id]
-                    del req.block_ids[-(-req.num_computed_tokens // self.block_size):]
-                self.num_cuts += 1
-                break
-            sampled = self._pass(step.step_id, order, dict.fromkeys(order, 1), holders)
-            result.sampled.extend(sampled)
-            result.passes.add(num_requests=len(order))
-        return result
+        return worker_pb2.StepResult(step_id=step.step_id,
+                                     sampled=self._forward(step.step_id, order, scheduled, holders))
 
-    def _pass(self, step_id: int, order: list[str], scheduled: dict[str, int],
+    def _forward(self, step_id: int, order: list[str], scheduled: dict[str, int],
               holders: dict[int, list[str]]) -> list[worker_pb2.SampledToken]:
         """One forward pass: K/V of the scheduled tokens written, a token sampled for
         every request it catches up."""
@@ -162,6 +158,7 @@ class FakeWorker:
             end = req.num_computed_tokens + num_new
             assert end <= len(req.token_ids), f"{request_id} scheduled past its last token"
             sums = _prefix_checksums(req.token_ids)
+            req.first_read = self._first_needed(req)  # what this step's first query sees
             for pos in range(req.num_computed_tokens, end):
                 slot = self._slot(request_id, req, pos)
                 assert slot not in written, f"slot {slot} written twice in step {step_id}"
@@ -212,7 +209,7 @@ class FakeWorker:
 
     def _read_context(self, request_id: str, req: _WorkerRequest) -> list[int]:
         sums = _prefix_checksums(req.token_ids)
-        for pos in range(req.num_computed_tokens):
+        for pos in range(req.first_read, req.num_computed_tokens):
             entry = self.cache.get(self._slot(request_id, req, pos))
             assert entry == (pos, sums[pos]), (
                 f"{request_id}: slot for position {pos} holds {entry}, not its prefix's K/V")
@@ -230,9 +227,9 @@ class FakeWorker:
         """Block id -> the live requests whose block tables hold it."""
         holders: dict[int, list[str]] = {}
         for request_id, req in self.requests.items():
-            assert len(set(req.block_ids)) == len(req.block_ids), (
-                f"{request_id} holds a block twice: {req.block_ids}")
-            for block_id in req.block_ids:
+            held = self._held(req)
+            assert len(set(held)) == len(held), f"{request_id} holds a block twice: {held}"
+            for block_id in held:
                 assert 0 <= block_id < self.num_blocks, (
                     f"{request_id}: block id {block_id} out of range")
                 holders.setdefault(block_id, []).append(request_id)

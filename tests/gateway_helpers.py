@@ -10,15 +10,17 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import httpx
+import uvicorn
 import msgspec
 import redis
 import redis.asyncio as aioredis
 
+from conftest import free_port
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from proto.keys import STREAM_FIELD, RedisKeys
-from proto.messages import (NewRequest, StreamMessage, TokenEvent, WorkerRegistration,
-                            stream_decoder)
+from proto.messages import (NewRequest, SchedulerHeartbeat, StreamMessage, TokenEvent,
+                            WorkerRegistration, stream_decoder)
 
 MODEL = "tiny"
 
@@ -40,6 +42,38 @@ def register_worker(config: GatewayConfig, *, model: str = MODEL, max_model_len:
     client = redis.Redis.from_url(config.redis_url)
     client.set(keys.worker(worker_id), msgspec.msgpack.encode(registration), ex=ttl_s)
     client.sadd(keys.workers, worker_id)
+    beat_as_scheduler(config, [worker_id], ttl_s=ttl_s)
+
+
+def beat_as_scheduler(config: GatewayConfig, worker_ids: list[str], *, num_waiting: int = 0,
+                      max_waiting_requests: int = 0, ttl_s: int = 30,
+                      scheduler_id: str = "fake-scheduler") -> None:
+    """The heartbeat a scheduler driving `worker_ids` writes (scheduler_svc/heartbeat.py),
+    for the tests where FakeWorker plays the scheduler: the gateway admits requests only
+    while one is live."""
+    keys = RedisKeys(config.key_prefix)
+    heartbeat = SchedulerHeartbeat(scheduler_id=scheduler_id, worker_ids=worker_ids,
+                                   num_waiting=num_waiting, max_waiting_requests=max_waiting_requests,
+                                   interval_s=1.0, updated_at=time.time())
+    client = redis.Redis.from_url(config.redis_url)
+    client.set(keys.scheduler(heartbeat.scheduler_id), msgspec.msgpack.encode(heartbeat), ex=ttl_s)
+    client.sadd(keys.schedulers, heartbeat.scheduler_id)
+
+
+@asynccontextmanager
+async def served(config):
+    """The app under a real uvicorn on a free port (ASGITransport cannot disconnect mid-stream)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not task.done(), "uvicorn exited"
+        await asyncio.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
 
 
 @asynccontextmanager

@@ -3,13 +3,17 @@ the gateway under uvicorn) through the same launcher `pagedserve up` uses."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import subprocess
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+import openai
 import redis
 
 from compose.launcher import Stack, StackConfig, free_port
@@ -18,11 +22,15 @@ from proto.messages import WorkerStats, stats_decoder
 
 
 @contextmanager
-def running_stack(model: Path, redis_url: str, run_dir: Path, workers: int = 1,
-                  worker_args: tuple[str, ...] = (), scheduler_args: tuple[str, ...] = ()):
+def running_stack(model: Path, redis_url: str | None, run_dir: Path, workers: int = 1,
+                  worker_args: tuple[str, ...] = (), scheduler_args: tuple[str, ...] = (),
+                  gateway_args: tuple[str, ...] = (), schedulers: int = 1):
+    """`redis_url` None: the launcher starts a redis-server of the stack's own."""
     config = StackConfig(model=str(model), port=free_port(), workers=workers, redis_url=redis_url,
+                         schedulers=schedulers,
                          key_prefix=f"test-{uuid.uuid4().hex[:8]}", run_dir=run_dir,
                          worker_args=("--threads", "1", *worker_args), scheduler_args=scheduler_args,
+                         gateway_args=gateway_args,
                          startup_timeout_s=120)
     with Stack(config) as stack:
         yield stack
@@ -69,3 +77,57 @@ def wait_until_answers(url: str, proc: subprocess.Popen, timeout: float, what: s
         except OSError:
             assert proc.poll() is None and time.monotonic() < deadline, what
             time.sleep(0.1)
+
+
+def greedy_completions(stack: Stack, cases: list[tuple[list[int], int]]) -> list:
+    """Every (prompt ids, max_tokens) case sent at once through the official client, greedy,
+    with the generated token ids returned; the choices in the order of `cases`."""
+    async def one(client, prompt, max_tokens):
+        resp = await client.completions.create(model=stack.served_model_name, prompt=prompt,
+                                               max_tokens=max_tokens, temperature=0,
+                                               extra_body={"return_token_ids": True})
+        return resp.choices[0]
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
+                                      timeout=300) as client:
+            return await asyncio.gather(*(one(client, p, m) for p, m in cases))
+
+    return asyncio.run(all_of_them())
+
+
+async def stream_ids(client, stack: Stack, prompt, started: asyncio.Event, **kwargs) -> list[int]:
+    """A streamed completion's token ids (ignoring EOS); `started` is set once 5 arrived."""
+    ids = []
+    stream = await client.completions.create(
+        model=stack.served_model_name, prompt=prompt, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True}, **kwargs)
+    async for chunk in stream:
+        if chunk.choices:
+            ids.extend(chunk.choices[0].token_ids or [])
+            if len(ids) >= 5:
+                started.set()
+    return ids
+
+
+def run_streams(stack: Stack, prompts, fault: Callable[[], None] | None = None, **kwargs) -> list[list[int]]:
+    """Stream every prompt at once (the official openai client); once tokens flow, call
+    `fault`. The token ids of each."""
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+        started = asyncio.Event()
+        async with client:
+            tasks = [asyncio.create_task(stream_ids(client, stack, p, started, **kwargs)) for p in prompts]
+            await started.wait()
+            if fault is not None:
+                await asyncio.to_thread(fault)
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(run_all())
+
+
+def kill(stack: Stack, name: str | Callable[[], str]) -> Callable[[], None]:
+    """A fault: SIGKILL the stack's process `name` (or the one `name()` names then)."""
+    def fault() -> None:
+        stack.stop_process(name if isinstance(name, str) else name(), sig=signal.SIGKILL)
+    return fault

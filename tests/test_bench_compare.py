@@ -23,6 +23,7 @@ def bench_module(name: str):
     would shadow kernels/."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -78,13 +79,35 @@ def test_cpu_by_process_counts_a_child_by_what_it_runs(proc_cpu, tmp_path):
     assert name("/usr/bin/redis-server 127.0.0.1:6379") == "redis-server"  # its own title
 
 
+def dying_server(tmp_path: Path, after_s: float) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", f"import time; print('loading the model', flush=True); "
+                                 f"time.sleep({after_s}); raise SystemExit('out of memory')"],
+                                stdout=f, stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def test_a_server_that_dies_while_starting_fails_the_run_with_its_log(compare, tmp_path):
+    proc, log = dying_server(tmp_path, 0.2)
+    with pytest.raises(compare.ServerDied, match="(?s)hf-serve exited with status 1.*loading the model.*out of memory"):
+        compare.wait_http("http://127.0.0.1:9/health", proc, "hf-serve", log, timeout=120)
+
+
+def test_a_server_that_dies_during_the_run_stops_the_client(compare, tmp_path):
+    proc, log = dying_server(tmp_path, 1.0)
+    with pytest.raises(compare.ServerDied, match="out of memory"):  # a client that outlived it ends normally
+        compare.run_client([sys.executable, "-c", "import time; time.sleep(120)"], proc, "stack", log)
+
+
 @pytest.mark.e2e
 def test_one_round_of_stack_and_engine(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, str(BENCH / "compare.py"), "--model-dir", str(tiny_model_dir),
          "--contenders", "stack", "engine", "--runs", "1", "--concurrency", "4", "--num-requests", "8",
-         "--input-mean", "24", "--output-mean", "12", "--threads", "1", "--out-dir", str(out)],
+         "--input-mean", "24", "--output-mean", "12", "--threads", "1", "--out-dir", str(out),
+         "--dtype", "bfloat16", "--quantization", "int8"],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -103,5 +126,11 @@ def test_one_round_of_stack_and_engine(tiny_model_dir, tmp_path):
         assert expected <= cpu.keys() and all(cpu[p] > 0 for p in expected - {"redis-server"}), (name, cpu)
         assert run["client_cpu_s"] > 0 and row["cpu_s_median"]["benchmark client"] == run["client_cpu_s"]
     assert summary["contenders"]["engine"]["stack_over_this_runs"][0] > 0
+    assert summary["args"]["dtype"] == "bfloat16" and summary["args"]["quantization"] == "int8"
+    assert f"machine: {summary['machine']}; device cpu, dtype bfloat16, stack/engine weights int8" in done.stdout
+    for name in ("stack", "engine"):  # each one's worker said what it served in
+        logs = "".join(p.read_text(errors="replace")
+                       for p in [out / f"{name}.log", *(out / f"run-{name}").rglob("*.log")] if p.exists())
+        assert "serving in bfloat16 (--dtype bfloat16)" in logs and "int8 weights" in logs, name
     assert "| step / gap (mean) |" in done.stdout
     assert done.stdout.count(" ms |") >= 2  # both rows have their step / gap cell

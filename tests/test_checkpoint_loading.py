@@ -40,11 +40,13 @@ def test_an_index_naming_a_missing_shard_is_refused(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_checkpoints_load_in_their_dtype(tmp_path, family_model_dir, dtype):
+    """Served in the checkpoint's dtype when asked for it by name (what "auto" picks on a
+    CPU depends on its instructions: tests/test_dtype.py)."""
     source = family_model_dir("gemma3")
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
     hf.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
-    runner = make_runner(tmp_path, block_size=8, num_blocks=10)  # dtype "auto": the checkpoint's
+    runner = make_runner(tmp_path, block_size=8, num_blocks=10, dtype=str(dtype).removeprefix("torch."))
     assert runner.dtype == dtype and runner.kv_cache.k_caches[0].dtype == dtype
     prompt = prompts(9, [40])[0]
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """The compose file describes the same stack as the local launcher, and it validates."""
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -10,28 +11,71 @@ import yaml
 
 from compose import commands
 from compose.cli import COMMANDS, build_parser, main
+from tests.test_compose_stack import README_COMMANDS
 
-COMPOSE = Path(__file__).resolve().parent.parent / "compose" / "docker-compose.yml"
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose" / "docker-compose.yml"
+
+
+def rendered(*files: Path) -> dict:
+    """The configuration compose makes of these files, one overriding the other."""
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.fail("docker-compose is not installed: `make test` installs it (Debian package docker-compose)")
+    out = subprocess.run([binary, *(a for f in files for a in ("-f", str(f))), "config"], check=True,
+                         capture_output=True, text=True)
+    return yaml.safe_load(out.stdout)
 
 
 @pytest.fixture(scope="module")
 def config() -> dict:
-    binary = shutil.which("docker-compose")
-    if binary is None:
-        pytest.fail("docker-compose is not installed: `make test` installs it (Debian package docker-compose)")
-    out = subprocess.run([binary, "-f", str(COMPOSE), "config"], check=True, capture_output=True, text=True)
-    return yaml.safe_load(out.stdout)
+    return rendered(COMPOSE)
+
+
+@pytest.fixture(scope="module")
+def gpu_config(tmp_path_factory) -> dict:
+    """The override `pagedserve compose-gpu --gpus 0,1,3` prints, rendered over the base file."""
+    override = tmp_path_factory.mktemp("gpu") / "docker-compose.gpu.yml"
+    with override.open("w") as out, contextlib.redirect_stdout(out):
+        assert main(["compose-gpu", "--gpus", "0,1,3", "--gpu-memory-utilization", "0.8"]) == 0
+    return rendered(COMPOSE, override)
 
 
 def test_services_present(config):
     assert {"redis", "gateway", "scheduler", "worker", "make-model", "prometheus", "grafana"} <= set(config["services"])
 
 
-def test_workers_reserve_a_gpu_and_scale(config):
+def test_cpu_workers_by_default_and_they_scale(config):
     worker = config["services"]["worker"]
-    devices = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["capabilities"] == ["gpu"]
+    assert "deploy" not in worker  # no GPU reservation: `up` works on a machine without one
+    assert worker["command"][worker["command"].index("--device") + 1] == "cpu"
     assert "container_name" not in worker and "ports" not in worker  # or --scale would clash
+
+
+def test_gateways_scale_on_a_range_of_host_ports(config):
+    (port,) = config["services"]["gateway"]["ports"]
+    published = str(port["published"]) if isinstance(port, dict) else port.rsplit(":", 1)[0]
+    assert "-" in published  # each replica takes a free port of the range, none is fixed
+
+
+def test_light_image_for_gateway_and_scheduler_worker_image_for_the_model(config):
+    services = config["services"]
+    for name in ("gateway", "scheduler"):
+        assert services[name]["build"]["target"] == "light" and "light" in services[name]["image"]
+    for name in ("worker", "make-model"):
+        assert services[name]["build"]["target"] == "worker" and "worker" in services[name]["image"]
+    assert services["worker"]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim"
+
+
+def test_every_long_running_service_has_a_healthcheck_and_restarts(config):
+    for name, spec in config["services"].items():
+        if name == "make-model":
+            assert spec["restart"] == "no"
+            continue
+        assert spec["healthcheck"]["test"][0] == "CMD", name
+        assert spec["restart"] == "unless-stopped", name
+    assert config["services"]["prometheus"]["profiles"] == ["monitoring"]
+    assert config["services"]["grafana"]["profiles"] == ["monitoring"]
 
 
 def _args(config: dict, service: str, monkeypatch):
@@ -53,7 +97,7 @@ def test_commands_are_the_launchers(config, service, monkeypatch):
 
 
 def test_every_command_is_in_the_table(capsys):
-    assert {"up", "gateway", "scheduler", "worker", "engine", "bench", "make-model"} == set(COMMANDS)
+    assert {"up", "gateway", "scheduler", "worker", "engine", "bench", "make-model", "compose-gpu"} == set(COMMANDS)
     assert COMMANDS["worker"].run is commands.run_worker
     assert main(["bench", "--help"]) == 0  # dispatched through the table to bench/serve.py
     assert "--base-url" in capsys.readouterr().out
@@ -114,3 +158,37 @@ def test_grafana_provisions_the_dashboard_on_prometheus(config):
     defaults = {v["name"]: v["current"]["value"] for v in dashboard["templating"]["list"]}
     assert defaults == {"gateway_job": "gateway", "scheduler_job": "scheduler", "worker_job": "worker"}
     assert set(defaults.values()) == jobs
+
+
+def test_gpu_variant_gives_each_worker_its_own_gpu(gpu_config, monkeypatch):
+    services = gpu_config["services"]
+    gpu_workers = sorted(name for name in services if name.startswith("worker-gpu"))
+    assert gpu_workers == ["worker-gpu0", "worker-gpu1", "worker-gpu3"]
+    device_ids = []
+    for name in gpu_workers:
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
+        device_ids.append(device["device_ids"])
+        args = _args(gpu_config, name, monkeypatch)
+        assert args.command == "worker" and args.device == "cuda" and args.gpu_memory_utilization == 0.8
+        assert "worker" in services[name]["networks"]["default"]["aliases"]  # Prometheus finds them
+        assert services[name]["build"]["args"]["TORCH_INDEX"].endswith("/whl/cu128")
+        assert services[name]["healthcheck"] == services["worker"]["healthcheck"]
+    assert device_ids == [["0"], ["1"], ["3"]]
+    assert services["worker"]["deploy"]["replicas"] == 0  # the CPU worker (or --scale worker=0)
+
+
+@pytest.mark.parametrize("gpus", ["", "0,0", "a,b", "1,x"])
+def test_gpu_ids_are_a_count_or_distinct_ids(gpus):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["compose-gpu", "--gpus", gpus])
+    assert build_parser().parse_args(["compose-gpu", "--gpus", "2"]).gpus == ["0", "1"]
+
+
+def test_the_readme_commands_are_the_ones_make_test_compose_runs():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("### Docker\n\n```bash\n", 1)[1].split("```", 1)[0]
+    prefix = "docker compose -f compose/docker-compose.yml "
+    lines = block.strip().splitlines()
+    assert all(line.startswith(prefix) for line in lines), lines
+    assert [tuple(line[len(prefix):].split()) for line in lines] == README_COMMANDS

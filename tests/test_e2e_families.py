@@ -6,15 +6,16 @@ template equal to apply_chat_template + generate()."""
 
 from __future__ import annotations
 
-import asyncio
 import random
+import threading
 
 import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.stack_helpers import running_stack, wait_until_idle
+from tests.runner_helpers import hf_greedy
+from tests.stack_helpers import greedy_completions, running_stack, wait_until_idle, worker_stats
 
 pytestmark = pytest.mark.e2e
 
@@ -35,12 +36,6 @@ def family(request, family_model_dir, redis_url, tmp_path_factory):
                AutoTokenizer.from_pretrained(model_dir))
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
-
 
 def test_greedy_equals_transformers_with_windows_chunks_preemption_and_prefix_hits(family):
     arch, stack, hf, tokenizer = family
@@ -56,18 +51,7 @@ def test_greedy_equals_transformers_with_windows_chunks_preemption_and_prefix_hi
         prompt = (shared + draw(rng.randint(5, 60))) if i % 3 == 0 else draw(rng.randint(10, 150))
         cases.append((prompt, rng.randint(1, 30)))
 
-    async def one(client, prompt, max_tokens):
-        resp = await client.completions.create(model=stack.served_model_name, prompt=prompt,
-                                               max_tokens=max_tokens, temperature=0,
-                                               extra_body={"return_token_ids": True})
-        return resp.choices[0]
-
-    async def all_of_them():
-        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
-                                      timeout=300) as client:
-            return await asyncio.gather(*(one(client, p, m) for p, m in cases))
-
-    choices = asyncio.run(all_of_them())
+    choices = greedy_completions(stack, cases)
     assert sum(len(p) > 48 for p, _ in cases) >= 16  # most prompts outgrow the windows
     for i, ((prompt, max_tokens), choice) in enumerate(zip(cases, choices)):
         expected = hf_greedy(hf, prompt, max_tokens)
@@ -96,3 +80,37 @@ def test_chat_through_the_family_template_equals_transformers(family):
     assert choice.model_extra["token_ids"] == expected, arch
     assert choice.message.content == tokenizer.decode(expected, skip_special_tokens=True)
     assert resp.usage.prompt_tokens == len(prompt)
+
+
+def test_a_long_generation_holds_about_a_window_of_blocks(family):
+    """Mistral slides a 48-token window over every layer: through the stack, a 400-token
+    generation keeps about window + one block of KV (blocks of 16), not one block per 16
+    tokens, and still equals transformers token for token."""
+    arch, stack, hf, tokenizer = family
+    if arch != "mistral":
+        pytest.skip("the families with a window on only some layers keep every block")
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            for stats in worker_stats(stack).values():
+                if stats.num_running:
+                    peak[0] = max(peak[0], stats.num_used_blocks)
+            done.wait(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    prompt = list(range(10, 30))
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300)
+    try:
+        resp = client.completions.create(model=stack.served_model_name, prompt=prompt, max_tokens=400,
+                                         temperature=0,  # min_tokens bans EOS, as min_new_tokens does
+                                         extra_body={"return_token_ids": True, "min_tokens": 400})
+    finally:
+        done.set()
+        sampler.join()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=400, min_new_tokens=400, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert resp.choices[0].token_ids == out[0, len(prompt):].tolist()
+    assert 0 < peak[0] <= 48 // 16 + 2, f"peak {peak[0]} blocks in use; without the window: {420 // 16 + 1}"

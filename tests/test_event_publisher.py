@@ -105,8 +105,10 @@ def test_events_redis_could_not_take_go_out_first_once_it_is_back(redis_url, cha
             publisher.publish(batch(names, index))
     with pytest.raises(redis.ConnectionError):
         publisher.flush()
+    assert publisher.pending  # what an idle worker's retry_unsent sends once Redis is back
     client.execute_command("ACL", "SETUSER", user, "on")
     publisher.publish(batch(names, 3))
+    assert not publisher.pending
     events = received(subscription, 8)
     for name in names:
         assert [e.index for e in events if e.request_id == name] == [0, 1, 2, 3]

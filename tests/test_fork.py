@@ -92,7 +92,7 @@ def test_parent_prefills_once_then_children_share_and_copy_on_write():
     assert scheduled(s1) == {"p": 9}  # all of the prompt but its last token
     parent_blocks = list(s1.new_requests[0].block_ids)
     assert parent_blocks == [0, 1, 2]
-    assert h.sched.num_forks == 4 and h.sched.get_request("p") is None
+    assert h.sched.forks.num_forks == 4 and h.sched.get_request("p") is None
     s2 = h.step()
     assert list(s2.finished_request_ids) == ["p"]
     assert scheduled(s2) == {f"p/{i}": 1 for i in range(4)}
@@ -104,7 +104,7 @@ def test_parent_prefills_once_then_children_share_and_copy_on_write():
     copies = [(c.src, c.dst) for c in s2.blocks_to_copy]
     assert copies == [(2, 3), (2, 4), (2, 5)]
     assert [list(news[f"p/{i}"].block_ids) for i in range(4)] == [[0, 1, 3], [0, 1, 4], [0, 1, 5], [0, 1, 2]]
-    assert h.worker.num_copies == 3 and h.sched.num_cow_copies == 3
+    assert h.worker.num_copies == 3 and h.sched.forks.num_cow_copies == 3
     h.run()
     outs = h.outputs()
     single = reference_outputs(make_request("p", 10, 5, 0, seed=7))["p"]
@@ -130,7 +130,7 @@ def test_parallel_requests_use_fewer_blocks_than_separate_ones():
 def test_prompt_of_one_token_gives_n_independent_requests():
     h = Harness(num_blocks=16, block_size=4)
     h.add(parallel_request("p", 1, 3, n=3))
-    assert sorted(r.request_id for r in h.sched.waiting) == ["p/0", "p/1", "p/2"]
+    assert sorted(r.request_id for r in h.sched.queues.waiting) == ["p/0", "p/1", "p/2"]
     h.run()
     assert sorted(h.finished) == ["p/0", "p/1", "p/2"]
 
@@ -163,7 +163,7 @@ def test_abort_of_a_child_id_aborts_that_child_alone():
     assert h.sched.has_children("p") and h.sched.get_request("p/1") is None
     h.run()
     assert sorted(h.finished) == ["p/0", "p/2"]
-    assert h.sched.kv.num_free_blocks == 32 and h.sched.num_aborted == 1
+    assert h.sched.kv.num_free_blocks == 32 and h.sched.queues.num_aborted == 1
 
 
 def test_children_seeds_wrap_into_int64_and_ids_follow_proto_parallel():
@@ -203,7 +203,7 @@ def test_children_under_preemption_finish_with_reference_outputs(mode, num_cpu_b
             parallel_request("q", 6, 9, n=2, arrival=2)]
     h.add(*reqs)
     h.run()
-    assert h.sched.num_preemptions >= 1 and h.worker.num_copies >= 1
+    assert h.sched.preemptor.num_preemptions >= 1 and h.worker.num_copies >= 1
     ref = reference_outputs(make_request("p", 11, 12, 0), make_request("a", 7, 14, 1),
                             make_request("q", 6, 9, 2))
     expected = {"a": ref["a"], **{f"p/{i}": ref["p"] for i in range(3)},
@@ -234,7 +234,7 @@ def test_engine_n4_greedy_equals_transformers_and_shares_blocks(tiny_model_dir):
     shared = run_engine(e, sink, [NewRequest("p", prompt, params, "c", time.time(), n=4)])
     outputs = {rid: [t[k] for k in sorted(t)] for rid, t in sink.tokens.items()}
     assert sorted(outputs) == [f"p/{i}" for i in range(4)]
-    assert e.scheduler.num_cow_copies == 3 and e.scheduler.kv.num_free_blocks == 64
+    assert e.scheduler.forks.num_cow_copies == 3 and e.scheduler.kv.num_free_blocks == 64
 
     sink = Collector(4)
     separate = run_engine(engine(), sink, [NewRequest(f"s{i}", prompt, params, "c", time.time() + i)

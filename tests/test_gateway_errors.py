@@ -102,7 +102,6 @@ async def test_out_of_range_chat(config):
 
 @pytest.mark.parametrize("path,field,value", [
     (COMPLETIONS, "best_of", 2), (COMPLETIONS, "suffix", "end"),
-    (CHAT, "tool_choice", "required"), (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}),
     (CHAT, "functions", [{"name": "f"}]), (CHAT, "function_call", {"name": "f"}),
 ])
 async def test_unsupported_params(config, path, field, value):
@@ -163,10 +162,30 @@ async def test_logit_bias_token_out_of_vocab(live_config):
     assert_error(await post(live_config, COMPLETIONS, json=body), 400, param="logit_bias", code="invalid_token_id")
 
 
-async def test_unknown_param_is_not_ignored(config):
-    error = assert_error(await post(config, COMPLETIONS, json={"model": MODEL, "prompt": "hi", "foo": 1}),
-                         400, param="foo", code="unrecognized_argument")
-    assert "foo" in error["message"]
+async def test_unknown_fields_are_ignored_with_one_warning(config, caplog):
+    # No worker is registered: passing validation means getting as far as the 503.
+    body = {"model": MODEL, "prompt": "hi", "foo": 1, "stream": True,
+            "stream_options": {"include_usage": True, "bar": 2}}
+    with caplog.at_level("WARNING", logger="gateway.preflight"):
+        assert_error(await post(config, COMPLETIONS, json=body), 503, code="no_live_worker",
+                     type_="service_unavailable")
+    warnings = [r.getMessage() for r in caplog.records if "unknown fields" in r.getMessage()]
+    assert warnings == ["CompletionRequest: ignoring unknown fields foo, stream_options.bar"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi", "x_meta": 1}], "metadata": {"a": "b"}}
+    assert_error(await post(config, CHAT, json=chat), 503, code="no_live_worker", type_="service_unavailable")
+
+
+@pytest.mark.parametrize("path,field,value,words", [
+    (COMPLETIONS, "use_beam_search", True, "beam search"), (COMPLETIONS, "prompt_logprobs", 2, "echo"),
+    (COMPLETIONS, "bad_words", ["x"], "logit_bias"), (COMPLETIONS, "allowed_token_ids", [1], "logit_bias"),
+    (CHAT, "chat_template", "{{ messages }}", "chat template"), (CHAT, "echo", True, "prompt"),
+    (COMPLETIONS, "spaces_between_special_tokens", False, "special"), (COMPLETIONS, "cache_salt", "s", "prefix"),
+    (COMPLETIONS, "suffix", "tail", "fill-in-the-middle"),
+])
+async def test_vllm_extensions_refused_by_name(config, path, field, value, words):
+    body = {"model": MODEL, field: value, **({"prompt": "hi"} if path == COMPLETIONS else {"messages": USER_HI})}
+    error = assert_error(await post(config, path, json=body), 400, param=field)
+    assert "not supported" in error["message"] and words in error["message"]
 
 
 async def test_neutral_values_of_unsupported_params_pass_validation(config):
@@ -204,8 +223,8 @@ async def test_unknown_model(live_config):
     assert "gpt-9" in error["message"]
 
 
-@pytest.mark.parametrize("prompt", ["", [], [[]], ["a", "b"]])
-async def test_empty_or_batched_prompt(config, prompt):
+@pytest.mark.parametrize("prompt", ["", [], [[]], ["a", ""], [[1], []], ["a"] * 17, [["a"]], [1.5], None])
+async def test_empty_or_malformed_prompt(config, prompt):
     assert_error(await post(config, COMPLETIONS, json={"model": MODEL, "prompt": prompt}), 400, param="prompt")
 
 

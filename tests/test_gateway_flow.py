@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-import uvicorn
 from openai import AsyncOpenAI
 
-from conftest import free_port
-from gateway.app import create_app
 from gateway.tokenizer import PromptTokenizer
-from gateway_helpers import MODEL, FakeWorker, gateway_client, make_config, register_worker, token_events
+from gateway_helpers import (MODEL, FakeWorker, gateway_client, make_config, register_worker, served,
+                             token_events)
 from proto.messages import AbortRequest, NewRequest, TokenEvent
 
 pytestmark = pytest.mark.anyio
@@ -187,22 +184,6 @@ async def test_timeout_aborts(tiny_model_dir, redis_url):
             response = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         await worker.wait_for(AbortRequest)
     assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
-
-
-@asynccontextmanager
-async def served(config):
-    """The app under a real uvicorn on a free port (ASGITransport cannot disconnect mid-stream)."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "uvicorn exited"
-        await asyncio.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -252,7 +252,7 @@ async def test_tools_reach_a_template_that_reads_them(tiny_model_dir, redis_url,
     async with FakeWorker(config, scripted([5])) as worker:
         async with gateway_client(config) as client:
             response = await client.post("/v1/chat/completions", json={
-                "model": MODEL, "messages": messages, "tool_choice": "auto",
+                "model": MODEL, "messages": messages,
                 "tools": [{"type": "function", "function": {"name": "summer", "parameters": {"type": "object"}}}],
                 "chat_template_kwargs": {"extra_note": "NOTE"}})
     assert response.status_code == 200, response.text

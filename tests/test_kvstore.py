@@ -109,17 +109,6 @@ def test_allocate_grow_free_reallocate_exact_ids():
     kv.check_integrity()
 
 
-def test_trim_frees_the_blocks_past_the_tokens_kept():
-    kv = KVCacheManager(num_blocks=8, block_size=4)
-    assert kv.allocate_slots("a", 6) == [0, 1]
-    assert kv.allocate_slots("a", 14) == [2, 3]  # ahead, for passes that may not run
-    kv.trim("a", 9)  # 9 tokens computed: 3 blocks kept, the 4th freed to the head
-    assert kv.block_ids("a") == [0, 1, 2] and free_order(kv) == [3, 4, 5, 6, 7]
-    kv.trim("a", 12)  # nothing past the table: a no-op
-    assert kv.block_ids("a") == [0, 1, 2] and kv.num_free_blocks == 5
-    kv.check_integrity()
-
-
 def test_allocate_slots_none_has_no_side_effects():
     kv = KVCacheManager(num_blocks=4, block_size=2)
     assert kv.allocate_slots("a", 5) == [0, 1, 2]

@@ -5,7 +5,9 @@ scheduler's /metrics server, and the gateway's per-choice meter around a Generat
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -16,10 +18,9 @@ from gateway.generation import GenerationOutput
 from gateway.metrics import GatewayMetrics
 from proto.messages import NewRequest, SamplingParams, StepHistograms, WorkerStats, stats_decoder, stream_encoder
 from proto import worker_pb2
-from proto.metrics import HistogramRecorder, StepRecorder, WorkerStatsCollector, histogram_family
+from proto.metrics import HistogramRecorder, StepRecorder, WorkerStatsCollector, histogram_family, serve_metrics
 from proto.metrics_scrape import parse_samples
-from scheduler_svc.metrics import SchedulerMetrics, WorkerRecorder
-from scheduler_svc.stats import worker_stats
+from scheduler_svc.metrics import SchedulerMetrics, WorkerRecorder, worker_stats
 from scheduler_harness import Harness
 
 
@@ -76,8 +77,8 @@ def test_worker_recorder_times_every_sequence_once():
         if gone is not None and gone.num_output_tokens == 2:
             assert h.sched.abort_request("gone")  # aborted after its first tokens
     h.assert_done()
-    assert h.sched.num_preemptions >= 1, "the pool was meant to preempt"
-    assert h.sched.num_aborted == 1
+    assert h.sched.preemptor.num_preemptions >= 1, "the pool was meant to preempt"
+    assert h.sched.queues.num_aborted == 1
     stats = worker_stats(h.sched, "w", check=True, recorder=recorder)
     assert recorder.num_timed == 0, "times of finished and aborted requests are dropped"
     sequences = 5 + 3 + 1  # five requests, three forked children, the aborted one
@@ -104,7 +105,7 @@ def test_worker_recorder_times_every_sequence_once():
     assert got[("pagedserve:step_duration_seconds_count", w)] == num_steps
     assert got[("pagedserve:iteration_tokens_total_sum", w)] == tokens
     assert got[("pagedserve:step_gap_seconds_count", w)] == gaps
-    assert got[("pagedserve:num_preemptions_total", w)] == h.sched.num_preemptions
+    assert got[("pagedserve:num_preemptions_total", w)] == h.sched.preemptor.num_preemptions
     assert got[("pagedserve:kv_integrity_ok", w)] == 1.0
 
 
@@ -208,20 +209,33 @@ def test_step_histograms_without_a_gap_render_without_one():
     assert not any(name.startswith("pagedserve:step_gap_seconds") for name in names)
 
 
-def test_a_multi_step_result_counts_as_each_of_its_passes():
-    """StepResult.passes (worker_svc/multi_step.py): each pass is a step in the histograms,
-    with its own requests, tokens and gap; a one-pass result is the step itself."""
-    step = worker_pb2.StepRequest(step_id=1, num_scheduled_tokens={"a": 5, "b": 1}, num_passes=3)
-    result = worker_pb2.StepResult(step_id=1, execute_seconds=0.06, gap_seconds=0.004)
-    result.passes.add(execute_seconds=0.03, num_requests=2, num_tokens=6, gap_seconds=0.004)
-    result.passes.add(execute_seconds=0.02, num_requests=2, num_tokens=2, gap_seconds=0.0002)
-    result.passes.add(execute_seconds=0.01, num_requests=1, num_tokens=1)
+def test_step_recorder_counts_each_step_with_its_requests_tokens_and_gap():
+    """A step is one observation in each histogram; the gap only when the worker measured one."""
     recorder = StepRecorder()
-    recorder.observe(step, result)
+    recorder.observe(worker_pb2.StepRequest(step_id=1, num_scheduled_tokens={"a": 5, "b": 1}),
+                     worker_pb2.StepResult(step_id=1, execute_seconds=0.06, gap_seconds=0.004))
     recorder.observe(worker_pb2.StepRequest(step_id=2, num_scheduled_tokens={"a": 1}),
                      worker_pb2.StepResult(step_id=2, execute_seconds=0.01))
     steps = recorder.snapshot()
-    assert sum(steps.duration.counts) == 4 and steps.duration.sum == pytest.approx(0.07)
-    assert sum(steps.batch_size.counts) == 4 and steps.batch_size.sum == 6
-    assert steps.tokens.sum == 10
-    assert sum(steps.gap.counts) == 2 and steps.gap.sum == pytest.approx(0.0042)
+    assert sum(steps.duration.counts) == 2 and steps.duration.sum == pytest.approx(0.07)
+    assert sum(steps.batch_size.counts) == 2 and steps.batch_size.sum == 3
+    assert steps.tokens.sum == 7
+    assert sum(steps.gap.counts) == 1 and steps.gap.sum == pytest.approx(0.004)
+
+
+def test_a_metrics_server_answers_health_with_200_or_503_beside_its_metrics():
+    state = {"healthy": True}
+    server = serve_metrics(WorkerStatsCollector(), "127.0.0.1", free_port(),
+                           health=lambda: (state["healthy"], {"status": "ok" if state["healthy"] else "down"}))
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        with urllib.request.urlopen(f"{base}/health", timeout=5) as reply:
+            assert reply.status == 200 and json.load(reply) == {"status": "ok"}
+        state["healthy"] = False
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(f"{base}/health", timeout=5)
+        assert failed.value.code == 503 and json.load(failed.value) == {"status": "down"}
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as reply:
+            assert reply.status == 200
+    finally:
+        server.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from fake_hub import COMMIT, fake_hub
 
-from proto.model_source import ModelNotFound, resolve_model, served_name
+from proto.model_source import ModelNotFound, resolve_model, served_name, served_names
 
 REPO = "pagedserve-tests/tiny-qwen3"
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +32,9 @@ RUNNER = ("from worker_svc.config import RunnerConfig; from worker_svc.model_run
           "r = ModelRunner(RunnerConfig(model={!r}, num_blocks=4)); print(r.describe().model)")
 TOKENIZER = "from gateway.tokenizer import PromptTokenizer; from proto.model_source import resolve_model; " \
             "print(PromptTokenizer(resolve_model({!r})).encode_text('def f(x): return x'))"
+GATEWAY = ("from gateway.app import create_app; from gateway.config import GatewayConfig; "
+           "app = create_app(GatewayConfig(model={!r})); "
+           "print(app.state.config.model_name, app.state.tokenizer.encode_text('def f(x): return x'))")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,12 @@ def test_offline_the_worker_and_the_gateway_load_from_the_cache(hub_cache):
     assert proc.stdout.strip().splitlines()[-1] == REPO  # served under its Hub id
     proc = in_process(TOKENIZER.format(REPO), **env)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1])
+    ids = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ids
+    proc = in_process(GATEWAY.format(REPO), **env)  # the gateway app itself, given the Hub id
+    assert proc.returncode == 0, proc.stderr
+    name, _, gateway_ids = proc.stdout.strip().splitlines()[-1].partition(" ")
+    assert name == REPO and json.loads(gateway_ids) == ids
 
 
 def test_not_cached_and_offline_is_a_clear_error(hub_cache):
@@ -91,3 +99,5 @@ def test_served_names(tiny_model_dir):
     assert served_name(str(tiny_model_dir)) == tiny_model_dir.name
     assert served_name("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
     assert served_name("Qwen/Qwen3-0.6B", "qwen") == "qwen"
+    assert served_names("Qwen/Qwen3-0.6B", "qwen,qwen3-small") == ["qwen", "qwen3-small"]
+    assert served_name("Qwen/Qwen3-0.6B", "qwen,qwen3-small") == "qwen"

@@ -56,7 +56,7 @@ def test_a_preempted_request_resumes_from_its_cached_blocks():
     a, b = make_request("a", 8, 8, arrival=0), make_request("b", 8, 8, arrival=1)
     h = Harness(num_blocks=6, block_size=BS)
     h.add(a, b)
-    while h.sched.num_preemptions == 0:
+    while h.sched.preemptor.num_preemptions == 0:
         h.step()
     state = h.sched.get_request("b")
     assert h.sched.cached_prefix_tokens(state.token_ids) == 8

@@ -82,7 +82,7 @@ def test_max_num_seqs_limits_running_requests():
     h.add(make_request("a", 4, 2, arrival=0), make_request("b", 4, 4, arrival=1),
           make_request("c", 4, 2, arrival=2))
     assert sorted(scheduled(h.step())) == ["a", "b"]
-    assert h.sched.num_running == 2 and h.sched.num_waiting == 1
+    assert len(h.sched.queues.running) == 2 and len(h.sched.queues.waiting) == 1
     assert sorted(scheduled(h.step())) == ["a", "b"]  # a finishes here
     assert sorted(scheduled(h.step())) == ["b", "c"]
     h.run()
@@ -105,7 +105,7 @@ def test_preempts_latest_arrival_by_recompute_and_it_resumes_identically():
     b_state = h.sched.get_request("b")
     assert b_state.status is RequestStatus.WAITING and b_state.num_preemptions == 1
     assert b_state.num_computed_tokens == 0 and b_state.num_output_tokens == 5
-    assert h.sched.waiting == [b_state, h.sched.get_request("c")]
+    assert h.sched.queues.waiting == [b_state, h.sched.get_request("c")]
     h.run()
     sent_b = [(i, r) for i, s in enumerate(h.steps) for r in s.new_requests if r.request_id == "b"]
     step_index, new_b = sent_b[1]  # sent in full again when it resumes
@@ -114,8 +114,8 @@ def test_preempts_latest_arrival_by_recompute_and_it_resumes_identically():
     # Its first two blocks were still cached (its third went to a): it resumes from them.
     assert new_b.num_prompt_tokens == 8 and list(new_b.block_ids) == [2, 3, 5, 4]
     assert new_b.num_computed_tokens == 8
-    assert h.finished["a"].num_preemptions == 0 and h.sched.num_preemptions == 1
-    assert h.sched.num_steps == len(h.steps)
+    assert h.finished["a"].num_preemptions == 0 and h.sched.preemptor.num_preemptions == 1
+    assert h.sched.steps.num_steps == len(h.steps)
     assert h.outputs() == reference_outputs(a, b, c)
 
 
@@ -169,7 +169,7 @@ def test_abort_waiting_and_running_requests():
     h.step()
     assert h.sched.abort_request("b") is True  # waiting: just dropped
     assert h.sched.abort_request("b") is False
-    assert h.sched.num_waiting == 0
+    assert len(h.sched.queues.waiting) == 0
     assert h.sched.abort_request("a") is True  # running: blocks freed at once
     assert h.sched.kv.num_free_blocks == h.sched.kv.num_blocks
     h.add(make_request("c", 3, 1, arrival=2))
@@ -210,7 +210,7 @@ def test_duplicate_request_id_is_ignored():
     h = Harness()
     h.add(make_request("a", 4, 2, arrival=0))
     assert h.sched.add_request(make_request("a", 4, 2, arrival=0)) is None
-    assert h.sched.num_waiting == 1
+    assert len(h.sched.queues.waiting) == 1
     h.run()
 
 

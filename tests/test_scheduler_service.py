@@ -29,7 +29,7 @@ async def xadd(client: aioredis.Redis, keys: RedisKeys, message) -> None:
 
 
 def unassigned_ids(service: SchedulerService) -> set[str]:
-    return {item.request_id for item in service.unassigned}
+    return {item.request_id for item in service.ledger.unassigned}
 
 
 async def wait_for(predicate, what: str, timeout: float = 5.0) -> None:
@@ -79,7 +79,7 @@ def test_restart_reads_its_history_then_new_requests(redis_url):
                 await xadd(client, keys, new_request("c"))
                 await wait_for(lambda: unassigned_ids(second) == {"a", "b", "c"},
                                "the second instance to get past its history")
-                assert len(second.unassigned) == 3
+                assert len(second.ledger.unassigned) == 3
             pending = await client.xpending(keys.requests, "schedulers")
             assert pending["pending"] == 3  # none of them finished
 
@@ -88,15 +88,18 @@ def test_restart_reads_its_history_then_new_requests(redis_url):
 
 def _park_children(service: SchedulerService, parent_id: str, n: int) -> list:
     """As after a worker loss with no live worker left: the forked parent is gone, its
-    children wait one by one."""
+    children wait one by one (returned, for the caller to park or put in transit)."""
     from proto.parallel import child_request_id
-    from scheduler_svc.request import RequestState
+    from scheduler_svc.request import SchedulerRequest
 
-    parent = next(r for r in service.unassigned if r.request_id == parent_id)
-    service.unassigned.remove(parent)
+    parked = service.ledger.take_parked()
+    parent = next(r for r in parked if r.request_id == parent_id)
+    for item in parked:
+        if item is not parent:
+            service.ledger.park(item)
     children = []
     for i in range(n):
-        child = RequestState.from_new_request(
+        child = SchedulerRequest.from_new_request(
             NewRequest(request_id=child_request_id(parent_id, i), prompt_token_ids=[1, 2, 3, 4],
                        sampling=parent.sampling, reply_channel=parent.reply_channel,
                        arrival_time=parent.arrival_time))
@@ -114,11 +117,12 @@ def test_abort_of_a_parent_removes_its_unassigned_children(redis_url):
                 await xadd(client, keys, new_request("p", n=3))
                 await xadd(client, keys, new_request("other"))
                 await wait_for(lambda: unassigned_ids(service) == {"p", "other"}, "both requests")
-                service.unassigned.extend(_park_children(service, "p", 3))
+                for child in _park_children(service, "p", 3):
+                    service.ledger.park(child)
                 await xadd(client, keys, AbortRequest("p"))
                 await wait_for(lambda: unassigned_ids(service) == {"other"},
                                "the abort to remove the children")
-                await wait_for(lambda: "p" not in service.entry_ids, "the parent's entry to be done")
+                await wait_for(lambda: "p" not in service.ledger.entries, "the parent's entry to be done")
             pending = await client.xpending(keys.requests, "schedulers")
             assert pending["pending"] == 1  # only "other"'s entry is left unacknowledged
 
@@ -133,14 +137,15 @@ def test_abort_of_a_child_id_takes_that_child_alone_and_the_last_one_ends_the_en
             async with running(config) as service:
                 await xadd(client, keys, new_request("p", n=3))
                 await wait_for(lambda: unassigned_ids(service) == {"p"}, "the request")
-                service.unassigned.extend(_park_children(service, "p", 3))
+                for child in _park_children(service, "p", 3):
+                    service.ledger.park(child)
                 await xadd(client, keys, AbortRequest("p/1"))
                 await wait_for(lambda: unassigned_ids(service) == {"p/0", "p/2"}, "p/1 to go")
-                assert "p" in service.entry_ids and "p/1" not in service.early_aborts
+                assert "p" in service.ledger.entries and not service.ledger.is_early_abort("p/1")
                 await xadd(client, keys, AbortRequest("p/0"))
                 await xadd(client, keys, AbortRequest("p/2"))
-                await wait_for(lambda: "p" not in service.entry_ids, "the entry to end with the last child")
-                assert not service.unassigned
+                await wait_for(lambda: "p" not in service.ledger.entries, "the entry to end with the last child")
+                assert not service.ledger.unassigned
             assert (await client.xpending(keys.requests, "schedulers"))["pending"] == 0
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
@@ -157,13 +162,13 @@ def test_abort_of_a_parent_reaches_children_in_transit(redis_url):
                 await xadd(client, keys, new_request("p", n=2))
                 await wait_for(lambda: unassigned_ids(service) == {"p"}, "the request")
                 children = _park_children(service, "p", 2)
-                service.in_transit.extend(children)  # as _evacuate holds them across an await
+                service.ledger.start_transit(children)  # as _route_all holds them across an await
                 await xadd(client, keys, AbortRequest("p"))
-                await wait_for(lambda: not service.in_transit and "p" not in service.entry_ids,
+                await wait_for(lambda: not service.ledger.in_transit and "p" not in service.ledger.entries,
                                "the abort to take the children in transit")
-                for child in children:  # what _evacuate / _route_all check next for each: skipped
-                    assert not service._untransit(child)
-                assert not service.unassigned and not service.owner
+                for child in children:  # what _route_all checks next for each: skipped
+                    assert not service.ledger.end_transit(child)
+                assert not service.ledger.unassigned and not service.ledger.owners
             assert (await client.xpending(keys.requests, "schedulers"))["pending"] == 0
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
@@ -191,7 +196,7 @@ def test_a_crashed_step_loop_retires_its_worker_and_keeps_its_requests(redis_url
     from proto.messages import WorkerRegistration
     from scheduler_svc.batching import BatchScheduler
     from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.service import WorkerHandle
+    from scheduler_svc.worker_pool import WorkerHandle
 
     async def main():
         async with fresh_prefix(redis_url) as (keys, client):
@@ -207,14 +212,13 @@ def test_a_crashed_step_loop_retires_its_worker_and_keeps_its_requests(redis_url
                 # Registered, so discovery leaves it alone (it has no gRPC server to dial).
                 await client.set(keys.worker(reg.worker_id), stream_encoder.encode(reg))
                 await client.sadd(keys.workers, reg.worker_id)
-                service.workers[reg.worker_id] = handle
-                handle.task = asyncio.create_task(service._step_loop(handle))
+                service.start_worker(handle)
                 await xadd(client, keys, new_request("r"))
                 await handle.task  # crashes on its first Step, quietly no more
                 assert handle.retiring
-                assert reg.worker_id not in service.workers
+                assert handle not in service.pool.handles()
                 assert unassigned_ids(service) == {"r"}  # back waiting for a live worker
-                assert "r" in service.entry_ids and "r" not in service.owner
+                assert "r" in service.ledger.entries and "r" not in service.ledger.owners
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 

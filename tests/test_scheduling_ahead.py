@@ -24,7 +24,7 @@ def test_decode_steps_are_planned_ahead_exact_contents():
         assert step.cached_requests[0].num_computed_tokens == computed
     assert list(s4.cached_requests[0].new_block_ids) == [2]  # position 8 opens block 2
     # The step after s4 would compute a token past max_tokens: none is planned.
-    assert h.num_ahead == h.sched.num_steps_ahead == 3 and len(h.steps) == 4
+    assert h.num_ahead == h.sched.steps.num_steps_ahead == 3 and len(h.steps) == 4
     assert h.outputs() == reference_outputs(make_request("a", 6, 4, arrival=0))
 
 
@@ -49,7 +49,7 @@ def test_an_abort_with_two_steps_in_flight():
     h.step()  # step 1 updated, step 2 (planned ahead) in flight
     assert h.sched.can_schedule_ahead()
     step3 = h._send()  # two in flight: 2 and 3
-    assert step3.after_step_id == 2 and h.sched.num_in_flight == 2
+    assert step3.after_step_id == 2 and h.sched.steps.num_in_flight == 2
     assert h.sched.abort_request("a")  # blocks freed now; steps 2 and 3 still compute it
     h.sched.check_integrity()
     for _ in range(2):
@@ -66,14 +66,14 @@ def test_a_step_ahead_never_preempts_and_the_step_after_it_does():
     h.add(*reqs)
     blocked = 0
     while h.sched.has_work() or h.in_flight:
-        in_flight_before = h.sched.num_in_flight
-        preemptions_before = h.sched.num_preemptions
+        in_flight_before = h.sched.steps.num_in_flight
+        preemptions_before = h.sched.preemptor.num_preemptions
         h.step()
-        if in_flight_before and h.sched.num_preemptions > preemptions_before:
+        if in_flight_before and h.sched.preemptor.num_preemptions > preemptions_before:
             raise AssertionError("a step planned ahead preempted")
-        blocked += h.sched._ahead_blocked
+        blocked += h.sched.planner.ahead_blocked
     h.assert_done()
-    assert h.sched.num_preemptions >= 1 and blocked >= 1 and h.num_ahead > 0
+    assert h.sched.preemptor.num_preemptions >= 1 and blocked >= 1 and h.num_ahead > 0
     assert h.outputs() == reference_outputs(*reqs)
 
 
@@ -81,7 +81,7 @@ def test_a_parent_forks_after_the_step_in_flight_and_its_children_run_ahead():
     h = Harness(num_blocks=32, block_size=4, pipelined=True)
     h.add(parallel_request("p", 6, 5, n=3))
     h.run()
-    assert h.sched.num_forks == 3 and h.worker.num_copies >= 1 and h.num_ahead > 0
+    assert h.sched.forks.num_forks == 3 and h.worker.num_copies >= 1 and h.num_ahead > 0
     ref = reference_outputs(make_request("p", 6, 5, arrival=0))["p"]
     assert h.outputs() == {f"p/{i}": ref for i in range(3)}
 
@@ -94,7 +94,7 @@ def test_children_under_preemption_with_steps_ahead(mode, num_cpu_blocks):
             parallel_request("q", 6, 9, n=2, arrival=2)]
     h.add(*reqs)
     h.run()
-    assert h.sched.num_preemptions >= 1 and h.num_ahead > 0
+    assert h.sched.preemptor.num_preemptions >= 1 and h.num_ahead > 0
     ref = reference_outputs(make_request("p", 11, 12, 0), make_request("a", 7, 14, 1),
                             make_request("q", 6, 9, 2))
     assert h.outputs() == {"a": ref["a"], **{f"p/{i}": ref["p"] for i in range(3)},

@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from proto import worker_pb2
 from worker_svc.config import RunnerConfig
-from worker_svc.grammar import GrammarCompiler, grammar_error
+from proto.grammars import grammar_error
+from worker_svc.grammar import GrammarCompiler
 from worker_svc.model_runner import ModelRunner
 
 Params = worker_pb2.SamplingParams
@@ -103,4 +104,28 @@ def test_grammar_errors_are_reported():
     assert grammar_error("json_schema", json.dumps(SCHEMA)) == ""
     assert grammar_error("json_schema", json.dumps({"type": "wat"}))
     assert grammar_error("json_schema", "{")
-    assert grammar_error("regex", "a+")
+    assert grammar_error("regex", "a+") == "" and "unclosed" in grammar_error("regex", "(a")
+    assert grammar_error("choice", json.dumps(["yes", "no"])) == ""
+    assert grammar_error("choice", "[]") and grammar_error("choice", json.dumps(["a", 1]))
+    assert grammar_error("lark", 'start: "a" b\nb: /[0-9]+/') == "" and "foo" in grammar_error("lark", "start: foo")
+    assert "unknown grammar kind" in grammar_error("yaml", "x")
+
+
+def test_regex_choice_and_lark_outputs_match(tiny_model_dir):
+    import re
+
+    runner = ModelRunner(RunnerConfig(model=str(tiny_model_dir), block_size=16, num_blocks=256))
+    kinds = {"regex": ("regex", "[a-c]{2,4}-[0-9]{1,3}"), "choice": ("choice", json.dumps(["red", "green", "blue"])),
+             "lark": ("lark", 'start: "n=" num ";"\nnum: /[1-9][0-9]?/')}
+    requests = {f"{name}{seed}": ([5, 6, 7], Params(max_tokens=40, temperature=1.0, seed=seed,
+                                                    grammar=worker_pb2.Grammar(kind=kind, spec=spec)))
+                for name, (kind, spec) in kinds.items() for seed in range(3)}
+    out = run(runner, requests)
+    for request_id, (ids, reason) in out.items():
+        text = text_of(runner, ids)
+        if request_id.startswith("regex"):
+            assert re.fullmatch("[a-c]{2,4}-[0-9]{1,3}", text), text
+        elif request_id.startswith("choice"):
+            assert text in ("red", "green", "blue") and reason == "stop", (text, reason)
+        else:
+            assert re.fullmatch("n=[1-9][0-9]?;", text) and reason == "stop", (text, reason)

@@ -131,7 +131,7 @@ def test_swap_preemption_step_contents_and_identical_outputs():
     assert list(s6.cached_requests[0].new_block_ids) == [5]  # b's tail block, freed first
     b_state = h.sched.get_request("b")
     assert b_state.status is RequestStatus.SWAPPED and b_state.num_computed_tokens == 12
-    assert h.sched.swapped == [b_state] and h.sched.num_swapped_out == 1
+    assert h.sched.queues.swapped == [b_state] and h.sched.preemptor.num_swapped_out == 1
     assert h.sched.stats().num_swapped == 1 and h.sched.stats().num_free_cpu_blocks == 5
     h.run()
     resumed = [s for s in h.steps if s.blocks_to_swap_in]
@@ -151,7 +151,7 @@ def test_swapped_requests_resume_before_new_ones_in_arrival_order():
     reqs = [make_request(f"r{i}", 6, 10, arrival=i) for i in range(3)]
     h = Harness(num_blocks=8, block_size=4, num_cpu_blocks=32, preemption_mode="swap")
     h.add(*reqs)
-    while not h.sched.swapped:
+    while not h.sched.queues.swapped:
         h.step()
     late = make_request("late", 3, 2, arrival=10)
     h.add(late)
@@ -160,8 +160,8 @@ def test_swapped_requests_resume_before_new_ones_in_arrival_order():
         step = h.step()
         resumed_order += [c.request_id for c in step.cached_requests if c.replace_block_ids]
         if any(r.request_id == "late" for r in step.new_requests):
-            assert not h.sched.swapped, "a new request admitted while requests were swapped out"
-    assert resumed_order and h.sched.num_swapped_out == len(resumed_order)
+            assert not h.sched.queues.swapped, "a new request admitted while requests were swapped out"
+    assert resumed_order and h.sched.preemptor.num_swapped_out == len(resumed_order)
     assert h.outputs() == reference_outputs(*reqs, late)
 
 
@@ -173,7 +173,7 @@ def test_full_swap_space_falls_back_to_recompute():
         h.step()
     assert list(h.steps[-1].finished_request_ids) == ["b"] and not h.steps[-1].blocks_to_swap_out
     assert h.sched.get_request("b").status is RequestStatus.WAITING
-    assert h.sched.num_swapped_out == 0 and h.sched.num_preemptions == 1
+    assert h.sched.preemptor.num_swapped_out == 0 and h.sched.preemptor.num_preemptions == 1
     h.run()
     assert h.outputs() == reference_outputs(a, b)
 
@@ -184,7 +184,7 @@ def test_recompute_mode_ignores_the_swap_space():
     assert h.sched.kv.num_cpu_blocks == 0
     h.add(a, b)
     h.run()
-    assert h.sched.num_preemptions == 1 and h.sched.num_swapped_out == 0
+    assert h.sched.preemptor.num_preemptions == 1 and h.sched.preemptor.num_swapped_out == 0
 
 
 def test_abort_of_a_swapped_request_frees_its_cpu_blocks():
@@ -239,7 +239,7 @@ def test_engine_greedy_equals_transformers_with_swaps(tiny_model_dir):
                    reply_channel="c", arrival_time=time.time())
         for i, (prompt, max_tokens) in enumerate(cases)])
     sched = engine.scheduler
-    assert sched.num_swapped_out >= 1, "no swap happened"
+    assert sched.preemptor.num_swapped_out >= 1, "no swap happened"
     sched.check_integrity()
     assert sched.kv.num_free_blocks == 16 and sched.kv.cpu_pool.num_free_blocks == 64
 
@@ -254,8 +254,8 @@ def test_engine_greedy_equals_transformers_with_swaps(tiny_model_dir):
 
 
 def test_engine_seeded_sampling_unchanged_by_swaps(tiny_model_dir):
-    """A swapped request keeps its generator on the worker, so seeded sampling gives the
-    same tokens as a run with room for everything (recompute would restart the stream)."""
+    """Seeded draws depend on (seed, position) alone, so swapped requests give the same
+    tokens as a run with room for everything."""
     from compose.engine import EngineConfig, InProcessEngine
     from proto.messages import NewRequest, SamplingParams
     from engine_helpers import Collector, run_engine
@@ -276,7 +276,7 @@ def test_engine_seeded_sampling_unchanged_by_swaps(tiny_model_dir):
         return {rid: [t[k] for k in sorted(t)] for rid, t in sink.tokens.items()}, engine.scheduler
 
     roomy, sched = outputs(256, "swap")
-    assert sched.num_preemptions == 0
+    assert sched.preemptor.num_preemptions == 0
     swapped, sched = outputs(12, "swap")
-    assert sched.num_swapped_out >= 1
+    assert sched.preemptor.num_swapped_out >= 1
     assert swapped == roomy

@@ -1,7 +1,6 @@
-"""The worker service with steps planned ahead (StepRequest.after_step_id), or running
-several passes (StepRequest.num_passes), one call a step (Step) or on one stream (Steps,
-the scheduler's way): a real worker (tiny model, real Redis, gRPC) driven by a
-BatchScheduler that keeps two steps in flight, or plans multi-step steps."""
+"""The worker service with steps planned ahead (StepRequest.after_step_id), one call a
+step (Step) or on one stream (Steps, the scheduler's way): a real worker (tiny model, real
+Redis, gRPC) driven by a BatchScheduler that keeps two steps in flight."""
 
 from __future__ import annotations
 
@@ -95,7 +94,7 @@ def test_steps_planned_ahead_give_the_outputs_of_steps_in_lockstep(tiny_model_di
         for req in requests(channel):
             scheduler.add_request(msgspec.structs.replace(req, request_id=req.request_id + "-ahead"))
         ahead = outputs_of(scheduler, stub, True, pool)
-        assert scheduler.num_steps > 0 and len(lockstep) == 3
+        assert scheduler.steps.num_steps > 0 and len(lockstep) == 3
         assert {rid.removesuffix("-ahead"): out for rid, out in ahead.items()} == lockstep
         # Every token went out on pub/sub once, in order, each step's events before the next's.
         published = read_published(events, 2 * sum(map(len, lockstep.values())))
@@ -133,7 +132,7 @@ def test_the_steps_stream_gives_the_outputs_of_one_call_a_step(tiny_model_dir, r
         channel, events = subscribed(client, scheduler)
         streamed = streamed_outputs(scheduler, stub)
         assert len(streamed) == 3
-        assert one_pass_outputs(scheduler, stub, channel, pool) == streamed
+        assert lockstep_outputs(scheduler, stub, channel, pool) == streamed
         published = read_published(events, 2 * sum(map(len, streamed.values())))
         assert {rid: out for rid, out in published.items() if not rid.endswith("-1")} == streamed
         events.close()
@@ -155,72 +154,15 @@ def read_published(events, num_tokens: int) -> dict[str, list[int]]:
     return published
 
 
-def test_multi_step_steps_give_the_outputs_of_one_pass_steps(tiny_model_dir, redis_url):
-    """Steps of up to 4 passes: the tokens of one pass per step, each pass's published as
-    it ends, and the result's per-pass accounting."""
-    batching = SchedulerConfig(max_num_batched_tokens=16, num_scheduler_steps=4)
-    with worker(tiny_model_dir, redis_url, batching) as (stub, scheduler, client), \
-            ThreadPoolExecutor(4) as pool:
-        channel, events = subscribed(client, scheduler)
-        multi_steps, finished = [], {}
-        while scheduler.has_work():
-            step = scheduler.schedule()
-            result = stub.Step(step, timeout=30)
-            if step.num_passes > 1:
-                multi_steps.append((step, result))
-            for req in scheduler.update(step, result):
-                finished[req.request_id] = req.output_token_ids
-        assert multi_steps and all(len(result.passes) > 1 for _, result in multi_steps)
-        for step, result in multi_steps:
-            assert len(result.passes) <= step.num_passes
-            assert result.passes[0].num_requests == len(step.num_scheduled_tokens)
-            assert sum(p.num_requests for p in result.passes) == len(result.sampled)
-            assert result.execute_seconds == pytest.approx(sum(p.execute_seconds for p in result.passes))
-        published = read_published(events, sum(map(len, finished.values())))
-        assert published == finished
-        events.close()
-        assert one_pass_outputs(scheduler, stub, channel, pool) == finished
-
-
-def one_pass_outputs(like: BatchScheduler, stub, channel: str, pool: ThreadPoolExecutor):
+def lockstep_outputs(like: BatchScheduler, stub, channel: str, pool: ThreadPoolExecutor):
     """The outputs of `requests(channel)` (ids suffixed, so the worker holds both) in
-    steps of one pass, planned by a scheduler for the same worker as `like`."""
-    one_pass = BatchScheduler(SchedulerConfig(max_num_batched_tokens=16), num_blocks=like.kv.num_blocks,
+    unary steps planned one at a time by a scheduler for the same worker as `like`."""
+    lockstep = BatchScheduler(SchedulerConfig(max_num_batched_tokens=16), num_blocks=like.kv.num_blocks,
                               block_size=like.kv.block_size, max_model_len=like.max_model_len)
     for req in requests(channel):
-        one_pass.add_request(msgspec.structs.replace(req, request_id=req.request_id + "-1"))
-    lockstep = outputs_of(one_pass, stub, False, pool)
-    return {rid.removesuffix("-1"): out for rid, out in lockstep.items()}
-
-
-def test_a_cut_ends_a_multi_step_step_after_its_current_pass(tiny_model_dir, redis_url):
-    """Cut (a request arrived): the worker ends the step after the pass that runs -- here
-    after its first, the Cut having come before the step -- and both sides drop the blocks
-    of the passes that did not run; the outputs are those of one pass per step."""
-    batching = SchedulerConfig(max_num_batched_tokens=16, num_scheduler_steps=8)
-    with worker(tiny_model_dir, redis_url, batching) as (stub, scheduler, _), ThreadPoolExecutor(4) as pool:
-        channel = f"out:{uuid.uuid4().hex[:8]}"
-        for req in requests(channel):
-            scheduler.add_request(req)
-        # A Cut of a step this scheduler never planned (as from one before a restart, whose
-        # step ids ran higher) cuts nothing.
-        stub.Cut(worker_pb2.CutRequest(step_id=1000), timeout=5)
-        finished, cut, uncut = {}, None, 0
-        while scheduler.has_work():
-            step = scheduler.schedule()
-            if step.num_passes > 1 and cut is None:
-                cut = step.step_id
-                stub.Cut(worker_pb2.CutRequest(step_id=cut), timeout=5)
-            result = stub.Step(step, timeout=30)
-            if step.step_id == cut:
-                assert len(result.passes) == 1 and len(result.sampled) == len(step.num_scheduled_tokens)
-            elif step.num_passes > 1:
-                uncut += len(result.passes) > 1
-            for req in scheduler.update(step, result):
-                finished[req.request_id] = req.output_token_ids
-            scheduler.check_integrity()
-        assert cut is not None and uncut > 0 and scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
-        assert one_pass_outputs(scheduler, stub, channel, pool) == finished
+        lockstep.add_request(msgspec.structs.replace(req, request_id=req.request_id + "-1"))
+    outputs = outputs_of(lockstep, stub, False, pool)
+    return {rid.removesuffix("-1"): out for rid, out in outputs.items()}
 
 
 def test_a_step_planned_after_one_never_received_is_refused(tiny_model_dir, redis_url, monkeypatch):
@@ -277,4 +219,4 @@ def test_a_step_planned_after_a_failed_one_fails_without_running(tiny_model_dir,
         # is not refused for the failure of the steps 2 and 3 of the one before.
         for req in requests(f"out:{uuid.uuid4().hex[:8]}"):
             scheduler.add_request(req)
-        assert len(outputs_of(scheduler, stub, True, pool)) == 3 and scheduler.num_steps >= 4
+        assert len(outputs_of(scheduler, stub, True, pool)) == 3 and scheduler.steps.num_steps >= 4

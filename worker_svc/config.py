@@ -12,11 +12,13 @@ class RunnerConfig:
     served_model_name: str | None = None  # default: the folder's basename, or the Hub id
     block_size: int = 16
     kv_cache_memory_bytes: int = 256 * 2**20  # K + V of every layer
+    gpu_memory_utilization: float | None = None  # instead: this share of the GPU (kv_budget.py)
     num_blocks: int | None = None  # overrides the memory sizing (tests force preemption)
     swap_space_bytes: int = 256 * 2**20  # CPU memory for swapped-out blocks (K + V)
     num_cpu_blocks: int | None = None  # overrides the swap space sizing
     max_model_len: int | None = None  # default: config max_position_embeddings
-    dtype: str = "auto"  # "auto" = the checkpoint's dtype; or float32 / bfloat16 / float16
+    dtype: str = "auto"  # "auto" = the checkpoint's where native (loader.resolve_dtype); or float32 / bfloat16 / float16
+    quantization: str | None = None  # "int8": int8 weights, quantized at load (model/int8_linear.py)
     device: str = "cpu"
     attention_backend: str = "auto"
     seed: int = 0  # seeds the generator of requests that carry no seed of their own

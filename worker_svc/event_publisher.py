@@ -66,6 +66,11 @@ class EventPublisher:
                 raise
             self._unsent = []
 
+    @property
+    def pending(self) -> bool:
+        """Whether events an earlier publish could not send are waiting."""
+        return bool(self._unsent)
+
     def flush(self) -> None:
         """Send what earlier publishes could not (ConnectionError if still out of reach)."""
         self.publish({})

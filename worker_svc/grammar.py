@@ -1,17 +1,16 @@
 """Structured output on the worker: a grammar matcher per constrained request, and the
 batched token mask the sampler applies (llguidance).
 
-    compile   Grammar{kind: "json_schema", spec} → llguidance grammar → LLMatcher, one per
+    compile   Grammar{kind, spec} → llguidance grammar (proto/grammars.py) → LLMatcher, one per
               request (built from a cached template by deep_copy: a schema is compiled
               once per worker, however many requests use it)
     mask      every constrained row's next-token bitmask filled into one int32 [S, V/32]
               tensor (llguidance's parallel executor), unpacked with tensor ops into the
               bool [S, V] `SamplingBatch.allowed`; unconstrained rows allow everything
     advance   each sampled token is consumed by its request's matcher; once the matcher
-              is stopped (the JSON is complete) the request finishes with "stop"
+              is stopped (the JSON is complete, the choice made) the request finishes
+              with "stop"
 
-JSON is compiled without flexible whitespace (`, ` and `: ` separators): a model may not
-pad the output with unbounded whitespace, which also keeps weak models from looping in it.
 A request re-added after a preemption replays its output tokens into a fresh matcher.
 The tokenizer is loaded on the first constrained request only.
 """
@@ -27,26 +26,11 @@ import llguidance.hf
 import llguidance.torch as llg_torch
 import torch
 
+from proto.grammars import grammar_text
+
 log = logging.getLogger(__name__)
 
-JSON_OPTIONS = {"whitespace_flexible": False}
 _TEMPLATE_CACHE_SIZE = 64
-
-
-def grammar_text(kind: str, spec: str) -> str:
-    """llguidance's grammar for a worker.proto Grammar; ValueError for an unknown kind or a
-    spec that is not JSON. (The gateway calls this too, to refuse bad schemas with a 400.)"""
-    if kind != "json_schema":
-        raise ValueError(f"unknown grammar kind {kind!r}")
-    return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides=JSON_OPTIONS)
-
-
-def grammar_error(kind: str, spec: str) -> str:
-    """Why this grammar cannot be used ("" when it can)."""
-    try:
-        return llguidance.LLMatcher.validate_grammar(grammar_text(kind, spec))
-    except ValueError as exc:
-        return str(exc)
 
 
 class GrammarMatcher:

@@ -125,10 +125,32 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-# Qwen2.5's layout: a default system turn when the conversation has none.
+# Qwen2.5's layout: a default system turn when the conversation has none; with tools, the
+# system turn lists them and asks for Hermes-style calls (`<tool_call>{json}</tool_call>`,
+# vLLM's `hermes` parser), assistant calls are written back that way and tool results come
+# as user turns wrapping `<tool_response>` -- Qwen2.5's own template, shortened.
 QWEN_CHATML = (
-    "{% if messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}" + CHATML
+    "{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else 'You are a helpful assistant.' %}"
+    "{% if tools %}{{ '<|im_start|>system\n' + system + '\n\n# Tools\n\nYou may call one or more functions. "
+    "Function signatures within <tools></tools>:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% elif messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first and tools %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}{{ '\n<tool_call>\n{\"name\": \"' + call['function']['name'] "
+    "+ '\", \"arguments\": ' + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 # Mistral's [INST] layout: a system message is folded into the first user turn.
 MISTRAL_INST = (

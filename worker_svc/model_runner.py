@@ -36,6 +36,7 @@ from proto.messages import Logprobs, TokenEvent
 from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
 from worker_svc.grammar import GrammarCompiler
+from worker_svc.kv_budget import kv_cache_bytes
 from worker_svc.logprobs import gather_logprobs
 from worker_svc.model.registry import load_config
 from worker_svc.model.loader import load_model, resolve_dtype
@@ -76,16 +77,18 @@ class ModelRunner:
         self.model_dir = resolve_model(config.model)  # a folder, or a Hub id from the cache
         self.model_config = load_config(self.model_dir)
         cfg = self.model_config
-        self.dtype = resolve_dtype(config.dtype, cfg)
+        self.dtype, why = resolve_dtype(config.dtype, cfg, self.device)
+        log.info("serving in %s (%s)", str(self.dtype).removeprefix("torch."), why)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.backend = get_attention_backend(config.attention_backend, self.device, self.dtype)
         # scratch memory of the attention backend, kept for the runner's life
         self.plan_attention = functools.partial(self.backend.plan,
                                                 workspace=self.backend.new_workspace())
         self.model = load_model(self.model_dir, cfg, self.backend, self.max_model_len,
-                                self.dtype, self.device)
+                                self.dtype, self.device, config.quantization)
         num_blocks = config.num_blocks or num_blocks_for_memory(
-            config.kv_cache_memory_bytes, cfg.num_layers, config.block_size,
+            kv_cache_bytes(self.device, config.kv_cache_memory_bytes, config.gpu_memory_utilization),
+            cfg.num_layers, config.block_size,
             cfg.num_kv_heads, cfg.head_dim, self.dtype)
         self.kv_cache = KVCacheTensors(cfg.num_layers, num_blocks, config.block_size,
                                        cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
@@ -107,6 +110,18 @@ class ModelRunner:
     def num_requests(self) -> int:
         return len(self.requests)
 
+    def forget_all(self) -> int:
+        """Drop every request (a new scheduler took over: it sends what it wants run again,
+        from its tokens); how many were dropped."""
+        dropped = len(self.requests)
+        self.requests.clear()
+        return dropped
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests still generating (finished ones wait here only to be forgotten)."""
+        return sum(1 for state in self.requests.values() if state.finish_reason is None)
+
     def describe(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
             worker_id=self.worker_id, model=self.config.model_name,
@@ -114,7 +129,7 @@ class ModelRunner:
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
             num_cpu_blocks=self.cpu_cache.num_blocks if self.cpu_cache is not None else 0,
-            device=str(self.device),
+            device=str(self.device), sliding_window=self.model_config.uniform_window or 0,
         )
 
     def _swap_out(self, request: worker_pb2.StepRequest) -> None:
@@ -160,15 +175,6 @@ class ModelRunner:
                 state.block_ids = list(cached.new_block_ids)
             else:
                 state.block_ids.extend(cached.new_block_ids)
-
-    def trim_block_tables(self, request_ids) -> None:
-        """Drop the blocks past each request's computed tokens: blocks allocated for the
-        passes of a multi-step step that a Cut ended early (the scheduler drops them too)."""
-        bs = self.config.block_size
-        for request_id in request_ids:
-            state = self.requests.get(request_id)
-            if state is not None:
-                del state.block_ids[-(-state.num_computed_tokens // bs):]
 
     def step(self, request: worker_pb2.StepRequest) -> StepOutput:
         start = time.perf_counter()
@@ -238,7 +244,7 @@ class ModelRunner:
         allowed = self.grammars.allowed([r.grammar for r in reqs], vocab_size, self.device) \
             if any(r.grammar is not None for r in reqs) else None
         sampling = SamplingBatch.build(
-            [r.sampling for r in reqs], [r.generator for r in reqs], vocab_size, self.device,
+            [r.sampling for r in reqs], [r.draw_generator() for r in reqs], vocab_size, self.device,
             histories=reqs, eos_token_ids=self.model_config.eos_token_ids, allowed=allowed)
         token_ids = sample(logits, sampling, self.generator)
         rows = [i for i, r in enumerate(reqs) if r.sampling.HasField("logprobs")]

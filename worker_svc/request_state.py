@@ -3,6 +3,7 @@
 import torch
 
 from proto import worker_pb2
+from worker_svc.sampler import position_seed
 
 
 class RequestState:
@@ -33,12 +34,12 @@ class RequestState:
         # The structured-output matcher (worker_svc/grammar.py), set by the runner when
         # sampling.grammar is; None for unconstrained requests.
         self.grammar = None
-        # Made once, so a seeded request's draws depend on its own history only. A request
-        # re-added after a preemption starts its stream again (as in vLLM).
+        # Seeded requests only: reseeded before each draw from (seed, output position)
+        # (`draw_generator`), so the draw for a position is the same on any worker, after
+        # any preemption, migration or restart.
         self.generator: torch.Generator | None = None
         if new.sampling.HasField("seed"):
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(new.sampling.seed)
 
     @property
     def num_tokens(self) -> int:
@@ -47,3 +48,10 @@ class RequestState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def draw_generator(self) -> torch.Generator | None:
+        """The generator for the token sampled now (output position `num_output_tokens`),
+        seeded from (seed, position) alone; None for an unseeded request."""
+        if self.generator is not None:
+            self.generator.manual_seed(position_seed(self.sampling.seed, self.num_output_tokens))
+        return self.generator

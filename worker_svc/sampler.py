@@ -7,9 +7,12 @@
 
 Masks work on one ascending sort of the batch (no per-request Python over the vocabulary).
 The draw uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sample from
-p. Rows of seeded requests fill their E from their own torch.Generator (made once per
-request, kept in its state), so a seeded request draws the same tokens whatever else is in
-the batch; the other rows share the runner's generator.
+p. Rows of seeded requests fill their E from their own torch.Generator, seeded before each
+draw from (request seed, output position) (`position_seed`; worker_svc/request_state.py),
+so a seeded request draws the same tokens whatever else is in the batch and wherever it
+runs: a request recomputed after a preemption, or moved to another worker, draws for each
+position what it would have drawn without the move. The other rows share the runner's
+generator.
 """
 
 from collections.abc import Collection, Sequence
@@ -21,6 +24,16 @@ from worker_svc.logits_processors import (History, NoHistory, Penalties, SparseE
                                           build_logit_bias, build_min_tokens_ban, build_penalties)
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw at output `position`: splitmix64 of the pair, so
+    neighbouring seeds and positions give unrelated streams (an int in [0, 2**64))."""
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The worker service: a gRPC shell around ModelRunner.
 
-It owns the transport only: the gRPC server (Describe / Step / Steps / Health / Cut),
+It owns the transport only: the gRPC server (Describe / Step / Steps / Health, and the
+standard `grpc.health.v1.Health` service: SERVING from registration until SIGTERM),
 publishing each step's TokenEvents to Redis (one PUBLISH per reply channel per step,
 pipelined: worker_svc/event_publisher.py), the registration heartbeat that lets
 schedulers discover it, and /metrics (each step's duration, requests and tokens:
@@ -13,10 +14,7 @@ thread's queue, so the thread goes from one step straight into the next. A step'
 go out before its result (a finished request is acknowledged only after its last event
 went out; worker_svc/event_publisher.py writes them without waiting for Redis's replies),
 in step order: from the compute thread itself when no step waits behind it
-(no thread to wake), else from a publishing thread while the next step computes. A
-multi-step step (num_passes > 1: worker_svc/multi_step.py) publishes each pass's events
-from the publishing thread while the next pass computes, the last pass's as above; a Cut
-ends it after the pass that runs.
+(no thread to wake), else from a publishing thread while the next step computes.
 """
 
 from __future__ import annotations
@@ -33,26 +31,34 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+import msgspec
 import redis
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import worker_pb2, worker_pb2_grpc
+from proto.grpc_options import GRPC_OPTIONS
 from proto.keys import RedisKeys
 from proto.messages import TokenEvent, WorkerRegistration, stream_encoder
 from proto.metrics import StepCollector, StepRecorder, serve_metrics
+from proto.outage_log import OutageLog
 from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
 from worker_svc.event_publisher import EventPublisher
 from worker_svc.model_runner import ModelRunner, StepConsistencyError, StepOutput
-from worker_svc.multi_step import run_passes
 from worker_svc.step_gap import StepGap
 
 log = logging.getLogger("pagedserve.worker")
 
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # for grpc.health.v1
 ORDER_TIMEOUT_S = 30.0  # how long a step planned ahead waits for the step it follows
 
 
 class StepOrderError(Exception):
     """A step planned after one this worker never received."""
+
+
+class StaleSchedulerError(Exception):
+    """A step from a scheduler whose lease another scheduler has taken since."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,9 @@ class WorkerServiceConfig:
     heartbeat_interval_s: float = 1.0
     registration_ttl_s: float = 5.0  # the registration expires this long after a death
     metrics_port: int = 0  # /metrics on host:metrics_port; 0 = none
+    # SIGTERM: registered as draining (no new requests) while running ones finish, for at
+    # most this long; then deregistered, and schedulers move what is left elsewhere.
+    drain_timeout_s: float = 30.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -86,7 +95,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._failed = 0  # id of the last step that failed (compute thread only)
         self._handed_off: Future | None = None  # the last publish handed to _publishing
         self._gap = StepGap()  # compute thread only
-        self._cut = 0  # the step the last Cut asked to end early (set by a gRPC thread)
+        self._publish_outage = OutageLog(log, "Redis out of reach, events kept for the next publish",
+                                         "publishing again")
+        self._fence_token = 0  # the highest scheduler token seen (compute thread only)
         self.steps = StepRecorder()
 
     def Describe(self, request, context):
@@ -94,11 +105,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Health(self, request, context):
         return worker_pb2.HealthReply(ok=True, num_requests=self._runner.num_requests)
-
-    def Cut(self, request, context):
-        # The id alone, not "this one and all before": a restarted scheduler counts from 1.
-        self._cut = request.step_id
-        return worker_pb2.CutReply()
 
     def Step(self, request, context):
         try:
@@ -159,13 +165,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _run(self, request: worker_pb2.StepRequest) -> tuple[StepOutput, Future | None]:
         """On the compute thread: the step, then its events published, or handed to the
         publishing thread (that publish's future) when the next step is queued already."""
+        self._fence(request)
         if request.after_step_id and request.after_step_id == self._failed:
             self._failed = request.step_id  # and so on down the queue
             raise StepConsistencyError(
                 f"step {request.step_id} is planned after step {request.after_step_id}, which failed")
         try:
-            output = run_passes(self._runner, request, self._gap, self._hand_off,
-                                lambda: self._cut == request.step_id)
+            self._gap.start()
+            output = self._runner.step(request)
+            self._gap.end(request, output.result)
         except Exception:
             self._failed = request.step_id
             raise
@@ -179,10 +187,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._publish(output.events)
         return output, None
 
-    def _hand_off(self, output: StepOutput) -> None:
-        """On the compute thread: a pass of a multi-step step ended, the next follows at
-        once; its events go out from the publishing thread meanwhile."""
-        self._handed_off = self._publishing.submit(self._publish, output.events)
+    def _fence(self, request: worker_pb2.StepRequest) -> None:
+        """On the compute thread, before the step: refuse a scheduler that lost its lease
+        (a token below the highest seen); forget every request when a new one takes over."""
+        token = request.fencing_token
+        if not token:
+            return  # not fenced: a tool or test driving this worker directly
+        if token < self._fence_token:
+            raise StaleSchedulerError(f"step {request.step_id} comes from a scheduler that lost its lease "
+                                      f"(token {token}, the current one is {self._fence_token})")
+        if token > self._fence_token:
+            dropped = self._runner.forget_all()
+            if self._fence_token:
+                log.warning("a new scheduler (token %d) took over: forgot %d request(s)", token, dropped)
+            self._fence_token = token
 
     def close(self) -> None:
         """Stop the compute and publishing threads (after the gRPC server stopped: no step
@@ -191,8 +209,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._publishing.shutdown(wait=True)
         self._publisher.close()
 
+    def retry_unsent(self) -> None:
+        """Send what a publish during a Redis outage kept, on the publishing thread (events
+        keep their order): an idle worker has no next publish to carry a finished request's
+        last events."""
+        if self._publisher.pending:
+            self._publishing.submit(self._publish, {})
+
     def _publish(self, events: dict[str, list[TokenEvent]]) -> None:
-        self._publisher.publish(events)
+        """Redis out of reach does not fail the step (the scheduler would retire this
+        healthy worker): the publisher keeps the events and sends them first with the next
+        publish. A gateway that lost its subscription meanwhile fails its open requests
+        (gateway/backend.py), so nobody waits for events lost in the gap."""
+        try:
+            self._publisher.publish(events)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._publish_outage.failed(exc)
+            return
+        self._publish_outage.ok()
 
 
 class Registration:
@@ -208,6 +242,14 @@ class Registration:
     def start(self) -> None:
         self._beat()
         self._thread.start()
+
+    def drain(self) -> None:
+        """From now on say `draining` (at once, and in every beat)."""
+        self._reg = msgspec.structs.replace(self._reg, draining=True)
+        try:
+            self._beat()
+        except redis.RedisError as exc:
+            log.warning("could not announce the drain: %s", exc)
 
     def _beat(self) -> None:
         # Both, every beat: a scheduler SREMs an id whose key expired (a stalled worker),
@@ -243,11 +285,12 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
     client = redis.Redis.from_url(config.redis_url)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8),  # a Steps stream holds one for its life
-        options=[("grpc.max_receive_message_length", 64 << 20),
-                 ("grpc.max_send_message_length", 64 << 20)],
+        options=GRPC_OPTIONS,
     )
     servicer = WorkerServicer(runner, compute, EventPublisher(client))
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    probes = health.HealthServicer()  # "" (the process) and the Worker service alike
+    health_pb2_grpc.add_HealthServicer_to_server(probes, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     server.start()
     metrics = serve_metrics(StepCollector(config.worker_id, servicer.steps), config.host, config.metrics_port)
@@ -262,6 +305,7 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
     registration = Registration(client, RedisKeys(config.key_prefix), reg,
                                 config.heartbeat_interval_s, config.registration_ttl_s)
     registration.start()
+    _set_health(probes, health_pb2.HealthCheckResponse.SERVING)
     log.info("worker %s serving %s on %s: %d blocks of %d tokens, max_model_len %d",
              reg.worker_id, reg.model, reg.address, reg.num_blocks, reg.block_size, reg.max_model_len)
     stop = stop or threading.Event()
@@ -270,11 +314,34 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
             signal.signal(sig, lambda *_: stop.set())
     if ready is not None:
         ready.set()
-    stop.wait()
+    while not stop.wait(config.heartbeat_interval_s):
+        servicer.retry_unsent()
     log.info("worker %s stopping", reg.worker_id)
+    _set_health(probes, health_pb2.HealthCheckResponse.NOT_SERVING)
+    _drain(registration, compute, runner, config.drain_timeout_s)
     registration.stop()  # first, so schedulers stop routing here and re-route what it held
     server.stop(grace=2).wait()
     servicer.close()
     if metrics is not None:
         metrics.close()
     client.close()
+
+
+def _drain(registration: Registration, compute: ComputeThread, runner: ModelRunner, timeout_s: float) -> None:
+    """Registered as draining, wait (up to `timeout_s`) until no request is still generating
+    here; what is left when time is up is handed over once the worker deregisters."""
+    if timeout_s <= 0:
+        return
+    registration.drain()
+    deadline = time.monotonic() + timeout_s
+    while (left := compute.call(lambda: runner.num_unfinished)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        log.warning("drain timeout: handing %d running request(s) over to other workers", left)
+    else:
+        log.info("drained: every request here finished")
+
+
+def _set_health(probes: health.HealthServicer, status: int) -> None:
+    for service in ("", WORKER_SERVICE):
+        probes.set(service, status)

@@ -21,21 +21,36 @@ import torch
 from safetensors import safe_open
 
 from kernels.backend import AttentionBackend
+from kernels.cpu_features import CpuFeatures, cpu_features
 from worker_svc.model.config import DTYPES, DecoderConfig
 from worker_svc.model.decoder import DecoderForCausalLM
+from worker_svc.model.int8_linear import QUANTIZATIONS, quantize_linears
 from worker_svc.model.layers import can_pack_linears, pack_linears
 
 INDEX_FILE = "model.safetensors.index.json"
 log = logging.getLogger(__name__)
 
 
-def resolve_dtype(name: str, cfg: DecoderConfig) -> torch.dtype:
-    """"auto" → the checkpoint's dtype; otherwise a name from DTYPES."""
-    if name == "auto":
-        return cfg.dtype
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose 'auto' or one of {sorted(DTYPES)}")
-    return DTYPES[name]
+def resolve_dtype(name: str, cfg: DecoderConfig, device: torch.device | str = "cpu",
+                  cpu: CpuFeatures | None = None) -> tuple[torch.dtype, str]:
+    """(the dtype to serve in, why). "auto" is the checkpoint's dtype where the device
+    computes it natively -- any CUDA device; a CPU with bf16 (AVX512-BF16, AMX) or fp16
+    instructions (kernels/cpu_features.py) -- and fp32 otherwise, where a bf16 matmul is
+    an fp32 one plus conversions. Any other name is taken as asked."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose 'auto' or one of {sorted(DTYPES)}")
+        return DTYPES[name], f"--dtype {name}"
+    own = cfg.dtype
+    short = str(own).removeprefix("torch.")
+    if own == torch.float32 or torch.device(device).type != "cpu":
+        return own, f"auto: the checkpoint's {short}"
+    cpu = cpu or cpu_features()
+    native = cpu.native_bf16 if own == torch.bfloat16 else cpu.native_fp16
+    if native:
+        return own, f"auto: the checkpoint's {short}, native on this CPU ({cpu.describe()})"
+    return torch.float32, (f"auto: float32, as the checkpoint's {short} is not native on this CPU "
+                           f"({cpu.describe()}); --dtype {short} forces it")
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -72,14 +87,20 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 
 def load_model(model_dir: str | Path, cfg: DecoderConfig, backend: AttentionBackend,
-               max_positions: int, dtype: torch.dtype,
-               device: torch.device) -> DecoderForCausalLM:
+               max_positions: int, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None) -> DecoderForCausalLM:
+    """The model in `dtype` on `device`; with quantization "int8" its linear layers but the
+    LM head hold int8 weights (worker_svc/model/int8_linear.py)."""
     with torch.device("meta"):
         model = DecoderForCausalLM(cfg, backend, max_positions, dtype, device)
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each parameter its own memory: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(iter_safetensors(model_dir))
+    if quantization == "int8":
+        quantize_linears(model, torch.device(device))
+    elif quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS}")
     if can_pack_linears(device, dtype):
         pack_linears(model)
     return model.eval()

@@ -1,0 +1,190 @@
+"""What the next step computes for one worker: the scheduling rule.
+
+One rule, as in vLLM v1 (no prefill/decode phases): every request asks for
+`len(token_ids) - num_computed_tokens` tokens -- a chunk of its prompt, or 1 to decode --
+and a step computes as many as the token budget and `max_num_seqs` allow:
+
+1. Running requests first, in (priority, arrival) order. Each gets slots for its tokens;
+   when blocks run out, the running request with the largest (priority, arrival) is
+   preempted (scheduler_svc/preemption.py says how) and the allocation is retried.
+   Running is kept sorted, so the victim is always the last one and never one already
+   planned this step; when the victim is the request itself, nothing more fits and
+   planning stops.
+2. If nobody was preempted, swapped requests resume first, in (priority, arrival) order
+   (fresh GPU blocks, blocks_to_swap_in, the full new block table sent with
+   replace_block_ids), until one does not fit.
+3. If nobody was preempted and nothing is swapped out, waiting requests are admitted in
+   (priority, arrival) order (a parent of n > 1 counts as n sequences), their prefill
+   chunked to the remaining budget, until one does not fit (no overtaking). With prefix
+   caching, an admitted request starts from the longest cached prefix of its tokens
+   (prompt + outputs, so a preempted request finds its own blocks again if they were not
+   evicted): those blocks are shared, and only the rest is computed.
+
+Planned ahead (a step in flight: async scheduling), the step assumes every request the
+step in flight samples for gets its token (`num_pending`), and never preempts, swaps or
+forks: a running request that cannot grow without a preemption ends the step there
+(`ahead_blocked`: the next one is planned after the result, with nothing in flight), and
+a request about to sample its last token (max_tokens) or to fork (n > 1) waits for it.
+"""
+
+from dataclasses import dataclass, field
+
+from kvstore.kv_cache_manager import KVCacheManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.fork import ForkManager
+from scheduler_svc.preemption import Preemptor
+from scheduler_svc.queues import RequestQueues
+from scheduler_svc.request import SchedulerRequest
+
+
+# (request, tokens the step computes for it from its num_computed_tokens, block ids): for a
+# running request the worker holds, the blocks allocated for this step (appended to its
+# table); otherwise its whole block table. Read once, by StepBuilder.build.
+PlannedRequest = tuple[SchedulerRequest, int, list[int]]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step, in step order."""
+
+    running: list[PlannedRequest] = field(default_factory=list)  # the worker holds them: diffs
+    resumed: list[PlannedRequest] = field(default_factory=list)  # swapped in: a new table each
+    new: list[PlannedRequest] = field(default_factory=list)  # admitted, then forked children: in full
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+
+    def __bool__(self) -> bool:
+        return bool(self.running or self.resumed or self.new)
+
+
+class StepPlanner:
+    def __init__(self, config: SchedulerConfig, queues: RequestQueues, kv: KVCacheManager,
+                 forks: ForkManager, preemptor: Preemptor) -> None:
+        self._config = config
+        self._queues = queues
+        self._kv = kv
+        self._forks = forks
+        self._preemptor = preemptor
+        # The last step planned ahead stopped short of a running request (it needed a
+        # preemption): the next one waits for the result, so it may preempt.
+        self._ahead_blocked = False
+        # Since start: tokens of admitted requests looked up in the prefix cache, and found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def ahead_blocked(self) -> bool:
+        return self._ahead_blocked
+
+    def reset(self) -> None:
+        """Nothing in flight any more (drained)."""
+        self._ahead_blocked = False
+
+    def plan(self, ahead: bool) -> StepPlan | None:
+        """The next step (after the one in flight, with `ahead`), or None when nothing can
+        run. Allocates its blocks and moves requests between queues as it goes."""
+        self._ahead_blocked = False
+        plan, children = StepPlan(), []
+        budget, full = self._plan_running(plan, children, ahead)
+        # After a preemption the pool is full: resuming or admitting now would only thrash.
+        if not full:
+            num_seqs = self._queues.num_running_seqs()
+            budget, num_seqs = self._resume_swapped(plan, budget, num_seqs)
+            if not self._queues.swapped:
+                self._admit_waiting(plan, budget, num_seqs)
+        plan.new.extend(children)
+        return plan if plan else None
+
+    def _plan_running(self, plan: StepPlan, children: list[PlannedRequest], ahead: bool) -> tuple[int, bool]:
+        """Step 1 of the rule; returns (the budget left, whether the pool ran out)."""
+        budget = self._config.max_num_batched_tokens
+        threshold = self._config.long_prefill_token_threshold
+        running, allocate, forks = self._queues.running, self._kv.allocate_slots, self._forks
+        forked = forks.has_unsent()  # else (the common case) no fork call per request
+        full = False
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = req.target_tokens + req.num_pending - req.num_computed_tokens
+            if ahead and (num_new <= 0 or req.samples_its_last_token()):
+                i += 1  # it forks, or finishes, when the step in flight comes back
+                continue
+            assert num_new > 0, f"request {req.request_id} has nothing to compute"
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            while True:
+                # A forked child about to write into its shared, partly filled last block
+                # gets its own copy first.
+                cow = not forked or forks.copy_on_write(req)
+                ids = allocate(req.request_id, req.num_computed_tokens + num_new,
+                               num_computed_tokens=req.num_computed_tokens) if cow else None
+                if ids is not None:
+                    break
+                full = True
+                if ahead:  # no preemption before the result: the step ends here
+                    self._ahead_blocked = True
+                    break
+                victim = self._queues.pop_victim()  # largest key; index >= i, so not planned yet
+                self._preemptor.preempt(victim, may_swap=not forks.preempted(victim.request_id))
+                if victim is req:
+                    break
+            if ids is None:  # preempted itself, or ahead: nothing else can grow this step
+                break
+            if forked and forks.is_unsent(req.request_id):  # a forked child: in full, with its (shared) table
+                forks.mark_sent(req.request_id)
+                children.append((req, num_new, self._kv.block_ids(req.request_id)))
+            else:
+                plan.running.append((req, num_new, ids))
+            budget -= num_new
+            i += 1
+        return budget, full
+
+    def _resume_swapped(self, plan: StepPlan, budget: int, num_seqs: int) -> tuple[int, int]:
+        """Step 2 of the rule; returns the budget and sequences running after it."""
+        swapped, max_seqs = self._queues.swapped, self._config.max_num_seqs
+        while swapped and budget > 0 and num_seqs + swapped[0].n <= max_seqs:
+            req = swapped[0]
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            pairs = self._kv.swap_in(req.request_id, req.num_computed_tokens + num_new)
+            if pairs is None:
+                break  # resumes in order: later ones wait too
+            ids = self._kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
+                                          num_computed_tokens=req.num_computed_tokens)
+            assert ids is not None, "swap_in checked the room for the step's tokens"
+            self._queues.resume_head_swapped()
+            plan.swap_in.extend(pairs)
+            plan.resumed.append((req, num_new, self._kv.block_ids(req.request_id)))
+            num_seqs += req.n
+            budget -= num_new
+        return budget, num_seqs
+
+    def _admit_waiting(self, plan: StepPlan, budget: int, num_seqs: int) -> None:
+        """Step 3 of the rule."""
+        waiting, kv, max_seqs = self._queues.waiting, self._kv, self._config.max_num_seqs
+        while waiting and budget > 0 and num_seqs + waiting[0].n <= max_seqs:
+            req = waiting[0]
+            lookup = kv.enable_prefix_caching and req.uses_prefix_cache
+            cached = kv.find_cached_prefix(req.token_ids, req.block_hashes) if lookup else []
+            if req.n > 1:  # a parent computes at least one token before it forks
+                cached = cached[:(req.num_prompt_tokens - 2) // kv.block_size]
+            num_cached = len(cached) * kv.block_size
+            num_new = self._num_new_tokens(req, num_cached, budget)
+            if kv.allocate_slots(req.request_id, num_cached + num_new, cached) is None:
+                break  # later arrivals do not overtake the head of the queue
+            self._queues.admit_head(num_cached)
+            if lookup:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_cached
+            plan.new.append((req, num_new, kv.block_ids(req.request_id)))
+            num_seqs += req.n
+            budget -= num_new
+
+    def _num_new_tokens(self, req: SchedulerRequest, num_computed: int, budget: int) -> int:
+        """Tokens a request with `num_computed` tokens computed computes this step: all it
+        lacks, capped by the per-request threshold and by the budget left."""
+        num_new = req.target_tokens - num_computed
+        assert num_new > 0, f"request {req.request_id} has nothing to compute"
+        if self._config.long_prefill_token_threshold:
+            num_new = min(num_new, self._config.long_prefill_token_threshold)
+        return min(num_new, budget)

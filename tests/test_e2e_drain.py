@@ -1,0 +1,79 @@
+"""SIGTERM drains: a worker stops taking requests and finishes those it runs (a lone
+worker too: nothing is parked); a gateway finishes its open streams before it exits."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import openai
+import pytest
+
+from tests.stack_helpers import running_stack
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 300
+
+
+async def _stream(client, model: str, started: asyncio.Event) -> tuple[int, str | None]:
+    """(tokens, finish reason) of one streamed completion."""
+    chunks = await client.completions.create(model=model, prompt="once upon", max_tokens=MAX_TOKENS,
+                                             temperature=0.8, seed=1, stream=True,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    count, reason = 0, None
+    async for chunk in chunks:
+        if chunk.choices:
+            count += len(chunk.choices[0].token_ids or [])
+            reason = chunk.choices[0].finish_reason or reason
+            if count >= 3:
+                started.set()
+    return count, reason
+
+
+def _under_sigterm(stack, name: str, during) -> tuple[list, int | None]:
+    """Start 3 streams, SIGTERM `name` once tokens flow, run `during(client)` while it
+    drains; the streams' results and what `during` returned."""
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            started = asyncio.Event()
+            tasks = [asyncio.create_task(_stream(client, stack.served_model_name, started)) for _ in range(3)]
+            await started.wait()
+            stack.procs[name].send_signal(signal.SIGTERM)
+            extra = await during(client)
+            return await asyncio.gather(*tasks), extra
+
+    return asyncio.run(main())
+
+
+def test_a_lone_worker_finishes_its_requests_on_sigterm(tiny_model_dir, redis_url, tmp_path_factory):
+    with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run"),
+                       worker_args=("--drain-timeout", "60")) as stack:
+        async def refused_meanwhile(client):
+            await asyncio.sleep(1.5)  # the scheduler has seen the drain
+            try:
+                await client.completions.create(model=stack.served_model_name, prompt="hi", max_tokens=2)
+            except openai.APIStatusError as exc:
+                return exc.status_code
+            return 200
+
+        results, status = _under_sigterm(stack, "worker-0", refused_meanwhile)
+        assert results == [(MAX_TOKENS, "length")] * 3
+        assert status == 503  # draining: no new requests
+        assert stack.procs["worker-0"].wait(timeout=30) == 0
+
+
+def test_a_gateway_finishes_its_open_streams_on_sigterm(tiny_model_dir, redis_url, tmp_path_factory):
+    with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run")) as stack:
+        async def nothing(client):
+            return None
+
+        results, _ = _under_sigterm(stack, "gateway", nothing)
+        assert results == [(MAX_TOKENS, "length")] * 3
+        deadline = time.monotonic() + 30
+        while stack.procs["gateway"].poll() is None:
+            assert time.monotonic() < deadline, "the gateway did not exit after its streams"
+            time.sleep(0.1)
