@@ -56,14 +56,27 @@ def compose_binary() -> list[str]:
     return ["docker-compose"]
 
 
-def compose(*args: str, timeout: float = 900) -> str:
+def run_compose(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """`docker compose -f compose/docker-compose.yml ARGS` from the repository root, as the
     README has users type it; the test's settings through the documented variables."""
     env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "MODEL": MODEL, "PRESET": MODEL,
            "GATEWAY_PORTS": "18000-18009", "KV_CACHE_MEMORY": "32MiB"}
-    proc = subprocess.run([*compose_binary(), "-f", COMPOSE_FILE, *args], cwd=ROOT, env=env,
+    return subprocess.run([*compose_binary(), "-f", COMPOSE_FILE, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"compose {args}: {proc.stdout}\n{proc.stderr}"
+
+
+def service_logs() -> str:
+    """The last lines every container of the stack wrote, exited ones included: what a
+    failure message needs to say why a service did not come up."""
+    proc = run_compose("logs", "--no-color", "--tail", "40", timeout=120)
+    return f"--- compose logs ---\n{proc.stdout}{proc.stderr}"
+
+
+def compose(*args: str, timeout: float = 900) -> str:
+    proc = run_compose(*args, timeout=timeout)
+    if proc.returncode != 0:
+        logs = service_logs() if args[0] == "up" else ""
+        raise AssertionError(f"compose {args}: {proc.stdout}\n{proc.stderr}\n{logs}")
     return proc.stdout
 
 
@@ -94,8 +107,8 @@ def wait_for(what: str, ready, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         if time.monotonic() > deadline:
-            logs = docker("ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}")
-            raise AssertionError(f"not {what} after {timeout}s:\n{logs}")
+            ps = docker("ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}")
+            raise AssertionError(f"not {what} after {timeout}s:\n{ps}\n{service_logs()}")
         time.sleep(1)
 
 

@@ -1,0 +1,31 @@
+"""What `pip install .` ships (the Docker images install the project this way, not editable):
+every module and data file of the project's packages, subpackages included. A package left
+out of pyproject.toml works in an editable checkout and fails only in the images."""
+
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_wheel_holds_every_module_and_data_file(tmp_path):
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    top_level = {package.split(".")[0] for package in pyproject["packages"]}
+    source = tmp_path / "source"  # a copy: setuptools would reuse the checkout's build/ folder
+    for package in top_level:
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", source)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path), str(source)], check=True, timeout=300)
+    (wheel,) = tmp_path.glob("pagedserve-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    expected = {str(path.relative_to(ROOT)) for package in top_level
+                for path in (ROOT / package).rglob("*.py") if "__pycache__" not in path.parts}
+    for package, patterns in pyproject["package-data"].items():
+        for pattern in patterns:
+            expected |= {str(path.relative_to(ROOT)) for path in (ROOT / package).glob(pattern)}
+    assert expected - shipped == set(), "pip install . leaves these out: list the packages in pyproject.toml"
