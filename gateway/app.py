@@ -30,7 +30,7 @@ from gateway.tokenize_models import (DetokenizeRequest, DetokenizeResponse, Toke
                                      TokenizeCompletionRequest, TokenizeResponse)
 from gateway.responses_output import ResponsesFormat
 from gateway.responses_request import ResponsesRequest, as_responses_error, chat_body
-from gateway.responses import ChatFormat, CompletionFormat, CompletionPrompt, Echo, ResponseFormat
+from gateway.responses import ChatFormat, CompletionFormat, CompletionPrompt, Echo, OutputFormat
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.serving import collect, stream_sse
 from gateway.token_text import TokenTexts
@@ -196,7 +196,7 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
         return await collect(generation, fmt, num_prompt_tokens=admitted.num_prompt_tokens, request=request)
 
-    async def _answer(request: Request, batch: list[Admitted], fmt: ResponseFormat, *, stream: bool,
+    async def _answer(request: Request, batch: list[Admitted], fmt: OutputFormat, *, stream: bool,
                       include_usage: bool, continuous_usage: bool) -> Response:
         members = [metrics.meter(Generation(request.app.state.backend, tokenizer, admitted.request,
                                             text=admitted.text, timeout_s=config.request_timeout_s),

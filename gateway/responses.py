@@ -72,7 +72,7 @@ class ChoiceResult:
                                 prompt_logprobs=self.prompt_logprobs)
 
 
-class ResponseFormat(Protocol):
+class OutputFormat(Protocol):
     return_token_ids: bool
 
     def first_chunks(self, n: int) -> list[BaseModel]: ...

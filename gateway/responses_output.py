@@ -101,7 +101,7 @@ def _usage(usage: Usage) -> ResponseUsage:
 
 
 class ResponsesFormat:
-    """Also the `ResponseFormat` of serving.collect (only `response` is used there)."""
+    """Also the `OutputFormat` of serving.collect (only `response` is used there)."""
 
     return_token_ids = False
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from gateway.errors import OpenAIError
 from gateway.generation_group import Generating
-from gateway.responses import ChoiceResult, ResponseFormat, usage
+from gateway.responses import ChoiceResult, OutputFormat, usage
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def _event(chunk: BaseModel, include_usage: bool) -> str:
     return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
 
 
-async def stream_sse(generation: Generating, fmt: ResponseFormat, *, include_usage: bool,
+async def stream_sse(generation: Generating, fmt: OutputFormat, *, include_usage: bool,
                      num_prompt_tokens: int, continuous_usage: bool = False) -> AsyncIterator[str]:
     """SSE lines ending in `data: [DONE]`. An error after the stream started can only be
     reported inside it: one `data: {"error": {...}}` event, then [DONE]. With
@@ -72,7 +72,7 @@ async def stream_sse(generation: Generating, fmt: ResponseFormat, *, include_usa
     yield _DONE
 
 
-async def collect(generation: Generating, fmt: ResponseFormat, *, num_prompt_tokens: int,
+async def collect(generation: Generating, fmt: OutputFormat, *, num_prompt_tokens: int,
                   request: Request) -> Response:
     """Run the generation to its end and answer with one JSON body; abort if the client
     disconnects first (OpenAIErrors propagate to the app's handler)."""

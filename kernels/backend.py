@@ -43,7 +43,7 @@ TORCH_BACKEND = AttentionBackend(
     paged_attention=torch_attention.paged_attention,
     write_kv=torch_attention.write_kv,
     copy_blocks=torch_attention.copy_blocks,
-    new_workspace=torch_attention.Workspace,
+    new_workspace=torch_attention.GatherWorkspace,
 )
 
 
@@ -60,7 +60,7 @@ def cpu_backend() -> AttentionBackend:
         paged_attention=functools.partial(cpu_attention.paged_attention, kernels),
         write_kv=torch_attention.write_kv,
         copy_blocks=torch_attention.copy_blocks,
-        new_workspace=torch_attention.Workspace,
+        new_workspace=torch_attention.GatherWorkspace,
     )
 
 
@@ -84,7 +84,7 @@ def triton_backend(device: torch.device) -> AttentionBackend:
         paged_attention=triton_attention.paged_attention,
         write_kv=triton_cache.write_kv,
         copy_blocks=triton_cache.copy_blocks,
-        new_workspace=triton_attention.Workspace,
+        new_workspace=triton_attention.TritonWorkspace,
     )
 
 

@@ -254,7 +254,7 @@ class CpuPlan:
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
                    sliding_window: int | None = None,
-                   workspace: torch_attention.Workspace | None = None) -> CpuPlan:
+                   workspace: torch_attention.GatherWorkspace | None = None) -> CpuPlan:
     """Split the batch: short requests for the C kernel (with the bounds it needs, checked
     here once per step: ValueError for a block table too narrow for its context), the rest
     planned by the torch backend."""

@@ -19,7 +19,7 @@ paged_attention, in pseudo-code:
         out[rows] = sdpa(q, K, V, mask, enable_gqa=True)
 
 index_select is used instead of advanced indexing: on CPU it is ~2x faster for this gather.
-The gathers write into a `Workspace` that outlives the step: allocating fresh ~10 MB
+The gathers write into a `GatherWorkspace` that outlives the step: allocating fresh ~10 MB
 tensors per layer costs page faults (decode steps of the `small` preset at batch 32 were
 ~25% slower that way on a 2-core VM, with worse spikes).
 Padded keys are masked, but SDPA still multiplies them by a zero probability, so they must
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 
-class Workspace:
+class GatherWorkspace:
     """Scratch K/V buffers for the gathers, grown on demand and reused by every layer of
     every step (layers run one after another, so one pair suffices)."""
 
@@ -53,7 +53,7 @@ class Workspace:
 
 
 def _gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                   workspace: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+                   workspace: GatherWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of `block_ids`, [n, block_size, kvh, d] each, in the workspace."""
     k, v = workspace.kv_buffers((block_ids.numel(), *k_cache.shape[1:]), k_cache)
     torch.index_select(k_cache, 0, block_ids, out=k)
@@ -79,7 +79,7 @@ class AttentionPlan:
     decode_block_ids: torch.Tensor  # int64 [B * max_blocks]
     decode_mask: torch.Tensor  # bool [B, 1, 1, max_blocks * block_size]
     prefills: tuple[PrefillSlice, ...]
-    workspace: Workspace
+    workspace: GatherWorkspace
 
 
 def _causal_mask(q_len: int, seq_len: int, sliding_window: int | None,
@@ -97,7 +97,7 @@ def _causal_mask(q_len: int, seq_len: int, sliding_window: int | None,
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
                    sliding_window: int | None = None,
-                   workspace: Workspace | None = None,
+                   workspace: GatherWorkspace | None = None,
                    only: list[int] | None = None) -> AttentionPlan:
     """Split the batch into decodes (vectorised) and prefill chunks (looped); precompute
     their gather indices and masks. Pass a long-lived `workspace` to reuse its buffers
@@ -129,7 +129,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
         decode_block_ids=block_tables[idx, :max_blocks].long().reshape(-1),
         decode_mask=mask[:, None, None, :],
         prefills=tuple(prefills),
-        workspace=Workspace() if workspace is None else workspace,
+        workspace=GatherWorkspace() if workspace is None else workspace,
     )
 
 

@@ -169,13 +169,13 @@ def _paged_attention_kernel(
 INTERPRETED = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
-class Workspace:
+class TritonWorkspace:
     """The Triton path needs no scratch memory; this exists for the backend contract."""
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
-                   sliding_window: int | None = None, workspace: Workspace | None = None) -> None:
+                   sliding_window: int | None = None, workspace: TritonWorkspace | None = None) -> None:
     """Nothing to plan: the kernel reads the metadata tensors on the device."""
     return None
 

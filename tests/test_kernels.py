@@ -93,7 +93,7 @@ def test_plan_is_reusable_across_layers():
 
 def test_one_workspace_serves_batches_of_any_size():
     """A long-lived workspace grows and shrinks its views as batches change."""
-    workspace = torch_attention.Workspace()
+    workspace = torch_attention.GatherWorkspace()
     for seed, name in enumerate(["single_long", "decode_only", "mixed", "prefill_only", "single_long"]):
         query, k_cache, v_cache, bt, seq_lens, qsl = make_case(50 + seed, MIXES[name])
         plan = torch_attention.plan_attention(bt, seq_lens, qsl, k_cache.shape[1], workspace=workspace)

@@ -78,7 +78,7 @@ class WorkerServiceConfig:
     drain_timeout_s: float = 30.0
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+class ModelWorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Queues Steps in order on the compute thread (the runner holds one batch state) and
     publishes their events.
 
@@ -287,7 +287,7 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
         futures.ThreadPoolExecutor(max_workers=8),  # a Steps stream holds one for its life
         options=GRPC_OPTIONS,
     )
-    servicer = WorkerServicer(runner, compute, EventPublisher(client))
+    servicer = ModelWorkerServicer(runner, compute, EventPublisher(client))
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     probes = health.HealthServicer()  # "" (the process) and the Worker service alike
     health_pb2_grpc.add_HealthServicer_to_server(probes, server)

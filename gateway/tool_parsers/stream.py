@@ -21,7 +21,7 @@ def call_id() -> str:
 
 
 @dataclass(frozen=True)
-class ToolCallDelta:
+class ParsedToolCallDelta:
     index: int
     id: str | None = None  # with the name, in the call's first delta
     name: str | None = None
@@ -29,20 +29,20 @@ class ToolCallDelta:
 
 
 @dataclass(frozen=True)
-class ToolCall:
+class ParsedToolCall:
     id: str
     name: str
     arguments: str  # JSON text
 
 
-def extract_tool_calls(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:
+def extract_tool_calls(parser: ToolParser, text: str) -> tuple[str | None, list[ParsedToolCall]]:
     """(content, calls) of a whole answer. Text whose calls are not all well formed stays
     content, with no calls (as vLLM does)."""
     split = parser.split(text, final=True)
     calls = split.valid_calls()
     if calls is None:
         return text, []
-    return split.content or None, [ToolCall(call_id(), c.name or "", c.arguments) for c in calls]
+    return split.content or None, [ParsedToolCall(call_id(), c.name or "", c.arguments) for c in calls]
 
 
 class ToolCallStream:
@@ -57,14 +57,14 @@ class ToolCallStream:
     def called(self) -> bool:
         return bool(self._ids)
 
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+    def feed(self, text: str) -> tuple[str, list[ParsedToolCallDelta]]:
         self._text += text
         return self._diff(final=False)
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self) -> tuple[str, list[ParsedToolCallDelta]]:
         return self._diff(final=True)
 
-    def _diff(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+    def _diff(self, final: bool) -> tuple[str, list[ParsedToolCallDelta]]:
         split = self._parser.split(self._text, final)
         content = split.content[self._content_sent:] if len(split.content) > self._content_sent else ""
         self._content_sent += len(content)
@@ -75,9 +75,9 @@ class ToolCallStream:
                     break  # calls go out in order: wait for this one's name
                 self._ids.append(call_id())
                 self._args_sent.append(0)
-                deltas.append(ToolCallDelta(index, self._ids[index], call.name, call.arguments))
+                deltas.append(ParsedToolCallDelta(index, self._ids[index], call.name, call.arguments))
                 self._args_sent[index] = len(call.arguments)
             elif len(call.arguments) > self._args_sent[index]:
-                deltas.append(ToolCallDelta(index, arguments=call.arguments[self._args_sent[index]:]))
+                deltas.append(ParsedToolCallDelta(index, arguments=call.arguments[self._args_sent[index]:]))
                 self._args_sent[index] = len(call.arguments)
         return content, deltas
