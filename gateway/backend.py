@@ -4,6 +4,8 @@ One `RedisBackend` per gateway process. It owns:
 - a gateway id (uuid) and its reply channel `keys.reply_channel(gateway_id)`;
 - ONE subscription task that decodes every message on that channel (a msgpack
   `list[TokenEvent]`) and puts each event on the asyncio queue of its request;
+- the NewRequests it submitted whose events are still awaited (until their queues close):
+  after its subscription was lost it sends each of them again (`_resubmit_open`);
 - a short-lived cache of the live workers' `WorkerRegistration`s and of the live
   schedulers' `SchedulerHeartbeat`s.
 """
@@ -14,9 +16,13 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.event_queues import EventQueues
@@ -32,6 +38,7 @@ _MAX_CONNECTIONS = 64  # commands to Redis in flight at once; more wait for a co
 _POOL_WAIT_S = 10.0
 _RESUBSCRIBE_DELAY_S = 0.25
 _RESUBSCRIBE_MAX_DELAY_S = 5.0
+_RESUBMIT_FOR_S = 10.0  # how long open requests are tried to be sent again, all together
 
 
 class RedisBackend(EventQueues):
@@ -46,14 +53,20 @@ class RedisBackend(EventQueues):
         # for a free connection when all are busy (redis-py's default pool fails at once with
         # "Too many connections" past 100 concurrent commands: a burst of requests, or n=128).
         # The subscriber has its own client without a read timeout: it legitimately waits.
+        # A pooled connection to a Redis that restarted fails on its next use: a connection
+        # error is retried on a fresh one (an XADD that did reach Redis may then be queued
+        # twice; the scheduler drops the copy of a request it holds).
         pool = aioredis.BlockingConnectionPool.from_url(
             redis_url, max_connections=_MAX_CONNECTIONS, timeout=_POOL_WAIT_S,
-            socket_timeout=5, socket_connect_timeout=5)
+            socket_timeout=5, socket_connect_timeout=5,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3, supported_errors=(RedisConnectionError,)))
         self._client = aioredis.Redis.from_pool(pool)
         self._sub_client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5)
         self._subscribed = asyncio.Event()
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._open: dict[str, NewRequest] = {}  # submitted, events still awaited
+        self._resubmitted: set[str] = set()  # of those, sent again after a lost subscription
         self._workers: list[WorkerRegistration] = []
         self._workers_at = float("-inf")
         self._schedulers_reader = SchedulerRegistry(keys)
@@ -91,9 +104,9 @@ class RedisBackend(EventQueues):
     async def _listen(self) -> None:
         """Subscribe and route forever; on a lost connection, resubscribe with a backoff.
         Events published while unsubscribed are lost (pub/sub keeps nothing), so once
-        subscribed again every request that was open across the gap ends at once with a
-        clear error (and is aborted) instead of waiting for its timeout; admission refuses
-        new requests while unsubscribed (gateway/readiness.py)."""
+        subscribed again every request that was open across the gap is sent again
+        (`_resubmit_open`); admission refuses new requests while unsubscribed
+        (gateway/readiness.py)."""
         delay = _RESUBSCRIBE_DELAY_S
         lost = False  # a subscription was lost: requests open meanwhile may miss events
         while not self._closing:
@@ -108,7 +121,7 @@ class RedisBackend(EventQueues):
                         delay = _RESUBSCRIBE_DELAY_S
                         if lost:
                             lost = False
-                            self._fail_open_requests()
+                            self._in_background(self._resubmit_open())
                     elif message["type"] == "message":
                         self._route(message["data"])
             except (RedisError, OSError) as exc:
@@ -126,13 +139,35 @@ class RedisBackend(EventQueues):
             await asyncio.sleep(delay)
             delay = min(delay * 2, _RESUBSCRIBE_MAX_DELAY_S)
 
-    def _fail_open_requests(self) -> None:
-        ids = self.fail_open("token events were lost while the gateway's connection to Redis was "
-                             "down; the request was aborted, retry it")
-        if ids:
-            logger.warning("reply channel %s is back; failed %d request(s) open across the gap",
-                           self.reply_channel, len(ids))
-        for request_id in ids:
+    async def _resubmit_open(self) -> None:
+        """Send every open request again, marked `resubmitted`: the scheduler starts it over
+        from its prompt (replacing the copy it may still run, or anew when a Redis restart
+        took the stream). Its sampling depends on (seed, position) only, so the new copy
+        yields the tokens the client already has -- which the request drops by index -- and
+        then those lost in the gap; events of the old copy past a gap are dropped too
+        (gateway/generation.py). A request that cannot be sent ends with a clear 503."""
+        requests = list(self._open.values())
+        failed = []
+        deadline = time.monotonic() + _RESUBMIT_FOR_S
+        for request in requests:
+            if request.request_id not in self._open:
+                continue  # it ended meanwhile
+            try:
+                await self._xadd_retrying(msgspec.structs.replace(request, resubmitted=True), deadline)
+            except (RedisError, OSError) as exc:
+                logger.warning("could not send %s again: %s", request.request_id, exc)
+                failed.append(request.request_id)
+                continue
+            if request.request_id in self._open:
+                self._resubmitted.add(request.request_id)
+            else:  # it ended while being sent: stop the new copy
+                self.abort_soon(request.request_id)
+        if requests:
+            logger.warning("reply channel %s is back; sent %d request(s) open across the gap again "
+                           "(%d could not be sent)", self.reply_channel, len(requests), len(failed))
+        self.fail(failed, "token events were lost while the gateway's connection to Redis was down "
+                          "and the request could not be sent again; retry it")
+        for request_id in failed:
             self.abort_soon(request_id)
 
     def _route(self, data: bytes) -> None:
@@ -146,7 +181,39 @@ class RedisBackend(EventQueues):
     # ---- requests -------------------------------------------------------------------------
 
     async def submit(self, request: NewRequest) -> None:
+        """Queue it for the scheduler; its events are awaited (and it is sent again after a
+        lost subscription) until its queue closes."""
+        self._open[request.request_id] = request
+        await self._xadd(request)
+
+    def close(self, request_ids: Iterable[str]) -> bool:
+        """Close the queues; a request sent again may have a copy still running that its
+        finished (or abandoned) first copy did not stop: it is aborted (True)."""
+        request_ids = list(request_ids)
+        super().close(request_ids)
+        aborted = False
+        for request_id in request_ids:
+            if self._open.pop(request_id, None) is not None and request_id in self._resubmitted:
+                self._resubmitted.discard(request_id)
+                self.abort_soon(request_id)
+                aborted = True
+        return aborted
+
+    async def _xadd(self, request: NewRequest) -> None:
         await self._client.xadd(self.keys.requests, {STREAM_FIELD: stream_encoder.encode(request)})
+
+    async def _xadd_retrying(self, request: NewRequest, deadline: float) -> None:
+        """XADD, tried again until `deadline` (monotonic): right after Redis came back, the
+        pool's connections to the old server fail once each."""
+        delay = _RESUBSCRIBE_DELAY_S
+        while True:
+            try:
+                return await self._xadd(request)
+            except (RedisError, OSError):
+                if time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _RESUBSCRIBE_MAX_DELAY_S)
 
     async def abort(self, request_id: str) -> None:
         await self._client.xadd(self.keys.requests,
@@ -155,7 +222,11 @@ class RedisBackend(EventQueues):
     def abort_soon(self, request_id: str) -> None:
         """Abort from code that cannot await (a cancelled stream's cleanup): the XADD runs as
         its own task, outside the cancelled scope."""
-        task = asyncio.get_running_loop().create_task(self._abort_logged(request_id))
+        self._in_background(self._abort_logged(request_id))
+
+    def _in_background(self, coroutine) -> None:
+        """Run a coroutine as its own task, kept until done (`stop` waits for them)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

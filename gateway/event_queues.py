@@ -26,9 +26,12 @@ class EventQueues:
             self._queues[request_id] = queue
         return queue
 
-    def close(self, request_ids: Iterable[str]) -> None:
+    def close(self, request_ids: Iterable[str]) -> bool:
+        """Stop taking events for these ids; whether the backend aborted the request itself
+        (here never: its owner aborts what still runs)."""
         for request_id in request_ids:
             self._queues.pop(request_id, None)
+        return False
 
     def deliver(self, events: Iterable[TokenEvent]) -> None:
         """On the event loop's thread."""
@@ -37,10 +40,7 @@ class EventQueues:
             if queue is not None:  # else: finished or aborted here already; late events drop
                 queue.put_nowait(event)
 
-    def fail_open(self, error: str) -> list[str]:
-        """End every open request with an abort event saying why (its events may have been
-        lost: the client gets a 503 with `error`, a retry may succeed); the ids whose queues
-        were open."""
-        ids = list(self._queues)
-        self.deliver([TokenEvent(rid, index=0, finish_reason="abort", error=error) for rid in ids])
-        return ids
+    def fail(self, request_ids: Iterable[str], error: str) -> None:
+        """End these requests (their own ids, not their sequences') with an abort event
+        saying why: the client gets a 503 with `error`; a retry may succeed."""
+        self.deliver([TokenEvent(rid, index=0, finish_reason="abort", error=error) for rid in request_ids])

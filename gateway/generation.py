@@ -8,7 +8,8 @@
         generation.close()                                # aborts what did not finish
 
 Token events are deduplicated by `index` (a request re-routed after a worker died resumes at
-the right index, possibly repeating tokens we have), detokenized incrementally, and cut at
+the right index, possibly repeating tokens we have; one sent again after a lost subscription
+starts over, and events past the gap are dropped until it gets there), detokenized incrementally, and cut at
 stop strings; a stop-string hit sends an AbortRequest for its sequence so the scheduler frees
 its blocks. Failures reach the caller as `OpenAIError`s.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -31,6 +33,11 @@ from proto.messages import Logprobs, NewRequest, TokenEvent
 from proto.parallel import sequence_ids
 
 logger = logging.getLogger(__name__)
+
+# How long a choice may see only events past a gap (the tokens before it lost) before the
+# request fails: the gateway sends such a request again within ~10 s (gateway/backend.py),
+# and every event of the new copy, even one repeating tokens we have, restarts the clock.
+GAP_GRACE_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -119,17 +126,27 @@ class Generation:
     def close(self) -> None:
         """Release the event queue; abort at the scheduler whatever of the request still
         runs (client gone, timeout, an error, or the caller stopped iterating)."""
-        self._backend.close(self._event_ids)
+        aborted = self._backend.close(self._event_ids)  # a copy sent again is aborted there
         running = [c for c in self._choices.values() if not c.finished]
-        if self._submitted and running:
+        if self._submitted and running and not aborted:
             for choice in running:
                 choice.finished = True
             self._backend.abort_soon(self.request_id)
 
     async def _next_event(self, queue: asyncio.Queue[TokenEvent]) -> TokenEvent:
+        """The next event, within the request timeout; while a choice waits for tokens lost
+        in a gap, within what is left of its grace (then a 503: they are not coming)."""
+        gaps = [c.gap_since for c in self._choices.values() if c.gap_since is not None]
+        left = GAP_GRACE_S - (time.monotonic() - min(gaps)) if gaps else None
+        if left is not None and left <= 0:
+            raise OpenAIError(503, f"Token events of this request were lost and did not come again "
+                                   f"within {GAP_GRACE_S:g}s; the request was aborted, retry it.",
+                              code="aborted")
         try:
-            return await asyncio.wait_for(queue.get(), self._timeout_s)
+            return await asyncio.wait_for(queue.get(), self._timeout_s if left is None else min(left, self._timeout_s))
         except TimeoutError:
+            if left is not None and left < self._timeout_s:
+                return await self._next_event(queue)  # raises the 503 above
             raise OpenAIError(504, f"No tokens arrived for {self._timeout_s:g}s; the request was "
                                    "aborted.", code="timeout") from None
 
@@ -171,11 +188,22 @@ class _Choice:
         self._text_length = 0  # characters the detokenizer produced so far
         self._prompt_logprobs = prompt_logprobs
         self._sent_prompt_logprobs = False
+        self.gap_since: float | None = None  # since when events past a gap arrive, none before it
 
     def apply(self, event: TokenEvent) -> GenerationOutput | None:
         if event.finish_reason in ("error", "abort"):
             self.finished = True  # the scheduler has already dropped it
             _raise_failure(event)
+        if event.index > self._detokenizer.num_tokens:
+            # The tokens before it were lost (a dropped subscription): the gateway sent the
+            # request again, and the new copy sends them, in order, from the start. Until
+            # its events come (any event at or before what we have), the gap's grace runs.
+            if self.gap_since is None:
+                self.gap_since = time.monotonic()
+                logger.warning("request %s: tokens from %d on were lost; waiting for them again",
+                               self.request_id, self._detokenizer.num_tokens)
+            return None
+        self.gap_since = None
         pieces: list[str] = []
         taken: list[int] = []
         offsets: list[int] = []
@@ -216,11 +244,7 @@ class _Choice:
     def _new_tokens(self, event: TokenEvent) -> tuple[list[int], list[Logprobs] | None]:
         """The event's tokens we do not have yet, and their logprobs. Events of one sequence
         arrive in order, but after a re-route the new worker may resend positions we have."""
-        have = self._detokenizer.num_tokens
-        if event.index > have:
-            logger.warning("request %s: tokens %d..%d never arrived; continuing at %d",
-                           self.request_id, have, event.index - 1, event.index)
-        skip = max(0, have - event.index)
+        skip = self._detokenizer.num_tokens - event.index  # >= 0: `apply` drops gaps
         wanted = self._sampling.logprobs is not None
         logprobs = list(event.logprobs or [])[skip:] if wanted else None
         return event.token_ids[skip:], logprobs

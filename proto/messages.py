@@ -58,6 +58,11 @@ class NewRequest(msgspec.Struct, frozen=True, tag="new"):
     # i = 0..n-1 (never request_id itself); sequence i samples with seed + i when a seed
     # is set. Aborting request_id aborts them all.
     n: int = 1
+    # Sent again by its gateway after token events may have been lost (its subscription
+    # dropped, e.g. a Redis restart): the scheduler starts the request over from its prompt,
+    # replacing a copy it still runs. (seed, position) sampling and `request_seed` make the
+    # new copy produce the tokens the client already has; the gateway drops those by index.
+    resubmitted: bool = False
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

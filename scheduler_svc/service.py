@@ -171,6 +171,7 @@ class SchedulerService:
                 failing = True
                 continue
             failing = False
+            await self._claim_orphans()
 
     async def _try_acquire(self) -> bool:
         try:
@@ -215,6 +216,27 @@ class SchedulerService:
             start = next_start
         if claimed:
             log.info("claimed %d pending request(s)", claimed)
+
+    async def _claim_orphans(self) -> None:
+        """Entries another scheduler read but never acknowledged, idle for two lease periods,
+        become ours (XPENDING with IDLE, then XCLAIM): a leader that lost its lease (it stops
+        when it notices, and may have read entries meanwhile -- e.g. requests a gateway sent
+        again right after a Redis restart) or that died after this one took over."""
+        min_idle_ms = int(2 * self.lease.ttl_s * 1000)
+        try:
+            pending = await self.redis.xpending_range(self.keys.requests, SCHEDULER_GROUP, min="-", max="+",
+                                                      count=self.config.read_batch, idle=min_idle_ms)
+            ids = [p["message_id"] for p in pending if _text(p["consumer"]) != self.config.consumer_name]
+            if not ids:
+                return
+            entries = await self.redis.xclaim(self.keys.requests, SCHEDULER_GROUP, self.config.consumer_name,
+                                              min_idle_time=min_idle_ms, message_ids=ids)
+        except (aioredis.RedisError, OSError) as exc:  # the stream or group gone: _read_requests remakes them
+            log.debug("no orphaned requests claimed: %s", exc)
+            return
+        log.warning("claimed %d request(s) another scheduler read and left", len(entries))
+        for entry_id, fields in entries:
+            await self._handle_entry(entry_id, fields)
 
     def health(self) -> tuple[bool, dict]:
         """GET /health on the metrics port (called from its thread): healthy while the
@@ -331,8 +353,14 @@ class SchedulerService:
         if isinstance(message, AbortRequest):
             await self._ack(entry_id)
             await self._abort(message.request_id)
-        elif message.request_id in self.ledger.entries:  # delivered again while in flight
-            pass
+        elif message.request_id in self.ledger.entries:
+            if message.resubmitted:  # its gateway lost events: start it over, here or anywhere
+                await self._abort(message.request_id)  # acknowledges the old entry
+                self.ledger.open(message.request_id, entry_id)
+                await self._route(message)
+            elif entry_id != self.ledger.entries[message.request_id]:
+                await self._ack(entry_id)  # its resubmitted copy came first: this one is done
+            # else the same entry, delivered again while in flight
         elif self.ledger.take_early_abort(message.request_id):
             await self._ack(entry_id)
         else:
@@ -358,9 +386,9 @@ class SchedulerService:
         if parent_id is not None:
             self.ledger.close(request_id)
             if gone:  # else already finished (the finish did this) or not forked yet
-                await self._maybe_finish_parent(parent_id)
+                await self._ack_all(self._close_parent_if_done(parent_id))
         elif request_id in self.ledger.entries:
-            await self._finish(request_id)
+            await self._ack_all(self._close(request_id))
         else:
             self.ledger.remember_early_abort(request_id)
 
@@ -376,10 +404,9 @@ class SchedulerService:
         add = handle.scheduler.add_request if isinstance(item, NewRequest) else handle.scheduler.add_state
         error = add(item)
         if error is not None:  # it can never fit on that worker: tell the client, drop it
+            done = self._close(item.request_id, item.parent_id if isinstance(item, SchedulerRequest) else None)
             await self._publish(item.reply_channel, error)
-            await self._finish(item.request_id)
-            if isinstance(item, SchedulerRequest) and item.parent_id is not None:
-                await self._maybe_finish_parent(item.parent_id)
+            await self._ack_all(done)
             return
         self.ledger.assign(item.request_id, handle)
         handle.wake.set()
@@ -406,18 +433,16 @@ class SchedulerService:
     async def _give_up(self, state: SchedulerRequest, losses: int) -> None:
         event = TokenEvent(state.request_id, index=state.num_output_tokens, finish_reason="error",
                            error=f"request lost its worker {losses} times; giving up")
+        done = self._close(state.request_id, state.parent_id)
         await self._publish(state.reply_channel, event)
-        await self._finish(state.request_id)
-        if state.parent_id is not None:
-            await self._maybe_finish_parent(state.parent_id)
+        await self._ack_all(done)
 
     # ---- requests out ----------------------------------------------------------------
 
-    async def _finished(self, state: SchedulerRequest) -> None:
-        """A worker finished the request (its step loop's update)."""
-        await self._finish(state.request_id)
-        if state.parent_id is not None:
-            await self._maybe_finish_parent(state.parent_id)
+    async def _finished(self, states: list[SchedulerRequest]) -> None:
+        """A worker finished these requests (its step loop's update, in step order)."""
+        done = [entry_id for state in states for entry_id in self._close(state.request_id, state.parent_id)]
+        await self._ack_all(done)
 
     async def _publish(self, channel: str, event: TokenEvent) -> None:
         """An error event for a client; with Redis out of reach it is lost (logged), and the
@@ -427,17 +452,28 @@ class SchedulerService:
         except (aioredis.RedisError, OSError) as exc:
             log.warning("could not tell %s: %s", event.request_id, exc)
 
-    async def _finish(self, request_id: str) -> None:
+    def _close(self, request_id: str, parent_id: str | None = None) -> list[bytes]:
+        """Take a done request out of the ledger, and its parent (n > 1) when that was its
+        last child; the stream entries to acknowledge. Synchronous, and done before any
+        await: a resubmitted copy of the request routed meanwhile (`_handle_entry`) must
+        never be closed for it."""
         entry_id = self.ledger.close(request_id)
-        if entry_id is not None:
-            await self._ack(entry_id)
+        done = [] if entry_id is None else [entry_id]
+        if parent_id is not None:
+            done += self._close_parent_if_done(parent_id)
+        return done
 
-    async def _maybe_finish_parent(self, parent_id: str) -> None:
+    def _close_parent_if_done(self, parent_id: str) -> list[bytes]:
         """n > 1: the stream entry is the parent's, done with its last child (on a worker,
         parked or in transit)."""
         if (parent_id in self.ledger.entries and not self.pool.has_children(parent_id)
                 and not self.ledger.has_unrouted_children(parent_id)):
-            await self._finish(parent_id)
+            return self._close(parent_id)
+        return []
+
+    async def _ack_all(self, entry_ids: list[bytes]) -> None:
+        for entry_id in entry_ids:
+            await self._ack(entry_id)
 
     async def _ack(self, entry_id: bytes) -> None:
         """Acknowledge and delete: a finished request's entry is of no further use. With
@@ -453,3 +489,7 @@ class SchedulerService:
             if len(batch) == 1:  # once per outage
                 log.warning("could not acknowledge finished requests (%s); retrying with the next", exc)
             self._unacked = batch + self._unacked
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

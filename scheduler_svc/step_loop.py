@@ -38,7 +38,7 @@ log = logging.getLogger("pagedserve.scheduler")
 class StepLoop:
     def __init__(self, handle: WorkerHandle, redis: aioredis.Redis, keys: RedisKeys,
                  metrics: SchedulerMetrics, step_timeout_s: float, stats_interval_s: float,
-                 on_finished: Callable[[SchedulerRequest], Awaitable[None]], fencing_token: int = 0) -> None:
+                 on_finished: Callable[[list[SchedulerRequest]], Awaitable[None]], fencing_token: int = 0) -> None:
         """`fencing_token`: the leader lease's token, stamped on every step (0: not fenced)."""
         self._handle = handle
         self._redis = redis
@@ -107,8 +107,8 @@ class StepLoop:
             handle.retire(f"bad StepResult: {exc}")
             return False
         handle.recorder.stepped(scheduler, step, result, finished)
-        for state in finished:
-            await self._on_finished(state)
+        if finished:
+            await self._on_finished(finished)  # all at once: their ledger entries close before any await
         if time.monotonic() - self._stats_at >= self._stats_interval_s:
             await self._write_stats(check=False)  # under load too, about once a second
         return True

@@ -1,6 +1,7 @@
 """bench/chaos.py, short: every fault once under a small mixed load against a real local
 stack. Nothing is lost, nothing hangs, greedy and seeded outputs equal the fault-free
-run's; the only errors are clear ones (a message) of requests caught by a Redis fault."""
+run's; the only errors are clear ones (a message) of requests that met a stopped or just
+restarted Redis."""
 
 import pytest
 
@@ -18,6 +19,11 @@ def test_every_fault_once(tiny_model_dir, tmp_path):
         assert row.counts["lost"] == row.counts["hung"] == row.differs == 0, row
         assert row.counts["completed"] + row.counts["error"] == row.sent, row
         if row.fault in ("restart-redis", "redis-outage"):
-            assert all("Redis" in m or "unreachable" in m for m in row.messages), row
+            # Only requests that met the stopped Redis (their XADD, or admission), or that
+            # arrived before the stack had registered again in the restarted one (a readiness
+            # 503 saying "retry later"); those open across the restart are sent again and
+            # complete, so none is reported lost.
+            assert all(("Redis" in m or "unreachable" in m or "retry later" in m) and "were lost" not in m
+                       for m in row.messages), row
         else:
             assert row.counts["error"] == 0, row

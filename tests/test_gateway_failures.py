@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgspec
 import pytest
+import redis
 
 from gateway.tokenizer import PromptTokenizer
-from gateway_helpers import MODEL, FakeWorker, gateway_client, make_config, register_worker
+from gateway_helpers import MODEL, FakeWorker, gateway_client, make_config, register_worker, token_events
 from proto.messages import AbortRequest, NewRequest, TokenEvent
 
 pytestmark = pytest.mark.anyio
@@ -121,19 +123,112 @@ async def test_responses_bad_requests(config, body, param):
     assert response.json()["error"]["param"] == param
 
 
-async def test_requests_open_across_a_lost_subscription_end_with_503_and_the_reason(config, tokenizer):
-    """The gateway ends what was open while its reply channel was down (events may have been
-    lost): a 503 that says so, so a client may retry."""
+def kill_subscriptions(redis_url: str) -> None:
+    """Drop every pub/sub connection (the gateway's reply channel): it resubscribes."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.client_kill_filter(_type="pubsub") >= 1
+    finally:
+        client.close()
+
+
+async def test_a_request_open_across_a_lost_subscription_is_sent_again_and_completes(config, tokenizer):
+    """Events published while the gateway's subscription was down are lost: it sends the
+    request again (`resubmitted`); the new copy starts over, the tokens the client has are
+    dropped by index, an old copy's event past the gap is dropped, and the text comes out
+    whole, once. The finished request's new copy is aborted."""
+    ids = tokenizer.encode_text(" one two three four five six", False)
+
+    def script(request: NewRequest) -> list[list[TokenEvent]]:
+        rid = request.request_id
+        if not request.resubmitted:
+            return [[TokenEvent(rid, 0, ids[:2])]]  # then silence: the rest is "lost"
+        return [[TokenEvent(rid, 4, ids[4:5])],  # the old copy's, past the gap
+                *[[TokenEvent(rid, i, ids[i:i + 1], finish_reason="length" if i == len(ids) - 1 else None)]
+                  for i in range(len(ids))]]
+
+    async with FakeWorker(config, script) as worker:
+        async with gateway_client(config) as client:
+            answer = asyncio.create_task(client.post("/v1/completions", json={
+                "model": MODEL, "prompt": "Hello", "max_tokens": len(ids), "stream": True}))
+            while not any(isinstance(m, NewRequest) for m in worker.messages):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # the first two tokens are in
+            kill_subscriptions(config.redis_url)
+            response = await asyncio.wait_for(answer, 10)
+            aborts = await worker.wait_for(AbortRequest)
+    assert response.status_code == 200, response.text
+    chunks = sse_data(response.text)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == tokenizer.decode(ids)
+    first, again = [m for m in worker.messages if isinstance(m, NewRequest)]
+    assert (first.resubmitted, again.resubmitted) == (False, True)
+    assert again == msgspec.structs.replace(first, resubmitted=True)
+    assert [a.request_id for a in aborts] == [first.request_id]
+
+
+async def test_a_request_that_cannot_be_sent_again_ends_with_503_and_the_reason(qwen_dir, redis_url, tokenizer):
+    """Redis takes no writes when the gateway resubscribes (CLIENT PAUSE, longer than the
+    gateway tries to send it again): the request ends with a 503 that says why."""
+    config = make_config(qwen_dir, redis_url, request_timeout_s=60.0)
+    register_worker(config, max_model_len=1024)
     script = failing_after(tokenizer, " some text", fail=lambda request: False)  # runs on
     async with FakeWorker(config, script) as worker:
         async with gateway_client(config) as client:
-            backend = client.app.state.backend
             answer = asyncio.create_task(client.post("/v1/completions", json={
                 "model": MODEL, "prompt": "Hello", "max_tokens": 50}))
             while not any(isinstance(m, NewRequest) for m in worker.messages):
                 await asyncio.sleep(0.01)
-            assert backend.fail_open("token events were lost; retry it")
-            response = await answer
+            pauser = redis.Redis.from_url(config.redis_url)
+            pauser.client_pause(12_000, all=False)  # writes only, past the gateway's 10 s of retries
+            try:
+                kill_subscriptions(config.redis_url)
+                response = await asyncio.wait_for(answer, 30)
+            finally:
+                pauser.client_unpause()
+                pauser.close()
     assert response.status_code == 503, response.text
     error = response.json()["error"]
-    assert (error["message"], error["code"]) == ("token events were lost; retry it", "aborted")
+    assert error["code"] == "aborted"
+    assert "could not be sent again" in error["message"], error
+
+
+async def test_a_gap_nothing_fills_ends_with_503_after_its_grace(config, tokenizer, monkeypatch):
+    """Events past a gap are dropped while the tokens before it may still come (a request
+    sent again starts over); when only such events come for the grace period, the request
+    fails with a 503 that says so -- never a text with tokens skipped."""
+    import gateway.generation
+
+    monkeypatch.setattr(gateway.generation, "GAP_GRACE_S", 1.0)
+    ids = tokenizer.encode_text(" one two three four five six", False)
+
+    def script(request: NewRequest) -> list[list[TokenEvent]]:
+        rid = request.request_id
+        return [[TokenEvent(rid, 0, ids[:2])], [TokenEvent(rid, 4, ids[4:5])]]  # 2..3 never come
+
+    async with FakeWorker(config, script) as worker:
+        async with gateway_client(config) as client:
+            response = await client.post("/v1/completions", json={
+                "model": MODEL, "prompt": "Hello", "max_tokens": len(ids)})
+        aborts = await worker.wait_for(AbortRequest)
+    assert response.status_code == 503, response.text
+    assert "did not come again" in response.json()["error"]["message"]
+    assert [a.request_id for a in aborts] == [m.request_id for m in worker.messages if isinstance(m, NewRequest)]
+
+
+async def test_pooled_connections_broken_by_a_redis_restart_are_replaced(config, tokenizer):
+    """Every connection the gateway holds is cut (as a Redis restart does): the next request
+    is queued on a fresh connection, not refused with 'The request queue is unreachable'."""
+    ids = tokenizer.encode_text(" fine", False)
+    script = lambda request: token_events(request.request_id, ids)  # noqa: E731
+    async with gateway_client(config) as client:
+        async with FakeWorker(config, script):
+            first = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+        assert first.status_code == 200, first.text
+        killer = redis.Redis.from_url(config.redis_url)
+        try:
+            assert killer.client_kill_filter(_type="normal", skipme=True) >= 1
+        finally:
+            killer.close()
+        async with FakeWorker(config, script):
+            again = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert again.status_code == 200, again.text

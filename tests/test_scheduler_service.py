@@ -86,6 +86,66 @@ def test_restart_reads_its_history_then_new_requests(redis_url):
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 
 
+def test_a_resubmitted_request_replaces_its_copy_and_a_new_one_is_served(redis_url):
+    """A gateway that lost events sends its open requests again (`resubmitted`): one still
+    held is started over (its old entry acknowledged, one copy left); one this scheduler
+    does not have (a Redis restart took the stream) is taken as new; an original that comes
+    after its resubmitted copy is acknowledged and dropped."""
+    import msgspec
+
+    async def main():
+        async with fresh_prefix(redis_url) as (keys, client):
+            config = SchedulerServiceConfig(redis_url=redis_url, key_prefix=keys.prefix,
+                                            consumer_name="scheduler-resubmit-test")
+            async with running(config) as service:  # no workers: requests wait in unassigned
+                first = new_request("a")
+                await xadd(client, keys, first)
+                await wait_for(lambda: unassigned_ids(service) == {"a"}, "the request")
+                old_entry = service.ledger.entries["a"]
+                await xadd(client, keys, msgspec.structs.replace(first, resubmitted=True))
+                await xadd(client, keys, msgspec.structs.replace(new_request("b"), resubmitted=True))
+                await wait_for(lambda: unassigned_ids(service) == {"a", "b"}, "the resubmitted requests")
+                await wait_for(lambda: service.ledger.entries["a"] != old_entry, "the replacement")
+                copies = [item for item in service.ledger.unassigned if item.request_id == "a"]
+                assert len(copies) == 1 and copies[0].resubmitted
+                # The resubmitted copy may overtake its original (sent while the first XADD
+                # was in flight): the original is then acknowledged, not left pending.
+                late = new_request("c")
+                await xadd(client, keys, msgspec.structs.replace(late, resubmitted=True))
+                await xadd(client, keys, late)
+                await wait_for(lambda: unassigned_ids(service) == {"a", "b", "c"}, "c")
+                await asyncio.sleep(0.3)  # the original of c is read and acknowledged
+                assert len(service.ledger.unassigned) == 3
+            pending = await client.xpending(keys.requests, "schedulers")
+            assert pending["pending"] == 3  # the new "a", "b" and the first "c"; the others are acknowledged
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_the_leader_claims_requests_another_scheduler_read_and_left(redis_url):
+    """A scheduler that lost its lease may have read entries before it noticed (or died
+    after the new leader took over): the leader claims them once idle for two lease periods."""
+    async def main():
+        async with fresh_prefix(redis_url) as (keys, client):
+            config = SchedulerServiceConfig(redis_url=redis_url, key_prefix=keys.prefix,
+                                            consumer_name="scheduler-leader", lease_ttl_s=0.5)
+            async with running(config) as service:
+                await wait_for(lambda: service.lease.token > 0, "the lease")
+                await asyncio.sleep(0.3)  # the leader has made the group and reads it
+                # Read by a scheduler that then went away, never acknowledged: added and read
+                # in one transaction, so the leader cannot read it first.
+                pipe = client.pipeline(transaction=True)
+                pipe.xadd(keys.requests, {STREAM_FIELD: stream_encoder.encode(new_request("orphan"))})
+                pipe.xreadgroup("schedulers", "scheduler-gone", {keys.requests: ">"}, count=10)
+                _, read = await pipe.execute()
+                assert len(read[0][1]) == 1
+                await wait_for(lambda: unassigned_ids(service) == {"orphan"}, "the claim", timeout=10)
+            pending = await client.xpending_range(keys.requests, "schedulers", "-", "+", 10)
+            assert [p["consumer"] for p in pending] == [b"scheduler-leader"]
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
 def _park_children(service: SchedulerService, parent_id: str, n: int) -> list:
     """As after a worker loss with no live worker left: the forked parent is gone, its
     children wait one by one (returned, for the caller to park or put in transit)."""
