@@ -74,16 +74,17 @@ def run_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_http(app, args: argparse.Namespace) -> None:
+def _serve_http(app, args: argparse.Namespace, drain_timeout_s: float) -> None:
     """The OpenAI API under uvicorn, on uvloop with the httptools parser (the gateway and
     the engine alike), as `uvicorn[standard]` would pick: less CPU per streamed token than
     asyncio's loop and h11 (5-12% of the gateway's on the serving benchmark:
     docs/performance.md, "The gateway's event loop"), CPU the model needs where both share a
-    machine."""
+    machine. On SIGTERM uvicorn stops listening and lets open requests and streams finish for
+    up to `drain_timeout_s`."""
     import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=5, loop="uvloop", http="httptools")
+                timeout_graceful_shutdown=drain_timeout_s, loop="uvloop", http="httptools")
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -92,15 +93,17 @@ def run_engine(args: argparse.Namespace) -> int:
     from gateway.app import create_app
 
     engine = EngineConfig(runner=_runner_config(args), batching=_batching_config(args))
-    app = create_app(config_from_args(args), backend_factory=lambda: InProcessBackend(engine))
-    _serve_http(app, args)
+    config = config_from_args(args)
+    app = create_app(config, backend_factory=lambda: InProcessBackend(engine))
+    _serve_http(app, args, config.drain_timeout_s)
     return 0
 
 
 def run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import create_app
 
-    _serve_http(create_app(config_from_args(args)), args)
+    config = config_from_args(args)
+    _serve_http(create_app(config), args, config.drain_timeout_s)
     return 0
 
 

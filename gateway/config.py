@@ -36,6 +36,9 @@ class GatewayConfig:
     # a gap between events, not a total, so long generations are fine as long as they move.
     request_timeout_s: float = 600.0
     worker_cache_ttl_s: float = 1.0  # how long the list of live workers is reused
+    # SIGTERM: stop taking connections, let open requests and streams finish for at most this
+    # long, then close what is left.
+    drain_timeout_s: float = 30.0
     # Tool calls (gateway/tools.py): the parser of the model's call format, by vLLM's name,
     # and whether an absent or "auto" tool_choice lets the model decide.
     tool_call_parser: str | None = None
@@ -68,6 +71,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--default-max-tokens": ("default_max_tokens", int, "max_tokens of /v1/completions when absent"),
     "--request-timeout-s": ("request_timeout_s", float, "longest wait for the next token event"),
     "--worker-cache-ttl-s": ("worker_cache_ttl_s", float, "seconds the live-worker list is cached"),
+    "--drain-timeout": ("drain_timeout_s", float, "on SIGTERM, seconds to let open requests and "
+                                                  "streams finish (no new connections) before closing them"),
     "--tool-call-parser": ("tool_call_parser", str, "how the model writes tool calls: "
                                                     + ", ".join(TOOL_PARSER_NAMES)),
 }
@@ -95,8 +100,9 @@ def add_cli_args(flags: EnvFlags) -> None:
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """GatewayConfig from parsed args; fields the namespace lacks keep their defaults."""
-    values = {field: getattr(args, field) for field, _, _ in _FLAGS.values()
-              if getattr(args, field, None) is not None}
+    dests = {field: flag.removeprefix("--").replace("-", "_") for flag, (field, _, _) in _FLAGS.items()}
+    values = {field: getattr(args, dest) for field, dest in dests.items()
+              if getattr(args, dest, None) is not None}
     keys = tuple(getattr(args, "api_key", None) or ())
     values["api_keys"] = tuple(dict.fromkeys(k for k in keys if k))  # no duplicates, order kept
     values["protect_metrics"] = bool(getattr(args, "protect_metrics", False))

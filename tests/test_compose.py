@@ -78,6 +78,15 @@ def test_every_long_running_service_has_a_healthcheck_and_restarts(config):
     assert config["services"]["grafana"]["profiles"] == ["monitoring"]
 
 
+@pytest.mark.parametrize("service", ["worker", "gateway"])
+def test_containers_get_longer_than_their_drain_to_stop(config, service, monkeypatch):
+    """Docker SIGKILLs a container stop_grace_period after SIGTERM (10 s when unset): it
+    must outlast the service's --drain-timeout, or the drain is cut."""
+    grace = config["services"][service]["stop_grace_period"]
+    assert grace.endswith("s") and grace[:-1].isdigit(), grace
+    assert int(grace[:-1]) > _args(config, service, monkeypatch).drain_timeout + 5
+
+
 def _args(config: dict, service: str, monkeypatch):
     """The service's command as our CLI parses it, in the container's environment."""
     spec = config["services"][service]

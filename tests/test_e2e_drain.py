@@ -1,5 +1,6 @@
 """SIGTERM drains: a worker stops taking requests and finishes those it runs (a lone
-worker too: nothing is parked); a gateway finishes its open streams before it exits."""
+worker too: nothing is parked); a gateway finishes its open streams before it exits, for
+at most its --drain-timeout."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ pytestmark = pytest.mark.e2e
 MAX_TOKENS = 300
 
 
-async def _stream(client, model: str, started: asyncio.Event) -> tuple[int, str | None]:
+async def _stream(client, model: str, started: asyncio.Event, max_tokens: int) -> tuple[int, str | None]:
     """(tokens, finish reason) of one streamed completion."""
-    chunks = await client.completions.create(model=model, prompt="once upon", max_tokens=MAX_TOKENS,
+    chunks = await client.completions.create(model=model, prompt="once upon", max_tokens=max_tokens,
                                              temperature=0.8, seed=1, stream=True,
                                              extra_body={"ignore_eos": True, "return_token_ids": True})
     count, reason = 0, None
@@ -32,19 +33,21 @@ async def _stream(client, model: str, started: asyncio.Event) -> tuple[int, str 
     return count, reason
 
 
-def _under_sigterm(stack, name: str, during) -> tuple[list, int | None]:
+def _under_sigterm(stack, name: str, during, max_tokens: int = MAX_TOKENS) -> tuple[list, int | None]:
     """Start 3 streams, SIGTERM `name` once tokens flow, run `during(client)` while it
-    drains; the streams' results and what `during` returned."""
+    drains; the streams' results (an exception for a stream that broke) and what `during`
+    returned."""
 
     async def main():
         async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
                                       timeout=120) as client:
             started = asyncio.Event()
-            tasks = [asyncio.create_task(_stream(client, stack.served_model_name, started)) for _ in range(3)]
+            tasks = [asyncio.create_task(_stream(client, stack.served_model_name, started, max_tokens))
+                     for _ in range(3)]
             await started.wait()
             stack.procs[name].send_signal(signal.SIGTERM)
             extra = await during(client)
-            return await asyncio.gather(*tasks), extra
+            return await asyncio.gather(*tasks, return_exceptions=True), extra
 
     return asyncio.run(main())
 
@@ -77,3 +80,26 @@ def test_a_gateway_finishes_its_open_streams_on_sigterm(tiny_model_dir, redis_ur
         while stack.procs["gateway"].poll() is None:
             assert time.monotonic() < deadline, "the gateway did not exit after its streams"
             time.sleep(0.1)
+
+
+def test_a_gateway_cuts_what_is_open_at_its_drain_timeout(tiny_model_dir, redis_url, tmp_path_factory):
+    """--drain-timeout bounds the wait: streams still open when it is up are cut (no finish
+    reason) and the gateway exits. The worker is stopped meanwhile (SIGSTOP, well within its
+    registration TTL) so the streams cannot finish first."""
+    with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run"),
+                       gateway_args=("--drain-timeout", "0.5")) as stack:
+        async def exit_time(client):
+            worker = stack.procs["worker-0"]
+            worker.send_signal(signal.SIGSTOP)
+            start = time.monotonic()
+            try:
+                while stack.procs["gateway"].poll() is None:
+                    assert time.monotonic() - start < 20, "the gateway did not exit"
+                    await asyncio.sleep(0.05)
+                return time.monotonic() - start
+            finally:
+                worker.send_signal(signal.SIGCONT)
+
+        results, took = _under_sigterm(stack, "gateway", exit_time)
+        assert not any(r == (MAX_TOKENS, "length") for r in results), (results, took)
+        assert took < 10, took

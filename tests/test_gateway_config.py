@@ -21,10 +21,11 @@ def test_cli_args_env_and_defaults(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_REQUEST_TIMEOUT_S", "7.5")
     # The command's own --redis-url comes first; the gateway's is skipped, not clashing with it.
     parser = gateway_parser(("--redis-url", "redis://elsewhere:6379/0"))
-    args = parser.parse_args(["--model", "/models/small/", "--port", "9000", "--api-key", "k"])
+    args = parser.parse_args(["--model", "/models/small/", "--port", "9000", "--api-key", "k",
+                              "--drain-timeout", "2.5"])
     config = config_from_args(args)
     assert config == GatewayConfig(model="/models/small/", port=9000, api_keys=("k",), request_timeout_s=7.5,
-                                   redis_url="redis://elsewhere:6379/0")
+                                   redis_url="redis://elsewhere:6379/0", drain_timeout_s=2.5)
     assert config.model_name == "small"
     assert GatewayConfig(model="/m/x", served_model_name="y").model_name == "y"
 

@@ -94,3 +94,13 @@ def test_services_reach_redis_by_its_service_name():
     for kind, name in [("Deployment", "worker"), ("StatefulSet", "scheduler"), ("Deployment", "gateway")]:
         env = {e["name"]: e.get("value") for e in _container(found[(kind, name)])["env"]}
         assert env["PAGEDSERVE_REDIS_URL"] == f"redis://redis:{redis_port}/0"
+
+
+@pytest.mark.parametrize("name", ["worker", "gateway"])
+def test_pods_get_longer_than_their_drain_to_stop(name, monkeypatch):
+    """Kubernetes SIGKILLs a pod terminationGracePeriodSeconds after SIGTERM (30 s when
+    unset): it must outlast the service's --drain-timeout, or the drain is cut."""
+    deployment = by_kind_and_name()[("Deployment", name)]
+    args = _args(_container(deployment), monkeypatch)
+    drain = args.drain_timeout
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain + 5
