@@ -224,9 +224,14 @@ class SchedulerService:
         again right after a Redis restart) or that died after this one took over."""
         min_idle_ms = int(2 * self.lease.ttl_s * 1000)
         try:
-            pending = await self.redis.xpending_range(self.keys.requests, SCHEDULER_GROUP, min="-", max="+",
-                                                      count=self.config.read_batch, idle=min_idle_ms)
-            ids = [p["message_id"] for p in pending if _text(p["consumer"]) != self.config.consumer_name]
+            ids, start = [], "-"
+            while True:  # page by page: this scheduler's own long-running entries come back too
+                pending = await self.redis.xpending_range(self.keys.requests, SCHEDULER_GROUP, min=start,
+                                                          max="+", count=self.config.read_batch, idle=min_idle_ms)
+                ids += [p["message_id"] for p in pending if _text(p["consumer"]) != self.config.consumer_name]
+                if len(pending) < self.config.read_batch:
+                    break
+                start = "(" + _text(pending[-1]["message_id"])  # exclusive: after the last one
             if not ids:
                 return
             entries = await self.redis.xclaim(self.keys.requests, SCHEDULER_GROUP, self.config.consumer_name,
