@@ -1,17 +1,19 @@
 """The scheduler service: the Redis and gRPC shell around one BatchScheduler per worker.
 
-It wires three parts, each owning its state:
+It wires four parts, each owning its state:
   * `WorkerPool` (scheduler_svc/worker_pool.py) -- the workers: discovery in the registry,
     joining (a WorkerHandle with its own BatchScheduler), retiring, evacuation;
   * `RequestLedger` (scheduler_svc/ledger.py) -- where every request is: on a worker,
     parked until one joins, or in transit; its stream entry; its children (n > 1);
   * `StepLoop` (scheduler_svc/step_loop.py), one per worker -- schedule() -> Steps
-    (gRPC) -> update(), stats; its worker evacuated and its requests re-routed when it ends.
-and runs two tasks of its own on the same asyncio loop:
-  * `_read_requests` -- XREADGROUP on the requests stream; routes a NewRequest to a worker
-    (prefix-aware: `scheduler_svc.routing`) and an AbortRequest to wherever the request is;
-  * `_discover_workers` -- refreshes the pool; a worker that joins gets its step loop and
-    the parked requests.
+    (gRPC) -> update(), stats; its worker evacuated and its requests re-routed when it ends;
+  * `RequestStream` (scheduler_svc/request_stream.py) -- the requests stream as this
+    consumer sees it: reading, claiming, acknowledging.
+and, while it leads, runs two tasks on the same asyncio loop: the stream's read, whose
+messages `_handle_entry` routes (a NewRequest to a worker, prefix-aware:
+`scheduler_svc.routing`; an AbortRequest to wherever the request is), and
+`_discover_workers`, which refreshes the pool (a worker that joins gets its step loop and
+the parked requests).
 """
 
 from __future__ import annotations
@@ -22,13 +24,12 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from proto import worker_pb2
-from proto.keys import SCHEDULER_GROUP, STREAM_FIELD, RedisKeys
-from proto.messages import AbortRequest, NewRequest, TokenEvent, stream_decoder, stream_encoder
+from proto.keys import RedisKeys
+from proto.messages import AbortRequest, NewRequest, TokenEvent, stream_encoder
 from proto.parallel import parent_request_id
 from proto.registry import WorkerRegistry
 from scheduler_svc.config import SchedulerConfig
@@ -37,13 +38,14 @@ from scheduler_svc.leader import LeaderLease
 from scheduler_svc.ledger import RequestLedger, Unrouted
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import SchedulerRequest
+from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.routing import pick_worker
 from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("pagedserve.scheduler")
 
-_RETRY_S = 0.25  # first wait before reading the stream again after a Redis error
+_RETRY_S = 0.25  # first wait before taking over again after a Redis error
 _MAX_RETRY_S = 5.0
 
 
@@ -101,9 +103,10 @@ class SchedulerService:
                                    interval_s=config.heartbeat_interval_s, ttl_s=config.heartbeat_ttl_s,
                                    max_waiting_requests=config.max_waiting_requests, load=self.load)
         self.lease = LeaderLease(self.redis, self.keys, config.consumer_name, config.lease_ttl_s)
+        self.stream = RequestStream(self.redis, self.keys, config.consumer_name, config.read_batch,
+                                    self._handle_entry)
         self._tasks: list[asyncio.Task] = []  # the heartbeat; the leader's read and discovery loops
         self._stopping = False
-        self._unacked: list[bytes] = []  # finished entries Redis has not acknowledged yet
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -112,7 +115,7 @@ class SchedulerService:
         standby meanwhile), then drive the workers (`_lead`). Raises LeaseLost when another
         scheduler took the lease (restart as a standby), or what crashed a loop."""
         stop = stop or asyncio.Event()
-        await self._create_group()
+        await self.stream.create_group()
         metrics_server = self.metrics.serve(self.config.metrics_host, self.config.metrics_port, self.health)
         self._tasks = [asyncio.create_task(self.heartbeat.run(), name="heartbeat")]
         leading = asyncio.create_task(self._lead(), name="lead")
@@ -153,7 +156,7 @@ class SchedulerService:
         log.info("scheduler %s leads (fencing token %d), reading %s", self.config.consumer_name,
                  self.lease.token, self.keys.requests)
         await self._take_over()
-        loops = [asyncio.create_task(self._read_requests(), name="read-requests"),
+        loops = [asyncio.create_task(self.stream.read(lambda: self._stopping), name="read-requests"),
                  asyncio.create_task(self._discover_workers(), name="discover-workers")]
         self._tasks.extend(loops)
         failing = False
@@ -171,7 +174,10 @@ class SchedulerService:
                 failing = True
                 continue
             failing = False
-            await self._claim_orphans()
+            # Entries another scheduler read and left, idle for two lease periods: a leader
+            # that lost its lease may read some before it notices (e.g. requests a gateway
+            # sent again right after a Redis restart that also moved the lead).
+            await self.stream.claim_orphans(int(2 * self.lease.ttl_s * 1000))
 
     async def _try_acquire(self) -> bool:
         try:
@@ -187,61 +193,22 @@ class SchedulerService:
         delay = _RETRY_S
         while True:
             try:
-                await self._claim_pending()
+                # Every pending request becomes ours (a dead leader's too), served again from
+                # its prompt; with (seed, position) sampling and `request_seed` it comes out
+                # as the client already has it, and its gateway drops the indices it has.
+                claimed = await self.stream.claim_pending()
+                if claimed:
+                    log.info("claimed %d pending request(s)", claimed)
                 await self._refresh_workers()
                 return
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
-                await self._create_group()
+                await self.stream.create_group()
             except (aioredis.RedisError, OSError) as exc:
                 log.warning("taking over failed (%s); retrying", exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _MAX_RETRY_S)
-
-    async def _claim_pending(self) -> None:
-        """Every pending entry of the group becomes ours (XAUTOCLAIM): a dead leader's
-        requests are served again, from their prompts; with (seed, position) sampling and
-        `request_seed` they come out as the client already has them, and its gateway drops
-        the indices it has."""
-        start: bytes | str = "0-0"
-        claimed = 0
-        while True:
-            next_start, entries, *_ = await self.redis.xautoclaim(
-                self.keys.requests, SCHEDULER_GROUP, self.config.consumer_name, min_idle_time=0,
-                start_id=start, count=self.config.read_batch)
-            claimed += len(entries)
-            if next_start in (b"0-0", "0-0"):
-                break
-            start = next_start
-        if claimed:
-            log.info("claimed %d pending request(s)", claimed)
-
-    async def _claim_orphans(self) -> None:
-        """Entries another scheduler read but never acknowledged, idle for two lease periods,
-        become ours (XPENDING with IDLE, then XCLAIM): a leader that lost its lease (it stops
-        when it notices, and may have read entries meanwhile -- e.g. requests a gateway sent
-        again right after a Redis restart) or that died after this one took over."""
-        min_idle_ms = int(2 * self.lease.ttl_s * 1000)
-        try:
-            ids, start = [], "-"
-            while True:  # page by page: this scheduler's own long-running entries come back too
-                pending = await self.redis.xpending_range(self.keys.requests, SCHEDULER_GROUP, min=start,
-                                                          max="+", count=self.config.read_batch, idle=min_idle_ms)
-                ids += [p["message_id"] for p in pending if _text(p["consumer"]) != self.config.consumer_name]
-                if len(pending) < self.config.read_batch:
-                    break
-                start = "(" + _text(pending[-1]["message_id"])  # exclusive: after the last one
-            if not ids:
-                return
-            entries = await self.redis.xclaim(self.keys.requests, SCHEDULER_GROUP, self.config.consumer_name,
-                                              min_idle_time=min_idle_ms, message_ids=ids)
-        except (aioredis.RedisError, OSError) as exc:  # the stream or group gone: _read_requests remakes them
-            log.debug("no orphaned requests claimed: %s", exc)
-            return
-        log.warning("claimed %d request(s) another scheduler read and left", len(entries))
-        for entry_id, fields in entries:
-            await self._handle_entry(entry_id, fields)
 
     def health(self) -> tuple[bool, dict]:
         """GET /health on the metrics port (called from its thread): healthy while the
@@ -302,61 +269,10 @@ class SchedulerService:
 
     # ---- requests in -----------------------------------------------------------------
 
-    async def _read_requests(self) -> None:
-        # First our own pending entries (delivered before a restart), then new ones. A
-        # history read returns the pending entries after `stream_id`, acked or not, so it
-        # moves past each batch; an empty history read means the history is done.
-        # Redis out of reach: retried with a backoff, never the end of the scheduler; a
-        # Redis that came back empty (no persistence) gets the stream and group again.
-        stream_id: str | bytes = "0"
-        history = True
-        delay = _RETRY_S
-        while not self._stopping:
-            try:
-                reply = await self.redis.xreadgroup(
-                    SCHEDULER_GROUP, self.config.consumer_name, {self.keys.requests: stream_id},
-                    count=self.config.read_batch, block=None if history else 1000)
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                log.warning("the requests stream or its group is gone (Redis restarted empty?); "
-                            "creating them again")
-                await self._create_group()
-                continue
-            except (aioredis.RedisError, OSError) as exc:
-                if delay == _RETRY_S:  # once per outage
-                    log.warning("reading %s failed (%s); retrying", self.keys.requests, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _MAX_RETRY_S)
-                continue
-            if delay != _RETRY_S:
-                log.info("reading %s again", self.keys.requests)
-                delay = _RETRY_S
-            entries = reply[0][1] if reply else []
-            if history:
-                if not entries:
-                    history, stream_id = False, ">"
-                    continue
-                stream_id = entries[-1][0]
-            for entry_id, fields in entries:
-                await self._handle_entry(entry_id, fields)
-
-    async def _create_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.keys.requests, SCHEDULER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
-    async def _handle_entry(self, entry_id: bytes, fields: dict) -> None:
-        try:
-            message = stream_decoder.decode(fields[STREAM_FIELD])
-        except (KeyError, TypeError, msgspec.DecodeError) as exc:  # TypeError: deleted, still pending
-            log.error("dropping malformed stream entry %s: %s", entry_id, exc)
-            await self._ack(entry_id)
-            return
+    async def _handle_entry(self, entry_id: bytes, message: NewRequest | AbortRequest) -> None:
+        """A message read from the stream (or claimed)."""
         if isinstance(message, AbortRequest):
-            await self._ack(entry_id)
+            await self.stream.ack([entry_id])
             await self._abort(message.request_id)
         elif message.request_id in self.ledger.entries:
             if message.resubmitted:  # its gateway lost events: start it over, here or anywhere
@@ -364,10 +280,10 @@ class SchedulerService:
                 self.ledger.open(message.request_id, entry_id)
                 await self._route(message)
             elif entry_id != self.ledger.entries[message.request_id]:
-                await self._ack(entry_id)  # its resubmitted copy came first: this one is done
+                await self.stream.ack([entry_id])  # its resubmitted copy came first: this one is done
             # else the same entry, delivered again while in flight
         elif self.ledger.take_early_abort(message.request_id):
-            await self._ack(entry_id)
+            await self.stream.ack([entry_id])
         else:
             self.ledger.open(message.request_id, entry_id)
             await self._route(message)
@@ -391,9 +307,9 @@ class SchedulerService:
         if parent_id is not None:
             self.ledger.close(request_id)
             if gone:  # else already finished (the finish did this) or not forked yet
-                await self._ack_all(self._close_parent_if_done(parent_id))
+                await self.stream.ack(self._close_parent_if_done(parent_id))
         elif request_id in self.ledger.entries:
-            await self._ack_all(self._close(request_id))
+            await self.stream.ack(self._close(request_id))
         else:
             self.ledger.remember_early_abort(request_id)
 
@@ -411,7 +327,7 @@ class SchedulerService:
         if error is not None:  # it can never fit on that worker: tell the client, drop it
             done = self._close(item.request_id, item.parent_id if isinstance(item, SchedulerRequest) else None)
             await self._publish(item.reply_channel, error)
-            await self._ack_all(done)
+            await self.stream.ack(done)
             return
         self.ledger.assign(item.request_id, handle)
         handle.wake.set()
@@ -440,14 +356,14 @@ class SchedulerService:
                            error=f"request lost its worker {losses} times; giving up")
         done = self._close(state.request_id, state.parent_id)
         await self._publish(state.reply_channel, event)
-        await self._ack_all(done)
+        await self.stream.ack(done)
 
     # ---- requests out ----------------------------------------------------------------
 
     async def _finished(self, states: list[SchedulerRequest]) -> None:
         """A worker finished these requests (its step loop's update, in step order)."""
         done = [entry_id for state in states for entry_id in self._close(state.request_id, state.parent_id)]
-        await self._ack_all(done)
+        await self.stream.ack(done)
 
     async def _publish(self, channel: str, event: TokenEvent) -> None:
         """An error event for a client; with Redis out of reach it is lost (logged), and the
@@ -475,26 +391,3 @@ class SchedulerService:
                 and not self.ledger.has_unrouted_children(parent_id)):
             return self._close(parent_id)
         return []
-
-    async def _ack_all(self, entry_ids: list[bytes]) -> None:
-        for entry_id in entry_ids:
-            await self._ack(entry_id)
-
-    async def _ack(self, entry_id: bytes) -> None:
-        """Acknowledge and delete: a finished request's entry is of no further use. With
-        Redis out of reach the entry is kept and acknowledged with the next one (a Redis
-        error never stops a step loop, so it never retires a healthy worker)."""
-        batch, self._unacked = [*self._unacked, entry_id], []
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(self.keys.requests, SCHEDULER_GROUP, *batch)
-        pipe.xdel(self.keys.requests, *batch)
-        try:
-            await pipe.execute()
-        except (aioredis.RedisError, OSError) as exc:
-            if len(batch) == 1:  # once per outage
-                log.warning("could not acknowledge finished requests (%s); retrying with the next", exc)
-            self._unacked = batch + self._unacked
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
