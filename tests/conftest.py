@@ -60,6 +60,12 @@ def _redis_container():
     return True
 
 
+@pytest.fixture
+def anyio_backend():
+    """Every anyio test runs on asyncio (the services' loop), not trio too."""
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A real Redis: REDIS_URL if set, else a `redis:7` container where the engine has that

@@ -4,6 +4,7 @@ fake worker loop that answers NewRequests with scripted TokenEvents."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +24,13 @@ from proto.messages import (NewRequest, SchedulerHeartbeat, StreamMessage, Token
                             WorkerRegistration, stream_decoder)
 
 MODEL = "tiny"
+
+
+def sse_events(text: str) -> list:
+    """The JSON events of an SSE body, which must end in `data: [DONE]`."""
+    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
 
 
 def make_config(model_dir, redis_url: str, **overrides) -> GatewayConfig:

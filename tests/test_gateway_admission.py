@@ -15,11 +15,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
 def config(tiny_model_dir, redis_url):
     return make_config(tiny_model_dir, redis_url, request_timeout_s=10.0)  # a regression fails, not hangs
 

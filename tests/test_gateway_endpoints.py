@@ -16,11 +16,6 @@ from proto.env_flags import EnvFlags
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir) -> PromptTokenizer:
     return PromptTokenizer(tiny_model_dir)

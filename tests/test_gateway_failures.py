@@ -20,11 +20,6 @@ pytestmark = pytest.mark.anyio
 USER = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def qwen_dir(family_model_dir):
     return family_model_dir("qwen2")  # its template lists tools

@@ -5,8 +5,6 @@ timeouts and client disconnects."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 
 import httpx
 import pytest
@@ -14,15 +12,10 @@ from openai import AsyncOpenAI
 
 from gateway.tokenizer import PromptTokenizer
 from gateway_helpers import (MODEL, FakeWorker, gateway_client, make_config, register_worker, served,
-                             token_events)
+                             sse_events, token_events)
 from proto.messages import AbortRequest, NewRequest, TokenEvent
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +32,6 @@ def config(tiny_model_dir, redis_url):
 
 def im_end(tokenizer: PromptTokenizer) -> int:
     return tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
-
-
-def sse_events(text: str) -> list:
-    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
 
 
 async def test_completion(config, tokenizer):

@@ -5,23 +5,17 @@ logprobs, echo and n come back (shapes, bytes, streamed = non-streamed)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 
 import pytest
 
 from gateway.token_text import _unicode_to_byte
 from gateway.tokenizer import PromptTokenizer
-from gateway_helpers import MODEL, FakeWorker, gateway_client, make_config, register_worker
+from gateway_helpers import MODEL, FakeWorker, gateway_client, make_config, register_worker, sse_events
 from proto.messages import AbortRequest, Logprobs, NewRequest, TokenEvent
 from proto.parallel import child_request_id, child_seed
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +28,6 @@ def config(tiny_model_dir, redis_url):
     config = make_config(tiny_model_dir, redis_url, request_timeout_s=5.0)
     register_worker(config, max_model_len=256)
     return config
-
-
-def sse_events(text: str) -> list:
-    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
 
 
 def scripted(ids: list[int], *, logprobs: bool = False, prompt_logprobs: bool = False):

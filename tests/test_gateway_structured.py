@@ -16,11 +16,6 @@ USER_HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
 def config(tiny_model_dir, redis_url):
     config = make_config(tiny_model_dir, redis_url, request_timeout_s=5.0)
     register_worker(config, max_model_len=256)

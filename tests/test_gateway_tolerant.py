@@ -13,16 +13,12 @@ import openai
 import pytest
 
 from gateway.tokenizer import PromptTokenizer
-from gateway_helpers import MODEL, FakeWorker, gateway_client, make_config, register_worker, served, token_events
+from gateway_helpers import (MODEL, FakeWorker, gateway_client, make_config, register_worker, served,
+                             sse_events, token_events)
 from proto.messages import NewRequest
 from proto.parallel import sequence_ids
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +31,6 @@ def config(tiny_model_dir, redis_url):
     config = make_config(tiny_model_dir, redis_url, request_timeout_s=5.0)
     register_worker(config, max_model_len=256)
     return config
-
-
-def sse_events(text: str) -> list:
-    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
 
 
 def echo_prompt_length(request: NewRequest) -> list:

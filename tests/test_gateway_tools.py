@@ -11,7 +11,8 @@ import json
 import pytest
 
 from gateway.tokenizer import PromptTokenizer
-from gateway_helpers import MODEL, FakeWorker, gateway_client, make_config, register_worker, token_events
+from gateway_helpers import (MODEL, FakeWorker, gateway_client, make_config, register_worker, sse_events,
+                             token_events)
 from proto.messages import NewRequest
 
 pytestmark = pytest.mark.anyio
@@ -23,11 +24,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 HERMES_ANSWER = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
                  '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +45,6 @@ def config_for(qwen_dir, redis_url, **overrides):
 def answering(tokenizer: PromptTokenizer, text: str):
     ids = tokenizer.encode_text(text, False)
     return lambda request: token_events(request.request_id, ids, "stop", per_event=3)
-
-
-def sse_events(text: str) -> list:
-    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
 
 
 async def test_auto_calls_parsed_whole_and_streamed(qwen_dir, redis_url, tokenizer):

@@ -18,11 +18,6 @@ GENERATION = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, 
 
 
 @pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
 def model_with_defaults(tiny_model_dir, tmp_path):
     """The tiny checkpoint with sampling defaults in its generation_config.json."""
     folder = shutil.copytree(tiny_model_dir, tmp_path / "with-defaults")
