@@ -29,6 +29,31 @@ def test_rows_are_quantized_symmetrically_per_output_channel():
     assert bool((err <= scale[:, None] / 2 + 1e-6).all())  # at most half a step, per row
 
 
+def test_amx_int8_prefers_onednn_and_other_cpus_the_x86_engine():
+    engines = torch.backends.quantized.supported_engines
+    if "onednn" not in engines or "x86" not in engines:
+        pytest.skip(f"torch's quantized engines here: {engines}")
+    assert quantized_engine(amx_int8=True) == "onednn"
+    assert quantized_engine(amx_int8=False) == "x86"
+
+
+@pytest.mark.parametrize("engine", ["x86", "onednn"])
+def test_each_quantized_engine_computes_the_same_linear(engine):
+    if engine not in torch.backends.quantized.supported_engines:
+        pytest.skip(f"torch has no {engine!r} quantized engine here")
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        torch.manual_seed(0)
+        linear = nn.Linear(96, 40, bias=True)
+        x = torch.randn(7, 96)
+        got = Int8Linear(linear, dynamic=True)(x)
+    finally:
+        torch.backends.quantized.engine = previous
+    expected = F.linear(x, linear.weight, linear.bias)
+    assert ((got - expected).abs().max() / expected.abs().max()) < 0.05
+
+
 @pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "dequant"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_int8_linear_is_close_to_the_linear_it_replaces(dynamic, dtype):
@@ -75,7 +100,7 @@ def test_weight_only_int8_is_closer(family_model_dir, monkeypatch):
     weights."""
     import worker_svc.model.int8_linear as int8_linear
 
-    monkeypatch.setattr(int8_linear, "quantized_engine", lambda: None)
+    monkeypatch.setattr(int8_linear, "quantized_engine", lambda amx_int8=False: None)
     runner, diff, agree = quality(family_model_dir("qwen2"))
     assert not runner.model.model.layers[0].mlp.down_proj.dynamic
     assert diff.mean() <= WEIGHT_ONLY_MEAN_DIFF and agree >= 0.9, (diff.mean(), agree)
