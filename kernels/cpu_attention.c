@@ -9,6 +9,15 @@
 
 #include "cpu_attention.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* 16 bf16 values as 16 floats. */
+static inline __m512 widen16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = ((uint32_t)h) << 16;
     float x;
@@ -28,32 +37,78 @@ static inline float load(const void *p, int64_t i, int bf16) {
 static inline void store(void *p, int64_t i, float x, int bf16) {
     if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(x); else ((float *)p)[i] = x;
 }
-/* The K or V vectors of kv heads [h0, h0 + n) of one token, as floats. */
-static inline const float *token_row(const void *cache, int64_t base, int64_t n, float *buf,
-                                     int bf16) {
-    if (!bf16) return (const float *)cache + base;
-    const uint16_t *src = (const uint16_t *)cache + base;
-    for (int64_t d = 0; d < n; d++) buf[d] = bf16_to_f32(src[d]);
-    return buf;
+/* dot(q, the n cache elements at `off`), and a += p * (the n cache elements at `off`), in
+   fp32 (a bf16 is widened by a shift). Where the compiler targets AVX-512 and n is a multiple
+   of 16, written with its intrinsics: GCC's own vectorized loop ends each dot product with
+   its vector's lanes added one by one through memory, and with 256-bit vectors; these two
+   took a decode layer of the `small` preset at batch 64 (context 320) from 1.71 to 1.23 ms in
+   bf16, 1.62 to 1.37 ms in fp32, on a 2-core Xeon. Elsewhere the portable loops. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+ALWAYS_INLINE float dot_row(const float *q, const void *cache, int64_t off, int64_t n, int bf16) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        if (bf16) {
+            const uint16_t *k = (const uint16_t *)cache + off;
+            for (int64_t d = 0; d < n; d += 16) {
+                const __m512 kd = widen16(k + d);
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), kd, acc);
+            }
+        } else {
+            const float *k = (const float *)cache + off;
+            for (int64_t d = 0; d < n; d += 16)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+        }
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float dot = 0.0f;
+    if (bf16) {
+        const uint16_t *k = (const uint16_t *)cache + off;
+        #pragma omp simd reduction(+:dot)
+        for (int64_t d = 0; d < n; d++) dot += q[d] * bf16_to_f32(k[d]);
+    } else {
+        const float *k = (const float *)cache + off;
+        #pragma omp simd reduction(+:dot)
+        for (int64_t d = 0; d < n; d++) dot += q[d] * k[d];
+    }
+    return dot;
+}
+ALWAYS_INLINE void axpy_row(float *a, float p, const void *cache, int64_t off, int64_t n, int bf16) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        const __m512 pv = _mm512_set1_ps(p);
+        if (bf16) {
+            const uint16_t *v = (const uint16_t *)cache + off;
+            for (int64_t d = 0; d < n; d += 16) {
+                _mm512_storeu_ps(a + d, _mm512_fmadd_ps(pv, widen16(v + d), _mm512_loadu_ps(a + d)));
+            }
+        } else {
+            const float *v = (const float *)cache + off;
+            for (int64_t d = 0; d < n; d += 16)
+                _mm512_storeu_ps(a + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + d), _mm512_loadu_ps(a + d)));
+        }
+        return;
+    }
+#endif
+    if (bf16) {
+        const uint16_t *v = (const uint16_t *)cache + off;
+        #pragma omp simd
+        for (int64_t d = 0; d < n; d++) a[d] += p * bf16_to_f32(v[d]);
+    } else {
+        const float *v = (const float *)cache + off;
+        #pragma omp simd
+        for (int64_t d = 0; d < n; d++) a[d] += p * v[d];
+    }
 }
 
-/* Element offset of kv head h0 of token l in a [blocks, block_size, kv_heads, head_dim] cache. */
-static inline int64_t slot_offset(const int32_t *table, int64_t l, int64_t block_size,
-                                  int64_t slot_stride, int64_t h0, int64_t head_dim) {
-    return ((int64_t)table[l / block_size] * block_size + l % block_size) * slot_stride
-           + h0 * head_dim;
-}
-
-/* Ask for the K or V vectors of token l + PREFETCH_DISTANCE early: rows of one block are
-   contiguous, but blocks are scattered, so the hardware prefetcher stalls at every block. */
-#define PREFETCH_DISTANCE 16 /* tokens: one block at block size 16 */
-static inline void prefetch_row(const void *cache, const int32_t *table, int64_t l, int64_t end,
-                                int64_t block_size, int64_t slot_stride, int64_t h0,
-                                int64_t head_dim, int64_t width, int64_t elem) {
-    if (l >= end) return;
-    const char *p = (const char *)cache
-                    + slot_offset(table, l, block_size, slot_stride, h0, head_dim) * elem;
-    for (int64_t b = 0; b < width * elem; b += 64) __builtin_prefetch(p + b, 0, 3);
+/* Ask for the `bytes` at element `off` of `cache` early: rows of one block are contiguous,
+   but blocks are scattered, so the hardware prefetcher stalls at every block. The passes
+   below fetch each token's row of the next block while they read the same row of this one:
+   one block ahead. */
+static inline void prefetch(const void *cache, int64_t off, int64_t elem, int64_t bytes) {
+    const char *p = (const char *)cache + off * elem;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
 /* Work item w: request reqs[w / splits], kv heads [h0, h0 + heads) with heads =
@@ -82,9 +137,8 @@ int paged_attention(const struct paged_attention_args *args) {
         float *qv = malloc(sizeof(float) * max_vecs * head_dim);
         float *acc = malloc(sizeof(float) * max_vecs * head_dim);
         float *s = malloc(sizeof(float) * max_scores * heads * group);
-        float *buf = malloc(sizeof(float) * width);
         int64_t *koff = malloc(sizeof(int64_t) * max_vecs), *pos = malloc(sizeof(int64_t) * max_vecs);
-        if (!qv || !acc || !s || !buf || !koff || !pos) {
+        if (!qv || !acc || !s || !koff || !pos) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -113,42 +167,52 @@ int paged_attention(const struct paged_attention_args *args) {
                     koff[i] = (i % per_row) / group * head_dim;  /* its kv head in the row */
                     pos[i] = ctx0 + i / per_row;                  /* its position */
                 }
-                for (int64_t l = lo; l < seq_len; l++) {
-                    const int64_t base = slot_offset(table, l, block_size, slot_stride, h0, head_dim);
-                    prefetch_row(k_cache, table, l + PREFETCH_DISTANCE, seq_len, block_size,
-                                 slot_stride, h0, head_dim, width, elem);
-                    const float *k = token_row(k_cache, base, width, buf, bf16);
-                    float *sl = s + (l - lo);
-                    for (int64_t i = 0; i < nv; i++) {
-                        const float *q = qv + i * head_dim, *kh = k + koff[i];
-                        float dot = 0.0f;
-                        #pragma omp simd reduction(+:dot)
-                        for (int64_t d = 0; d < head_dim; d++) dot += q[d] * kh[d];
-                        if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot / soft_cap);
-                        const int visible = l <= pos[i] && (window <= 0 || l > pos[i] - window);
-                        sl[i * span] = visible ? dot : -INFINITY;
+                /* The context block by block: one table read per block, no division per token. */
+                const int64_t first_block = lo / block_size;
+                const int64_t end_block = (seq_len + block_size - 1) / block_size;
+                for (int64_t b = first_block; b < end_block; b++) {
+                    const int64_t start = b * block_size, l0 = start > lo ? start : lo;
+                    const int64_t l1 = start + block_size < seq_len ? start + block_size : seq_len;
+                    const int64_t blk = (int64_t)table[b] * block_size * slot_stride + h0 * head_dim;
+                    const int64_t next = b + 1 < end_block
+                        ? (int64_t)table[b + 1] * block_size * slot_stride + h0 * head_dim : -1;
+                    for (int64_t l = l0; l < l1; l++) {
+                        const int64_t base = blk + (l - start) * slot_stride;
+                        if (next >= 0)
+                            prefetch(k_cache, next + (l - start) * slot_stride, elem, width * elem);
+                        float *sl = s + (l - lo);
+                        for (int64_t i = 0; i < nv; i++) {
+                            float dot = dot_row(qv + i * head_dim, k_cache, base + koff[i], head_dim, bf16);
+                            if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot / soft_cap);
+                            const int visible = l <= pos[i] && (window <= 0 || l > pos[i] - window);
+                            sl[i * span] = visible ? dot : -INFINITY;
+                        }
                     }
                 }
                 for (int64_t i = 0; i < nv; i++) {
                     float *si = s + i * span, m = -INFINITY, sum = 0.0f;
+                    #pragma omp simd reduction(max:m)
                     for (int64_t l = 0; l < span; l++) m = si[l] > m ? si[l] : m;
                     for (int64_t l = 0; l < span; l++) { si[l] = expf(si[l] - m); sum += si[l]; }
                     const float inv = 1.0f / sum;
                     for (int64_t l = 0; l < span; l++) si[l] *= inv;
                 }
-                for (int64_t l = lo; l < seq_len; l++) {
-                    const int64_t base = slot_offset(table, l, block_size, slot_stride, h0, head_dim);
-                    prefetch_row(v_cache, table, l + PREFETCH_DISTANCE, seq_len, block_size,
-                                 slot_stride, h0, head_dim, width, elem);
-                    const float *v = token_row(v_cache, base, width, buf, bf16);
-                    const float *sl = s + (l - lo);
-                    for (int64_t i = 0; i < nv; i++) {
-                        const float p = sl[i * span];
-                        if (p == 0.0f) continue;
-                        float *a = acc + i * head_dim;
-                        const float *vh = v + koff[i];
-                        #pragma omp simd
-                        for (int64_t d = 0; d < head_dim; d++) a[d] += p * vh[d];
+                for (int64_t b = first_block; b < end_block; b++) {
+                    const int64_t start = b * block_size, l0 = start > lo ? start : lo;
+                    const int64_t l1 = start + block_size < seq_len ? start + block_size : seq_len;
+                    const int64_t blk = (int64_t)table[b] * block_size * slot_stride + h0 * head_dim;
+                    const int64_t next = b + 1 < end_block
+                        ? (int64_t)table[b + 1] * block_size * slot_stride + h0 * head_dim : -1;
+                    for (int64_t l = l0; l < l1; l++) {
+                        const int64_t base = blk + (l - start) * slot_stride;
+                        if (next >= 0)
+                            prefetch(v_cache, next + (l - start) * slot_stride, elem, width * elem);
+                        const float *sl = s + (l - lo);
+                        for (int64_t i = 0; i < nv; i++) {
+                            const float p = sl[i * span];
+                            if (p != 0.0f)
+                                axpy_row(acc + i * head_dim, p, v_cache, base + koff[i], head_dim, bf16);
+                        }
                     }
                 }
                 for (int64_t i = 0; i < nv; i++) {
@@ -159,7 +223,7 @@ int paged_attention(const struct paged_attention_args *args) {
                 }
             }
         }
-        free(qv); free(acc); free(s); free(buf); free(koff); free(pos);
+        free(qv); free(acc); free(s); free(koff); free(pos);
     }
     return failed ? -1 : 0;
 }

@@ -72,7 +72,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pagedserve")
 
 
-def compile_library(compiler: str | None = None, source: Path = SOURCE, header: Path = HEADER) -> Path:
+def compile_library(compiler: str | None = None, source: Path = SOURCE, header: Path = HEADER,
+                    extra_flags: tuple[str, ...] = ()) -> Path:
     """The kernel and its cffi binding as one Python extension module, for this source,
     declaration, flags, interpreter and CPU: built once (atomically: several workers may
     start at the same time), then reused. The binding is generated from `header` and
@@ -83,7 +84,8 @@ def compile_library(compiler: str | None = None, source: Path = SOURCE, header: 
         raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC, or install gcc)")
     declaration, kernel = header.read_text(), source.read_text()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    key = hashlib.sha256("\0".join([kernel, declaration, compiler, *_FLAGS, cffi.__version__, suffix,
+    flags = (*_FLAGS, *extra_flags)  # extra_flags: e.g. -mno-avx512f, to test the portable loops
+    key = hashlib.sha256("\0".join([kernel, declaration, compiler, *flags, cffi.__version__, suffix,
                                     platform.machine(), cpu_features().flags_line]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_attention-{key}{suffix}"
     if target.exists():
@@ -99,7 +101,7 @@ def compile_library(compiler: str | None = None, source: Path = SOURCE, header: 
         with contextlib.redirect_stdout(io.StringIO()):  # cffi prints the file's name
             ffi.emit_c_code(str(binding))
         built = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *_FLAGS, f"-I{sysconfig.get_paths()['include']}", f"-I{tmp}",
+        proc = subprocess.run([compiler, *flags, f"-I{sysconfig.get_paths()['include']}", f"-I{tmp}",
                                str(binding), str(Path(tmp) / source.name), "-o", str(built), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode != 0:

@@ -1,6 +1,8 @@
 """The cpu backend's C kernel (kernels/cpu_attention.py) against the plain-torch reference:
 fresh random inputs per case, mixed batches, outputs poisoned with NaN before each call."""
 
+import platform
+
 import pytest
 import torch
 
@@ -18,9 +20,18 @@ CASES = {**MIXES,
          "many_decodes": [(s, 1) for s in range(1, 120, 7)]}
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    return cpu_attention.CpuKernels()
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernels(request):
+    """The kernel as the worker builds it (-march=native: AVX-512 intrinsics where the CPU has
+    them), and built without AVX-512, so that the portable loops are tested on this CPU too."""
+    if request.param == "native":
+        return cpu_attention.CpuKernels()
+    if not X86:
+        pytest.skip("the portable build is the native one on this CPU")
+    return cpu_attention.CpuKernels(cpu_attention.compile_library(extra_flags=("-mno-avx512f",)))
 
 
 def _run(kernels, case, scale, dtype=torch.float32, **options):
@@ -40,6 +51,19 @@ def test_matches_reference(kernels, name, block_size, heads):
                          num_kv_heads=heads[1], head_dim=64, share_first_block=share)
         out, ref = _run(kernels, case, 64 ** -0.5)
         torch.testing.assert_close(out, ref, **FP32)
+
+
+@pytest.mark.parametrize("head_dim", [40, 72, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dims_with_and_without_a_whole_vector(kernels, head_dim, dtype):
+    """head_dim a multiple of 16 (the AVX-512 loops) or not (the portable ones on any build)."""
+    case = make_case(11, CASES["mixed"], block_size=16, num_heads=8, num_kv_heads=2,
+                     head_dim=head_dim, dtype=dtype)
+    out, ref = _run(kernels, case, head_dim ** -0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, **FP32)
+    else:
+        assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()) < 2e-2
 
 
 @pytest.mark.parametrize("sliding_window,soft_cap", [(8, None), (None, 5.0), (20, 3.0), (1, None)])
