@@ -28,6 +28,14 @@ def test_greedy_is_argmax():
     assert torch.equal(out, logits.argmax(-1))
 
 
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
+    logits = torch.randn(4, 100, generator=gen(0))
+    for row, ties in enumerate([(3, 40), (0, 99), (57, 58, 59), (12,)]):
+        logits[row, list(ties)] = 10.0
+    out = sample(logits, batch_of([Params(temperature=0.0)] * 4), gen(1))
+    assert out.tolist() == [3, 0, 57, 12]
+
+
 def test_top_k_one_is_greedy_and_greedy_rows_stay_greedy_in_mixed_batches():
     logits = torch.randn(6, 100, generator=gen(2))
     params = [Params(temperature=1.3, top_k=1), Params(temperature=0.0),
