@@ -111,6 +111,23 @@ static inline void prefetch(const void *cache, int64_t off, int64_t elem, int64_
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
+/* Block b of a request's context as both passes walk it: its tokens [l0, l1) (cut by the
+   window's first token lo and by seq_len) lie at element base + (l - start) * slot_stride;
+   next is block b + 1's base, for the prefetch, or -1 after the last block. */
+struct block_walk { int64_t start, l0, l1, base, next; };
+static inline struct block_walk walk_block(const int32_t *table, int64_t b, int64_t end_block,
+                                           int64_t lo, int64_t seq_len, int64_t block_size,
+                                           int64_t slot_stride, int64_t head_off) {
+    const int64_t start = b * block_size;
+    return (struct block_walk){
+        .start = start,
+        .l0 = start > lo ? start : lo,
+        .l1 = start + block_size < seq_len ? start + block_size : seq_len,
+        .base = (int64_t)table[b] * block_size * slot_stride + head_off,
+        .next = b + 1 < end_block ? (int64_t)table[b + 1] * block_size * slot_stride + head_off : -1,
+    };
+}
+
 /* Work item w: request reqs[w / splits], kv heads [h0, h0 + heads) with heads =
    num_kv_heads / splits. */
 int paged_attention(const struct paged_attention_args *args) {
@@ -171,15 +188,12 @@ int paged_attention(const struct paged_attention_args *args) {
                 const int64_t first_block = lo / block_size;
                 const int64_t end_block = (seq_len + block_size - 1) / block_size;
                 for (int64_t b = first_block; b < end_block; b++) {
-                    const int64_t start = b * block_size, l0 = start > lo ? start : lo;
-                    const int64_t l1 = start + block_size < seq_len ? start + block_size : seq_len;
-                    const int64_t blk = (int64_t)table[b] * block_size * slot_stride + h0 * head_dim;
-                    const int64_t next = b + 1 < end_block
-                        ? (int64_t)table[b + 1] * block_size * slot_stride + h0 * head_dim : -1;
-                    for (int64_t l = l0; l < l1; l++) {
-                        const int64_t base = blk + (l - start) * slot_stride;
-                        if (next >= 0)
-                            prefetch(k_cache, next + (l - start) * slot_stride, elem, width * elem);
+                    const struct block_walk blk = walk_block(table, b, end_block, lo, seq_len,
+                                                             block_size, slot_stride, h0 * head_dim);
+                    for (int64_t l = blk.l0; l < blk.l1; l++) {
+                        const int64_t base = blk.base + (l - blk.start) * slot_stride;
+                        if (blk.next >= 0)
+                            prefetch(k_cache, blk.next + (l - blk.start) * slot_stride, elem, width * elem);
                         float *sl = s + (l - lo);
                         for (int64_t i = 0; i < nv; i++) {
                             float dot = dot_row(qv + i * head_dim, k_cache, base + koff[i], head_dim, bf16);
@@ -198,15 +212,12 @@ int paged_attention(const struct paged_attention_args *args) {
                     for (int64_t l = 0; l < span; l++) si[l] *= inv;
                 }
                 for (int64_t b = first_block; b < end_block; b++) {
-                    const int64_t start = b * block_size, l0 = start > lo ? start : lo;
-                    const int64_t l1 = start + block_size < seq_len ? start + block_size : seq_len;
-                    const int64_t blk = (int64_t)table[b] * block_size * slot_stride + h0 * head_dim;
-                    const int64_t next = b + 1 < end_block
-                        ? (int64_t)table[b + 1] * block_size * slot_stride + h0 * head_dim : -1;
-                    for (int64_t l = l0; l < l1; l++) {
-                        const int64_t base = blk + (l - start) * slot_stride;
-                        if (next >= 0)
-                            prefetch(v_cache, next + (l - start) * slot_stride, elem, width * elem);
+                    const struct block_walk blk = walk_block(table, b, end_block, lo, seq_len,
+                                                             block_size, slot_stride, h0 * head_dim);
+                    for (int64_t l = blk.l0; l < blk.l1; l++) {
+                        const int64_t base = blk.base + (l - blk.start) * slot_stride;
+                        if (blk.next >= 0)
+                            prefetch(v_cache, blk.next + (l - blk.start) * slot_stride, elem, width * elem);
                         const float *sl = s + (l - lo);
                         for (int64_t i = 0; i < nv; i++) {
                             const float p = sl[i * span];
