@@ -16,6 +16,26 @@ static inline __m512 widen16(const uint16_t *p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+/* e^x of 16 floats, for softmax's x = score - max <= 0: Cephes' expf polynomial on x
+   reduced by n * ln2, scaled by 2^n. x below -88 (and -inf, a masked score) gives 0, where
+   expf gives a subnormal at most 6e-39. Written out because expf is a libm call per score,
+   which the compiler does not vectorize: a quarter of a decode layer's time. */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  /* ln2 in two parts */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
 #endif
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -207,7 +227,17 @@ int paged_attention(const struct paged_attention_args *args) {
                     float *si = s + i * span, m = -INFINITY, sum = 0.0f;
                     #pragma omp simd reduction(max:m)
                     for (int64_t l = 0; l < span; l++) m = si[l] > m ? si[l] : m;
-                    for (int64_t l = 0; l < span; l++) { si[l] = expf(si[l] - m); sum += si[l]; }
+                    int64_t l = 0;
+#if defined(__AVX512F__)
+                    __m512 sums = _mm512_setzero_ps();
+                    for (; l + 16 <= span; l += 16) {
+                        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(si + l), _mm512_set1_ps(m)));
+                        _mm512_storeu_ps(si + l, e);
+                        sums = _mm512_add_ps(sums, e);
+                    }
+                    sum = _mm512_reduce_add_ps(sums);
+#endif
+                    for (; l < span; l++) { si[l] = expf(si[l] - m); sum += si[l]; }
                     const float inv = 1.0f / sum;
                     for (int64_t l = 0; l < span; l++) si[l] *= inv;
                 }

@@ -19,7 +19,7 @@ and thread count):
         k = k_cache[block_tables[r][l // bs], l % bs, h]
         for each query vector i (row j = i // group, at position p = seq_len - q_len + j):
             s[i][l] = dot(q_vecs[i], k), soft-capped; -inf unless p - window < l <= p
-    p[i] = exp(s[i] - max(s[i]))                                  # softmax, fp32
+    p[i] = exp(s[i] - max(s[i]))        # softmax, fp32 (AVX-512: 16 at a time, a polynomial)
     for l: acc[i] += p[i][l] * v_cache[block(l), l % bs, h]       # each V row read once
     out[row j, head h * group + i % group] = acc[i] / sum(p[i])
 

@@ -74,6 +74,17 @@ def test_window_and_soft_cap(kernels, name, sliding_window, soft_cap):
     torch.testing.assert_close(out, ref, **FP32)
 
 
+@pytest.mark.parametrize("scale", [1.0, 3.0, 6.0])
+def test_peaked_softmax_whose_small_terms_underflow(kernels, scale):
+    """Scores tens to hundreds apart: most of each row's exponentials are far below fp32's
+    smallest normal (the AVX-512 exp gives 0 below e^-88) and the rest must sum as the
+    reference's do."""
+    case = make_case(13, CASES["mixed"], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
+    out, ref = _run(kernels, case, scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **FP32)
+
+
 def test_query_rows_spaced_apart_are_read_in_place(kernels):
     """The model hands over q as a view of its fused q/k projection: rows (heads + kv_heads)
     * head_dim apart. The kernel reads them where they are."""
