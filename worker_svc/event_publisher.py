@@ -19,9 +19,9 @@ Guarantees the worker and the gateway rely on:
 
 The round trip sits on the step's critical path when the compute thread publishes itself
 (no step queued behind it). Writing without reading the replies would save it, but only
-through redis-py's private connection internals, and the saving is small: tens of
-microseconds a step against a CPU decode step of tens of milliseconds (bench/event_publish.py
-compares the two, interleaved).
+through redis-py's private connection internals, and served it measured no faster (0.99x in
+fp32, 1.02x in bf16: docs/performance.md, "Tried and dropped"; bench/event_publish.py
+compares the two publishers alone).
 
     publisher = EventPublisher(redis.Redis.from_url(url))
     publisher.publish({channel: [TokenEvent, ...]})
