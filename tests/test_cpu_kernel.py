@@ -85,6 +85,18 @@ def test_peaked_softmax_whose_small_terms_underflow(kernels, scale):
     torch.testing.assert_close(out, ref, **FP32)
 
 
+def test_a_nan_in_the_cache_is_not_hidden(kernels):
+    """A NaN key makes every query that sees it NaN, as in the reference: the softmax's exp
+    passes a NaN score on instead of treating it as a masked one."""
+    query, k_cache, v_cache, bt, seq_lens, qsl = make_case(17, [(40, 1), (40, 1)], block_size=16,
+                                                           num_heads=8, num_kv_heads=2, head_dim=64)
+    k_cache[bt[0, 1], 3, 0, 5] = float("nan")  # request 0's token 19, kv head 0
+    out, ref = _run(kernels, (query, k_cache, v_cache, bt, seq_lens, qsl), 64 ** -0.5)
+    assert out[0, :4].isnan().all() and ref[0, :4].isnan().all()  # the query heads of kv head 0
+    torch.testing.assert_close(out[0, 4:], ref[0, 4:], **FP32)
+    torch.testing.assert_close(out[1], ref[1], **FP32)
+
+
 def test_query_rows_spaced_apart_are_read_in_place(kernels):
     """The model hands over q as a view of its fused q/k projection: rows (heads + kv_heads)
     * head_dim apart. The kernel reads them where they are."""
