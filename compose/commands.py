@@ -61,7 +61,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
                                     key_prefix=args.key_prefix, metrics_host=args.metrics_host,
                                     metrics_port=args.metrics_port,
                                     async_scheduling=args.async_scheduling,
-                                    max_waiting_requests=args.max_waiting_requests, **extra)
+                                    max_waiting_requests=args.max_waiting_requests,
+                                    stats_interval_s=args.stats_interval, **extra)
 
     async def main() -> None:
         stop = asyncio.Event()

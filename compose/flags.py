@@ -89,6 +89,9 @@ def add_scheduler_flags(f: EnvFlags) -> None:
     f.add("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
     f.add("--metrics-port", type=int, default=0,
           help="serve Prometheus /metrics (every worker's accounting) at this port; 0 = off")
+    f.add("--stats-interval", type=float, default=1.0,
+          help="seconds between two writes of each worker's WorkerStats (its Redis key, which the "
+               "gateway's /metrics renders, and this /metrics), while it runs steps and while idle")
     add_common_flags(f)
 
 

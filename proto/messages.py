@@ -7,7 +7,7 @@ list[TokenEvent] per publish, every event of one step for that gateway in one me
 Key `RedisKeys.worker(worker_id)` (worker → scheduler, gateway): WorkerRegistration.
 Key `RedisKeys.worker_stats(worker_id)` (scheduler → anyone): WorkerStats, the scheduler's
 view of that worker's block pool, its requests' phase times and its steps (histograms),
-rewritten about once a second and whenever its step loop goes idle. proto/metrics.py renders
+rewritten every `--stats-interval` (1 s) and whenever its step loop goes idle. proto/metrics.py renders
 it as Prometheus metrics.
 """
 

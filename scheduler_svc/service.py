@@ -61,7 +61,7 @@ class SchedulerServiceConfig:
     max_reroutes: int = 2  # a request whose worker died this often gets an error instead
     read_batch: int = 256
     max_early_aborts: int = 10_000
-    idle_stats_interval_s: float = 1.0
+    stats_interval_s: float = 1.0  # each worker's WorkerStats written this often, busy or idle
     retired_retry_s: float = 30.0  # a retired worker that still looks registered is redialled after this
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # /metrics (scheduler_svc/metrics.py) on this port; 0 = none
@@ -250,7 +250,7 @@ class SchedulerService:
     async def _drive(self, handle: WorkerHandle) -> None:
         """The worker's step loop, then (once it is retired) its evacuation."""
         loop = StepLoop(handle, self.redis, self.keys, self.metrics, self.config.step_timeout_s,
-                        self.config.idle_stats_interval_s, self._finished, self.lease.token)
+                        self.config.stats_interval_s, self._finished, self.lease.token)
         try:
             await loop.run()
         except asyncio.CancelledError:

@@ -3,9 +3,10 @@
 With async scheduling (by default for accelerator workers), while a step runs on the
 worker the loop plans and sends the next one (BatchScheduler.can_schedule_ahead), so the
 worker goes from one step straight into the next instead of waiting a round trip for it.
-Finished requests go to `on_finished` (the service acknowledges them). About once a
-second, and whenever the loop goes idle, it writes the worker's WorkerStats to Redis (and
-to the scheduler's /metrics); when idle it runs check_integrity() first.
+Finished requests go to `on_finished` (the service acknowledges them). Every stats
+interval (`--stats-interval`, 1 s), and whenever the loop goes idle, it writes the worker's
+WorkerStats to Redis (and to the scheduler's /metrics); when idle it runs check_integrity()
+first.
 
 The loop ends when its worker is retired: a step failed (the stream broke, no result
 within `step_timeout_s`, or a result broke the step contract) or the pool retired it.
@@ -110,7 +111,7 @@ class StepLoop:
         if finished:
             await self._on_finished(finished)  # all at once: their ledger entries close before any await
         if time.monotonic() - self._stats_at >= self._stats_interval_s:
-            await self._write_stats(check=False)  # under load too, about once a second
+            await self._write_stats(check=False)  # under load too, every stats interval
         return True
 
     async def _write_stats(self, check: bool) -> None:

@@ -31,7 +31,10 @@ def family(request, family_model_dir, redis_url, tmp_path_factory):
     model_dir = family_model_dir(arch)
     with running_stack(model_dir, redis_url, tmp_path_factory.mktemp(f"run-{arch}"),
                        worker_args=("--num-blocks", str(NUM_BLOCKS)),
-                       scheduler_args=("--max-num-batched-tokens", str(TOKEN_BUDGET))) as stack:
+                       # stats every 50 ms, so that the window test sees its one request's blocks
+                       # however fast its steps run
+                       scheduler_args=("--max-num-batched-tokens", str(TOKEN_BUDGET),
+                                       "--stats-interval", "0.05")) as stack:
         yield (arch, stack, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
                AutoTokenizer.from_pretrained(model_dir))
 
