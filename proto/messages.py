@@ -7,8 +7,8 @@ list[TokenEvent] per publish, every event of one step for that gateway in one me
 Key `RedisKeys.worker(worker_id)` (worker → scheduler, gateway): WorkerRegistration.
 Key `RedisKeys.worker_stats(worker_id)` (scheduler → anyone): WorkerStats, the scheduler's
 view of that worker's block pool, its requests' phase times and its steps (histograms),
-rewritten every `--stats-interval` (1 s) and whenever its step loop goes idle. proto/metrics.py renders
-it as Prometheus metrics.
+rewritten every `--stats-interval` (1 s) and whenever its step loop goes idle.
+proto/metrics.py renders it as Prometheus metrics.
 """
 
 from typing import Literal
