@@ -103,8 +103,12 @@ async def _schedulers(stack):
 def test_a_full_waiting_queue_gets_429_and_the_admitted_complete(tiny_model_dir, redis_url, tmp_path_factory):
     """One request runs at a time and one may wait: with the queue full, the next request
     is refused with 429 and Retry-After before it is enqueued; every admitted one finishes."""
+    # The gateway reuses the schedulers' heartbeats for --worker-cache-ttl-s: 0.1 s here, so
+    # that the refusal is tested soon after the queue fills, while the first request (900
+    # tokens, a few seconds of the tiny model) surely still runs.
     with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run"),
-                       scheduler_args=("--max-num-seqs", "1", "--max-waiting-requests", "1")) as stack:
+                       scheduler_args=("--max-num-seqs", "1", "--max-waiting-requests", "1"),
+                       gateway_args=("--worker-cache-ttl-s", "0.1")) as stack:
         async def waiting(aclient) -> int:
             beats = await SchedulerRegistry(stack.keys).read(aclient)
             return max((b.num_waiting for b in beats), default=0)
@@ -123,7 +127,7 @@ def test_a_full_waiting_queue_gets_429_and_the_admitted_complete(tiny_model_dir,
                     queued.append(asyncio.create_task(api.completions.create(**long)))
                 assert time.monotonic() < deadline, "no request ever waited"
                 await asyncio.sleep(0.1)
-            await asyncio.sleep(1.2)  # the gateway's cached heartbeat is fresh again
+            await asyncio.sleep(0.3)  # the gateway's cached heartbeats are fresh again
             with pytest.raises(openai.RateLimitError) as refused:
                 await api.completions.create(**{**long, "max_tokens": 3})
             assert int(refused.value.response.headers["retry-after"]) >= 1
