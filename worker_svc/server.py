@@ -12,7 +12,7 @@ in the order they came, on the compute thread. A step planned
 ahead (after_step_id) arrives while the step before it runs and waits in the compute
 thread's queue, so the thread goes from one step straight into the next. A step's events
 go out before its result (a finished request is acknowledged only after its last event
-went out; worker_svc/event_publisher.py writes them without waiting for Redis's replies),
+went out; worker_svc/event_publisher.py returns once Redis has answered every PUBLISH),
 in step order: from the compute thread itself when no step waits behind it
 (no thread to wake), else from a publishing thread while the next step computes.
 """
