@@ -25,8 +25,9 @@ redis-server …), with the benchmark client's own.
 
 `--dtype auto|float32|bfloat16` serves every contender in that dtype (`auto`: each its own
 rule -- pagedserve the checkpoint's where the CPU computes it natively, transformers the
-checkpoint's); `--quantization int8` quantizes the stack's and the engine's weights
-(Hugging Face's contenders run in `--dtype`). Every table names the machine (CPU model and
+checkpoint's); `--quantization int8` quantizes the stack's and the engine's weights and
+`--kv-cache-dtype bfloat16` keeps their KV cache in bf16 (Hugging Face's contenders run in
+`--dtype`). Every table names the machine (CPU model and
 the flags that decide the dtype paths: avx512_bf16, amx_bf16, amx_int8, VNNI ...). A
 server that exits before or during its run fails the benchmark with the end of its log.
 
@@ -115,6 +116,7 @@ def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Pope
     served = Path(model).name
     runner = ["--device", args.device, "--dtype", args.dtype,
               *(["--quantization", args.quantization] if args.quantization != "none" else []),
+              *(["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []),
               *(["--threads", str(args.threads)] if args.threads else [])]
     if name in ("stack", "stack-async"):
         cmd = [sys.executable, "-m", "compose.cli", "up", "--model", model, "--port", str(port),
@@ -263,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="every contender's dtype (auto: each its own default)")
     p.add_argument("--quantization", default="none", choices=["none", "int8"],
                    help="the stack's and the engine's weights (pagedserve --quantization)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+                   help="the stack's and the engine's KV cache (pagedserve --kv-cache-dtype)")
     p.add_argument("--out-dir", default="bench/results/compare")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
@@ -295,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     base = summary["contenders"].get("stack", {}).get("output_throughput_median")
     quant = f", stack/engine weights {args.quantization}" if args.quantization != "none" else ""
+    if args.kv_cache_dtype != "auto":
+        quant += f", stack/engine KV cache {args.kv_cache_dtype}"
     print(f"\nmachine: {machine}; device {args.device}, dtype {args.dtype}{quant}")
     print(f"{args.dataset}, {args.num_requests} requests, concurrency {args.concurrency}, "
           f"input mean {args.input_mean}, output mean {args.output_mean}; medians of {args.runs} runs\n")

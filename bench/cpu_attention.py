@@ -1,8 +1,11 @@
 """The CPU decode-attention kernel of this tree against the kernel of a git revision,
 interleaved, on one decode step's shapes.
 
-    python bench/cpu_attention.py --baseline 79782f8              # the `small` preset's layout
+    python bench/cpu_attention.py --baseline HEAD                 # the `small` preset's layout
     python bench/cpu_attention.py --baseline HEAD --batch 8 --hot
+
+The baseline's cpu_attention.h must declare the struct this tree's does (load_library
+checks it): revisions from the one that gave the caches their own `kv_bf16` flag on.
 
 Both sources (kernels/cpu_attention.c and .h at the revision, and this tree's) are built as
 the worker builds them (kernels.cpu_attention.compile_library: -O3 -march=native, OpenMP on

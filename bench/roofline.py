@@ -106,10 +106,11 @@ class Cost:
 
 
 def step_cost(cfg: DecoderConfig, elem: int, work: list[tuple[int, int, bool]],
-              layer_elem: int | None = None) -> Cost:
+              layer_elem: int | None = None, kv_elem: int | None = None) -> Cost:
     """FLOPs and bytes of one step; `work` = (tokens computed before, tokens now, samples?)
     per request; `layer_elem`: bytes per weight of the layers' linears when they differ
-    from `elem` (1 with int8 weights; the LM head keeps `elem`)."""
+    from `elem` (1 with int8 weights; the LM head keeps `elem`); `kv_elem`: bytes per K/V
+    element when the cache's dtype differs from `elem` (--kv-cache-dtype)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layer_params = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size \
         + 3 * cfg.hidden_size * cfg.intermediate_size
@@ -120,8 +121,8 @@ def step_cost(cfg: DecoderConfig, elem: int, work: list[tuple[int, int, bool]],
     attended = sum(n * c + n * (n + 1) // 2 for c, n, _ in work)
     flops = (2 * layer_params * tokens * cfg.num_layers + 2 * head_params * samples
              + 4 * cfg.num_heads * cfg.head_dim * attended * cfg.num_layers)
-    kv_read = sum(c + n for c, n, _ in work) * 2 * kv * elem * cfg.num_layers
-    kv_written = tokens * 2 * kv * elem * cfg.num_layers
+    kv_read = sum(c + n for c, n, _ in work) * 2 * kv * (kv_elem or elem) * cfg.num_layers
+    kv_written = tokens * 2 * kv * (kv_elem or elem) * cfg.num_layers
     weights = layer_params * cfg.num_layers * (layer_elem or elem) + head_params * elem
     return Cost(flops, weights + kv_read + kv_written)
 
@@ -134,7 +135,8 @@ class Driver:
                                                kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
                                                attention_backend=args.attention_backend,
                                                device=args.device, dtype=args.dtype,
-                                               quantization=args.quantization))
+                                               quantization=args.quantization,
+                                               kv_cache_dtype=args.kv_cache_dtype))
         info = self.runner.describe()
         self.scheduler = BatchScheduler(
             SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
@@ -143,6 +145,7 @@ class Driver:
         self.cfg = self.runner.model_config
         self.elem = torch.empty((), dtype=self.runner.dtype).element_size()
         self.layer_elem = 1 if args.quantization == "int8" else None
+        self.kv_elem = self.runner.kv_cache.k_caches[0].element_size()
         self.count = 0
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
@@ -165,7 +168,7 @@ class Driver:
         output = self.runner.step(step)
         elapsed = time.perf_counter() - start
         self.scheduler.update(step, output.result)
-        return step, output.result, elapsed, step_cost(self.cfg, self.elem, work, self.layer_elem)
+        return step, output.result, elapsed, step_cost(self.cfg, self.elem, work, self.layer_elem, self.kv_elem)
 
 
 def decode_roofline(args, rate: float, bandwidth: float) -> dict:
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's where native)|float32|bfloat16|float16")
     p.add_argument("--quantization", choices=["int8"],
                    help="int8 weights (the floor then counts the quantized layers' weights at 1 byte)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+                   help="the KV cache's dtype (the floor counts its bytes)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=320, help="tokens of context per request")

@@ -28,6 +28,7 @@ def _runner_config(args: argparse.Namespace):
         kv_cache_memory_bytes=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
         swap_space_bytes=args.swap_space, max_model_len=args.max_model_len, dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         quantization=None if args.quantization == "none" else args.quantization,
         device=args.device, attention_backend=args.attention_backend, seed=args.seed,
     )

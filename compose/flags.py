@@ -45,6 +45,10 @@ def add_runner_flags(f: EnvFlags) -> None:
     f.add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
           help="weights, activations and KV cache; auto: the checkpoint's dtype where the "
                "device computes it natively (CPU: AVX512-BF16/AMX for bf16), else float32")
+    f.add("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+          help="auto: the model's dtype; bfloat16: K/V kept in bf16 for an fp32 model (CPU): twice "
+               "the blocks in the same memory and half the bytes a decode's attention reads, "
+               "attention still computed in fp32")
     f.add("--quantization", choices=["none", "int8"], default="none",
           help="int8: the linear layers' weights (not the LM head) in int8, per output channel, "
                "quantized at load; matmuls with int8 dot products (VNNI/AMX-INT8) where torch has them")

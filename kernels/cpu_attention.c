@@ -164,12 +164,12 @@ int paged_attention(const struct paged_attention_args *args) {
     const int64_t max_q_len = args->max_q_len, max_scores = args->max_scores;
     const int64_t splits = args->splits;
     const float scale = args->scale, soft_cap = args->soft_cap;
-    const int bf16 = args->bf16;
+    const int bf16 = args->bf16, kv_bf16 = args->kv_bf16;
     const int64_t group = num_heads / num_kv_heads, heads = num_kv_heads / splits;
     const int64_t row_stride = num_heads * head_dim;      /* out rows */
     const int64_t slot_stride = num_kv_heads * head_dim;  /* one token in the cache */
     const int64_t max_vecs = max_q_len * heads * group, width = heads * head_dim;
-    const int64_t elem = bf16 ? 2 : 4;
+    const int64_t elem = kv_bf16 ? 2 : 4;  /* bytes per cache element */
     int failed = 0;
     #pragma omp parallel
     {
@@ -218,7 +218,7 @@ int paged_attention(const struct paged_attention_args *args) {
                             prefetch(k_cache, blk.next + (l - blk.start) * slot_stride, elem, width * elem);
                         float *sl = s + (l - lo);
                         for (int64_t i = 0; i < nv; i++) {
-                            float dot = dot_row(qv + i * head_dim, k_cache, base + koff[i], head_dim, bf16);
+                            float dot = dot_row(qv + i * head_dim, k_cache, base + koff[i], head_dim, kv_bf16);
                             if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot / soft_cap);
                             const int visible = l <= pos[i] && (window <= 0 || l > pos[i] - window);
                             sl[i * span] = visible ? dot : -INFINITY;
@@ -254,7 +254,7 @@ int paged_attention(const struct paged_attention_args *args) {
                         for (int64_t i = 0; i < nv; i++) {
                             const float p = sl[i * span];
                             if (p != 0.0f)
-                                axpy_row(acc + i * head_dim, p, v_cache, base + koff[i], head_dim, bf16);
+                                axpy_row(acc + i * head_dim, p, v_cache, base + koff[i], head_dim, kv_bf16);
                         }
                     }
                 }

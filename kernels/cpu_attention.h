@@ -29,7 +29,8 @@ struct paged_attention_args {
     int64_t max_q_len;              /* the largest q_len among reqs */
     int64_t max_scores;             /* the largest q_len x keys scored among reqs */
     int64_t splits;                 /* work items per request (divides num_kv_heads) */
-    int bf16;                       /* 1: query, out and caches are bf16; 0: fp32 */
+    int bf16;                       /* 1: query and out are bf16; 0: fp32 */
+    int kv_bf16;                    /* 1: the caches are bf16; 0: fp32 */
 };
 
 /* 0, or -1 if scratch memory could not be allocated. */

@@ -23,8 +23,9 @@ and thread count):
     for l: acc[i] += p[i][l] * v_cache[block(l), l % bs, h]       # each V row read once
     out[row j, head h * group + i % group] = acc[i] / sum(p[i])
 
-K/V may be fp32 or bf16 (converted on load); query and out share the cache's dtype (for
-fp16 models the worker picks the torch backend).
+K/V may be fp32 or bf16 (converted on load), and so may query and out (one dtype for both):
+the cache may be kept in bf16 for an fp32 model (`--kv-cache-dtype bfloat16`). For fp16
+models the worker picks the torch backend.
 
 The C source is kernels/cpu_attention.c; its one declaration, kernels/cpu_attention.h,
 takes the arguments by name in a struct. The kernel includes the declaration, and cffi
@@ -138,6 +139,7 @@ class KernelArgs(NamedTuple):
     max_scores: int
     splits: int
     bf16: int
+    kv_bf16: int
 
 
 _POINTERS = ("query", "out", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc", "reqs")
@@ -193,9 +195,12 @@ class CpuKernels:
         """Rows of the plan's short requests of `out` := their attention (the C kernel)."""
         num_tokens, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
-        if not (query.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
-            raise ValueError(f"dtypes differ: query {query.dtype}, caches {k_cache.dtype}/"
-                             f"{v_cache.dtype}, out {out.dtype}")
+        if query.dtype != out.dtype or k_cache.dtype != v_cache.dtype:
+            raise ValueError(f"dtypes differ: query {query.dtype}, out {out.dtype}, caches "
+                             f"{k_cache.dtype}/{v_cache.dtype}")
+        if not (self.supports(query.dtype) and self.supports(k_cache.dtype)):
+            raise ValueError(f"unsupported dtypes: query {query.dtype}, cache {k_cache.dtype} "
+                             "(the kernel takes fp32 or bf16)")
         if kv_dim != head_dim or num_heads % num_kv_heads or v_cache.shape != k_cache.shape:
             raise ValueError(f"query {tuple(query.shape)} does not fit caches "
                              f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
@@ -229,7 +234,8 @@ class CpuKernels:
             num_reqs=plan.short_reqs.numel(), q_row_stride=query.stride(0), num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
             window=sliding_window or 0, soft_cap=soft_cap or 0.0, max_q_len=plan.max_q_len,
-            max_scores=plan.max_scores, splits=splits, bf16=_DTYPES[query.dtype])
+            max_scores=plan.max_scores, splits=splits, bf16=_DTYPES[query.dtype],
+            kv_bf16=_DTYPES[k_cache.dtype])
         status = self._kernel(self._struct(args))
         if status != 0:
             raise MemoryError("the cpu attention kernel could not allocate its scratch memory")
@@ -308,9 +314,10 @@ def paged_attention(kernels: CpuKernels, query: torch.Tensor, k_cache: torch.Ten
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], sliding_window)
     if out is None:
         out = query.new_empty(query.shape)  # contiguous, whatever the query's strides
-    if not kernels.supports(query.dtype):
-        raise ValueError(f"the cpu backend supports {sorted(map(str, _DTYPES))}, not {query.dtype} "
-                         "(the worker picks the torch backend for other dtypes)")
+    if not (kernels.supports(query.dtype) and kernels.supports(k_cache.dtype)):
+        raise ValueError(f"the cpu backend supports {sorted(map(str, _DTYPES))}, not query "
+                         f"{query.dtype} / cache {k_cache.dtype} (the worker picks the torch backend "
+                         "for other dtypes)")
     if plan.short_reqs.numel():
         # Rows may be spaced apart (a view of the fused q/k projection): no copy needed.
         rows_ok = query.stride(2) == 1 and query.stride(1) == query.shape[2]

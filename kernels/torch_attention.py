@@ -53,11 +53,14 @@ class GatherWorkspace:
 
 
 def _gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                   workspace: GatherWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of `block_ids`, [n, block_size, kvh, d] each, in the workspace."""
+                   workspace: GatherWorkspace, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of `block_ids`, [n, block_size, kvh, d] each, in the workspace; converted to
+    `dtype` (the query's) where the cache is kept in another (`--kv-cache-dtype`)."""
     k, v = workspace.kv_buffers((block_ids.numel(), *k_cache.shape[1:]), k_cache)
     torch.index_select(k_cache, 0, block_ids, out=k)
     torch.index_select(v_cache, 0, block_ids, out=v)
+    if k.dtype != dtype:
+        return k.to(dtype), v.to(dtype)
     return k, v
 
 
@@ -168,14 +171,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out = torch.empty_like(query)
     num_decodes = plan.decode_rows.numel()
     if num_decodes:
-        k, v = _gather_blocks(k_cache, v_cache, plan.decode_block_ids, plan.workspace)
+        k, v = _gather_blocks(k_cache, v_cache, plan.decode_block_ids, plan.workspace, query.dtype)
         k = k.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
         v = v.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
         q = query.index_select(0, plan.decode_rows).view(num_decodes, num_kv_heads, group, head_dim)
         o = _sdpa(q, k, v, plan.decode_mask, scale, soft_cap)
         out.index_copy_(0, plan.decode_rows, o.reshape(num_decodes, num_heads, head_dim))
     for p in plan.prefills:
-        k, v = _gather_blocks(k_cache, v_cache, p.block_ids, plan.workspace)
+        k, v = _gather_blocks(k_cache, v_cache, p.block_ids, plan.workspace, query.dtype)
         k = k.view(-1, num_kv_heads, head_dim)[: p.seq_len]
         v = v.view(-1, num_kv_heads, head_dim)[: p.seq_len]
         q = query[p.start : p.end].transpose(0, 1)[None]

@@ -18,6 +18,25 @@ outputs afterwards.
 import torch
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16")  # --kv-cache-dtype
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
+                           device: torch.device) -> tuple[torch.dtype, str]:
+    """(the KV cache's dtype, why). "auto": the model's. "bfloat16": half of fp32's bytes
+    for an fp32 model (twice the blocks in the same memory, half the bytes a decode's
+    attention reads), on the CPU backends, which compute attention in fp32 either way; on
+    other devices the cache keeps the model's dtype (the Triton kernels take one dtype)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r}; choose one of {list(KV_CACHE_DTYPES)}")
+    if name == "auto" or model_dtype == torch.bfloat16:
+        return model_dtype, f"{name}: the model's"
+    if device.type != "cpu":
+        raise ValueError(f"--kv-cache-dtype bfloat16 with a {str(model_dtype).removeprefix('torch.')} "
+                         f"model runs on the CPU only; on {device.type} the cache keeps the model's dtype")
+    return torch.bfloat16, "--kv-cache-dtype bfloat16"
+
+
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> int:
     """K and V of one block across all layers."""

@@ -134,3 +134,22 @@ def test_one_round_of_stack_and_engine(tiny_model_dir, tmp_path):
         assert "serving in bfloat16 (--dtype bfloat16)" in logs and "int8 weights" in logs, name
     assert "| step / gap (mean) |" in done.stdout
     assert done.stdout.count(" ms |") >= 2  # both rows have their step / gap cell
+
+
+@pytest.mark.e2e
+def test_the_engine_serves_an_fp32_model_over_a_bf16_kv_cache(tiny_model_dir, tmp_path):
+    """`--kv-cache-dtype bfloat16` from compare.py through `pagedserve engine`'s flags to the
+    runner: every request served, the worker's log says the cache's dtype and why."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "compare.py"), "--model-dir", str(tiny_model_dir),
+         "--contenders", "engine", "--runs", "1", "--concurrency", "4", "--num-requests", "8",
+         "--input-mean", "24", "--output-mean", "12", "--threads", "1", "--out-dir", str(out),
+         "--dtype", "float32", "--kv-cache-dtype", "bfloat16"],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads((out / "engine-0.json").read_text())
+    assert run["num_requests"] == 8 and run["failed"] == 0
+    assert "dtype float32, stack/engine KV cache bfloat16" in done.stdout
+    log = (out / "engine.log").read_text(errors="replace")
+    assert "serving in float32" in log and "KV cache in bfloat16 (--kv-cache-dtype bfloat16)" in log

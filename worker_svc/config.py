@@ -18,6 +18,7 @@ class RunnerConfig:
     num_cpu_blocks: int | None = None  # overrides the swap space sizing
     max_model_len: int | None = None  # default: config max_position_embeddings
     dtype: str = "auto"  # "auto" = the checkpoint's where native (loader.resolve_dtype); or float32 / bfloat16 / float16
+    kv_cache_dtype: str = "auto"  # "auto" = dtype; "bfloat16": bf16 K/V (CPU; kvstore/cache_tensors.py)
     quantization: str | None = None  # "int8": int8 weights, quantized at load (model/int8_linear.py)
     device: str = "cpu"
     attention_backend: str = "auto"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.backend import get_attention_backend
-from kvstore.cache_tensors import KVCacheTensors, num_blocks_for_memory, swap_blocks
+from kvstore.cache_tensors import KVCacheTensors, num_blocks_for_memory, resolve_kv_cache_dtype, swap_blocks
 from proto import worker_pb2
 from proto.model_source import resolve_model
 from proto.messages import Logprobs, TokenEvent
@@ -86,21 +86,24 @@ class ModelRunner:
                                                 workspace=self.backend.new_workspace())
         self.model = load_model(self.model_dir, cfg, self.backend, self.max_model_len,
                                 self.dtype, self.device, config.quantization)
+        self.kv_dtype, why = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        if self.kv_dtype != self.dtype:
+            log.info("KV cache in %s (%s)", str(self.kv_dtype).removeprefix("torch."), why)
         num_blocks = config.num_blocks or num_blocks_for_memory(
             kv_cache_bytes(self.device, config.kv_cache_memory_bytes, config.gpu_memory_utilization),
             cfg.num_layers, config.block_size,
-            cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         self.kv_cache = KVCacheTensors(cfg.num_layers, num_blocks, config.block_size,
-                                       cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+                                       cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         num_cpu_blocks = config.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = num_blocks_for_memory(
                 config.swap_space_bytes, cfg.num_layers, config.block_size, cfg.num_kv_heads,
-                cfg.head_dim, self.dtype)
+                cfg.head_dim, self.kv_dtype)
         # The swap space: same layout, in CPU memory (None without swap space).
         self.cpu_cache = KVCacheTensors(
             cfg.num_layers, num_cpu_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-            self.dtype, "cpu") if num_cpu_blocks > 0 else None
+            self.kv_dtype, "cpu") if num_cpu_blocks > 0 else None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.requests: dict[str, RequestState] = {}
