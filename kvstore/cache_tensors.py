@@ -29,7 +29,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
     other devices the cache keeps the model's dtype (the Triton kernels take one dtype)."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {name!r}; choose one of {list(KV_CACHE_DTYPES)}")
-    if name == "auto" or model_dtype == torch.bfloat16:
+    if name == "auto" or model_dtype != torch.float32:  # bf16 and fp16 are 2 bytes already
         return model_dtype, f"{name}: the model's"
     if device.type != "cpu":
         raise ValueError(f"--kv-cache-dtype bfloat16 with a {str(model_dtype).removeprefix('torch.')} "

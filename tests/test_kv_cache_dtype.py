@@ -26,6 +26,7 @@ def test_the_cache_dtype_is_resolved_against_the_model_and_the_device():
     assert resolve_kv_cache_dtype("auto", torch.float16, cuda)[0] == torch.float16
     assert resolve_kv_cache_dtype("bfloat16", torch.float32, cpu) == (torch.bfloat16, "--kv-cache-dtype bfloat16")
     assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, cuda)[0] == torch.bfloat16  # the model's already
+    assert resolve_kv_cache_dtype("bfloat16", torch.float16, cpu)[0] == torch.float16  # as small: kept
     with pytest.raises(ValueError, match="runs on the CPU only"):
         resolve_kv_cache_dtype("bfloat16", torch.float32, cuda)
     with pytest.raises(ValueError, match="unknown KV cache dtype 'fp8'"):
