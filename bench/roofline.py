@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from kvstore.cache_tensors import KV_CACHE_DTYPES  # noqa: E402
 from proto import worker_pb2  # noqa: E402
 from proto.messages import NewRequest, SamplingParams  # noqa: E402
 from scheduler_svc.batching import BatchScheduler  # noqa: E402
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's where native)|float32|bfloat16|float16")
     p.add_argument("--quantization", choices=["int8"],
                    help="int8 weights (the floor then counts the quantized layers' weights at 1 byte)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype (the floor counts its bytes)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--batch", type=int, default=64)

@@ -84,11 +84,12 @@ class ModelRunner:
         # scratch memory of the attention backend, kept for the runner's life
         self.plan_attention = functools.partial(self.backend.plan,
                                                 workspace=self.backend.new_workspace())
-        self.model = load_model(self.model_dir, cfg, self.backend, self.max_model_len,
-                                self.dtype, self.device, config.quantization)
+        # before the weights load: a cache dtype this device cannot take fails at once
         self.kv_dtype, why = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         if self.kv_dtype != self.dtype:
             log.info("KV cache in %s (%s)", str(self.kv_dtype).removeprefix("torch."), why)
+        self.model = load_model(self.model_dir, cfg, self.backend, self.max_model_len,
+                                self.dtype, self.device, config.quantization)
         num_blocks = config.num_blocks or num_blocks_for_memory(
             kv_cache_bytes(self.device, config.kv_cache_memory_bytes, config.gpu_memory_utilization),
             cfg.num_layers, config.block_size,
