@@ -6,7 +6,7 @@ import torch
 from proto import worker_pb2
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
-from worker_svc.sampler import SamplingBatch, sample
+from worker_svc.sampler import ARGMAX_CHUNK, SamplingBatch, first_argmax, sample
 from worker_svc.stop import finish_reason
 
 Params = worker_pb2.SamplingParams
@@ -34,6 +34,28 @@ def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
         logits[row, list(ties)] = 10.0
     out = sample(logits, batch_of([Params(temperature=0.0)] * 4), gen(1))
     assert out.tolist() == [3, 0, 57, 12]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [100, 2 * ARGMAX_CHUNK, 3 * ARGMAX_CHUNK + 17, 32000])
+def test_first_argmax_is_max_dim_indices(dtype, vocab):
+    """The chunked argmax against its reference, max(dim).indices, on what tells them apart:
+    ties inside a chunk, across chunks and with the tail; NaNs in the body, in the tail and
+    in both; a row of -inf; bf16's many equal values."""
+    x = torch.randn(12, vocab, generator=gen(5)).to(dtype)
+    last = vocab - 1
+    x[0, [7, 9]] = 50.0                           # a tie in one chunk
+    x[1, [5, last // 2, last]] = 50.0             # ties across chunks and with the tail
+    x[2, last] = 50.0                             # the max in the tail alone
+    x[3, [last // 3, last]] = float("nan")        # NaNs in the body and the tail
+    x[4, last] = float("nan")                     # a NaN in the tail alone
+    x[5, vocab // 2] = float("nan")               # a NaN in the body alone
+    x[6] = float("-inf")
+    x[7] = x[7].round()                           # many ties
+    x[8, ARGMAX_CHUNK - 1 if vocab > ARGMAX_CHUNK else 0] = 50.0  # the last of a chunk
+    x[9, [min(ARGMAX_CHUNK, last), last]] = 50.0  # the first of a chunk, then the tail
+    assert torch.equal(first_argmax(x), x.max(dim=-1).indices)
+    assert torch.equal(first_argmax(x[:, : vocab - 1]), x[:, : vocab - 1].max(dim=-1).indices)  # not contiguous
 
 
 def test_top_k_one_is_greedy_and_greedy_rows_stay_greedy_in_mixed_batches():

@@ -25,6 +25,7 @@ from worker_svc.logits_processors import (History, NoHistory, Penalties, SparseE
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 _MASK64 = (1 << 64) - 1
+ARGMAX_CHUNK = 256  # first_argmax's chunk on the CPU (128-1024 within 10% at 32k-152k vocabularies)
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -138,14 +139,36 @@ def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor | None) -> torch.Tens
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value in [S, V] (int64 [S]), the first one among ties
+    (a NaN counts as the largest), as `x.max(dim=-1).indices` -- argmax's rule, and
+    transformers' greedy choice.
+
+    On the CPU, where max(dim) with indices is a scalar loop per row (0.50 ms on [64, 32000]
+    fp32 logits, 2.4 ms on [64, 151936]; EPYC VM), in two vectorized passes: the max of every
+    chunk of ARGMAX_CHUNK values (amax), then max(dim) inside the first chunk that holds the
+    row's max, and over the tail the chunks leave: 0.10 and 0.46 ms. Elsewhere max(dim)."""
+    rows, vocab = x.shape
+    chunks = vocab // ARGMAX_CHUNK
+    if x.device.type != "cpu" or chunks < 2:
+        return x.max(dim=-1).indices
+    body = x[:, :chunks * ARGMAX_CHUNK].view(rows, chunks, ARGMAX_CHUNK)
+    best = body.amax(dim=-1).max(dim=-1)  # the first chunk holding each row's max
+    inside = body[torch.arange(rows), best.indices].max(dim=-1).indices
+    ids = best.indices * ARGMAX_CHUNK + inside
+    if chunks * ARGMAX_CHUNK < vocab:  # the tail wins only if strictly larger (or a NaN the body lacks)
+        tail = x[:, chunks * ARGMAX_CHUNK:].max(dim=-1)
+        later = (tail.values > best.values) | (tail.values.isnan() & ~best.values.isnan())
+        ids = torch.where(later, tail.indices + chunks * ARGMAX_CHUNK, ids)
+    return ids
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """One token id per row of `logits` [S, V] (int64 [S]), after `batch.process`.
     `generator` serves rows without their own generator."""
     logits = batch.process(logits)
-    # max(dim).indices is argmax (the first maximal value's index), in a vectorized kernel:
-    # argmax of [64, 32000] fp32 logits took 1.3 ms on a 2-core Xeon, max 0.5 ms
-    greedy_ids = logits.max(dim=-1).indices
+    greedy_ids = first_argmax(logits)
     if batch.all_greedy:
         return greedy_ids
     scaled = apply_min_p(logits / batch.temperatures[:, None], batch.min_ps)
@@ -158,5 +181,5 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
             noise[row].exponential_(generator=row_generator)
     # exponential_ can return 0: keep p / E finite (a zero-probability token stays at 0)
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    sampled = (probs / noise).max(dim=-1).indices
+    sampled = first_argmax(probs / noise)
     return torch.where(batch.greedy, greedy_ids, sampled)
