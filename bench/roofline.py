@@ -20,7 +20,9 @@
    through BatchScheduler + ModelRunner at `--concurrency` (a closed loop, as the serving
    benchmark drives it), every step's floor summed against the sum of step times.
 
-Prints a table and writes JSON (--out).
+Prints a table and writes JSON (--out). Run from the command line, it starts over with
+glibc's malloc set as `pagedserve worker` sets it (worker_svc/host_memory.py);
+MALLOC_ARENA_MAX=8 in the environment keeps glibc's defaults instead.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from proto.messages import NewRequest, SamplingParams  # noqa: E402
 from scheduler_svc.batching import BatchScheduler  # noqa: E402
 from scheduler_svc.config import SchedulerConfig  # noqa: E402
 from worker_svc.config import RunnerConfig  # noqa: E402
+from worker_svc.host_memory import run_with_malloc_tunables  # noqa: E402
 from worker_svc.model.config import DecoderConfig  # noqa: E402
 from worker_svc.model.registry import load_config  # noqa: E402
 from worker_svc.model.loader import resolve_dtype  # noqa: E402
@@ -283,4 +286,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    run_with_malloc_tunables()  # malloc as the worker has it (worker_svc/host_memory.py)
     sys.exit(main())

@@ -51,6 +51,9 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+MODEL_COMMANDS = ("worker", "engine")  # the processes that run a model (on the CPU: malloc set for it)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,11 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    entry = argv is None  # this process's own command line (not a call from Python)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every flag after it is bench/serve.py's, --help included
         args = argparse.Namespace(command="bench", bench_args=argv[1:])
     else:
         args = build_parser().parse_args(argv)
+        if entry and args.command in MODEL_COMMANDS and args.device == "cpu":
+            from worker_svc.host_memory import run_with_malloc_tunables
+
+            run_with_malloc_tunables()  # a step's large tensors without page faults (its docstring)
         logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return COMMANDS[args.command].run(args) or 0
