@@ -20,9 +20,9 @@
    through BatchScheduler + ModelRunner at `--concurrency` (a closed loop, as the serving
    benchmark drives it), every step's floor summed against the sum of step times.
 
-Prints a table and writes JSON (--out). Run from the command line, it starts over with
-glibc's malloc set as `pagedserve worker` sets it (worker_svc/host_memory.py);
-MALLOC_ARENA_MAX=8 in the environment keeps glibc's defaults instead.
+Prints a table and writes JSON (--out). Run from the command line on the CPU, it starts
+over with glibc's malloc set as `pagedserve worker` sets it (worker_svc/host_memory.py);
+MALLOC_ARENA_MAX=8 in the environment keeps glibc's own settings instead.
 """
 
 from __future__ import annotations
@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
+    if argv is None and args.device == "cpu":  # run as a command: malloc as the worker has it
+        run_with_malloc_tunables()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -286,5 +288,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_with_malloc_tunables()  # malloc as the worker has it (worker_svc/host_memory.py)
     sys.exit(main())

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from worker_svc.host_memory import MALLOC_TUNABLES, malloc_environment, this_libc, user_tunes_malloc
+from worker_svc.host_memory import (MALLOC_TUNABLES, REEXEC_MARKER, malloc_environment, this_libc,
+                                    user_tunes_malloc)
 
 ROOT = Path(__file__).resolve().parent.parent
 glibc_only = pytest.mark.skipif(this_libc() != "glibc", reason="glibc's malloc")
@@ -43,7 +44,7 @@ def page_faults(env: dict[str, str]) -> int:
 
 def plain_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()
-            if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", REEXEC_MARKER)}
 
 
 @glibc_only
@@ -62,11 +63,14 @@ def test_the_environment_s_own_malloc_settings_win():
     assert malloc_environment({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"}, libc="glibc") is None
     assert malloc_environment({"PATH": "/bin"}, libc="musl") is None
     assert malloc_environment({"PATH": "/bin"}, libc="") is None
-    assert malloc_environment({"PATH": "/bin"}, libc="glibc") == {"PATH": "/bin", "GLIBC_TUNABLES": MALLOC_TUNABLES}
+    assert malloc_environment({"PATH": "/bin"}, libc="glibc") == {
+        "PATH": "/bin", "GLIBC_TUNABLES": MALLOC_TUNABLES, REEXEC_MARKER: "1"}
     # other tunables are kept, ours after them
     other = malloc_environment({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}, libc="glibc")
-    assert other == {"GLIBC_TUNABLES": f"glibc.pthread.rseq=0:{MALLOC_TUNABLES}"}
-    assert user_tunes_malloc(other)  # started over once, never again
+    assert other == {"GLIBC_TUNABLES": f"glibc.pthread.rseq=0:{MALLOC_TUNABLES}", REEXEC_MARKER: "1"}
+    assert user_tunes_malloc(other)
+    # started over once, never again: even where glibc removed GLIBC_TUNABLES (secure execution)
+    assert malloc_environment({REEXEC_MARKER: "1"}, libc="glibc") is None
 
 
 @glibc_only
@@ -88,10 +92,13 @@ def test_model_commands_start_over_in_the_malloc_environment(tiny_model_dir, com
             time.sleep(0.1)
             assert proc.poll() is None, f"{command} exited with {proc.returncode}"
             environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
-        # (glibc cuts the variable in /proc after its first tunable as it parses it)
+        # (some glibc versions cut the variable in /proc after its first tunable as they parse it)
         tunables = [v for v in environ.split(b"\0") if v.startswith(b"GLIBC_TUNABLES=")]
-        first = MALLOC_TUNABLES.split(":")[0]
-        assert tunables == ([f"GLIBC_TUNABLES={first}".encode()] if command == "engine" else [])
+        if command == "engine":
+            assert len(tunables) == 1 and tunables[0].startswith(b"GLIBC_TUNABLES=glibc.malloc.")
+            assert f"{REEXEC_MARKER}=1".encode() in environ.split(b"\0")
+        else:
+            assert tunables == []
     finally:
         proc.kill()
         proc.wait(timeout=10)
