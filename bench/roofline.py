@@ -257,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
-    if argv is None and args.device == "cpu":  # run as a command: malloc as the worker has it
-        run_with_malloc_tunables()
+    if argv is None:  # run as a command: malloc as the worker has it
+        run_with_malloc_tunables(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -51,7 +51,7 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-MODEL_COMMANDS = ("worker", "engine")  # the processes that run a model (on the CPU: malloc set for it)
+MODEL_COMMANDS = ("worker", "engine")  # the processes that run a model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(command="bench", bench_args=argv[1:])
     else:
         args = build_parser().parse_args(argv)
-        if entry and args.command in MODEL_COMMANDS and args.device == "cpu":
+        if entry and args.command in MODEL_COMMANDS:
             from worker_svc.host_memory import run_with_malloc_tunables
 
-            run_with_malloc_tunables()  # a step's large tensors without page faults (its docstring)
+            run_with_malloc_tunables(args.device)  # a step's large tensors without page faults
         logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return COMMANDS[args.command].run(args) or 0

@@ -71,11 +71,13 @@ def malloc_environment(environ: Mapping[str, str], libc: str | None = None) -> d
     return {**environ, "GLIBC_TUNABLES": tunables, REEXEC_MARKER: "1"}
 
 
-def run_with_malloc_tunables() -> None:
-    """Start this process over in malloc_environment (the same command line, the same
-    process id; never returns then), or return where the environment stays as it is. Call
-    it first thing in a process's entry point, before any thread starts."""
-    environ = malloc_environment(os.environ)
+def run_with_malloc_tunables(device: str) -> None:
+    """For a process that computes on `device`: on the CPU, start it over in
+    malloc_environment (the same command line, the same process id; never returns then);
+    return where the environment stays as it is, or on another device (its large tensors
+    are the device's). Call it first thing in a process's entry point, before any thread
+    starts."""
+    environ = malloc_environment(os.environ) if device == "cpu" else None
     if environ is not None:
         sys.stdout.flush()
         sys.stderr.flush()
