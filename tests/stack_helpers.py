@@ -111,14 +111,15 @@ async def stream_ids(client, stack: Stack, prompt, started: asyncio.Event, **kwa
 
 
 def run_streams(stack: Stack, prompts, fault: Callable[[], None] | None = None, **kwargs) -> list[list[int]]:
-    """Stream every prompt at once (the official openai client); once tokens flow, call
+    """Stream every prompt at once (the official openai client); once tokens flow in every
+    stream (a request still on its way when the fault strikes tests something else), call
     `fault`. The token ids of each."""
     async def run_all():
         client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-        started = asyncio.Event()
+        started = [asyncio.Event() for _ in prompts]
         async with client:
-            tasks = [asyncio.create_task(stream_ids(client, stack, p, started, **kwargs)) for p in prompts]
-            await started.wait()
+            tasks = [asyncio.create_task(stream_ids(client, stack, p, s, **kwargs)) for p, s in zip(prompts, started)]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
             if fault is not None:
                 await asyncio.to_thread(fault)
             return await asyncio.gather(*tasks)

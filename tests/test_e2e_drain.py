@@ -34,17 +34,17 @@ async def _stream(client, model: str, started: asyncio.Event, max_tokens: int) -
 
 
 def _under_sigterm(stack, name: str, during, max_tokens: int = MAX_TOKENS) -> tuple[list, int | None]:
-    """Start 3 streams, SIGTERM `name` once tokens flow, run `during(client)` while it
+    """Start 3 streams, SIGTERM `name` once tokens flow in each, run `during(client)` while it
     drains; the streams' results (an exception for a stream that broke) and what `during`
     returned."""
 
     async def main():
         async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
                                       timeout=120) as client:
-            started = asyncio.Event()
-            tasks = [asyncio.create_task(_stream(client, stack.served_model_name, started, max_tokens))
-                     for _ in range(3)]
-            await started.wait()
+            started = [asyncio.Event() for _ in range(3)]  # the signal once all three stream
+            tasks = [asyncio.create_task(_stream(client, stack.served_model_name, s, max_tokens))
+                     for s in started]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
             stack.procs[name].send_signal(signal.SIGTERM)
             extra = await during(client)
             return await asyncio.gather(*tasks, return_exceptions=True), extra
