@@ -9,7 +9,7 @@ the launcher restarts whatever dies (`Stack.supervise`, on a thread here). Each 
 sends the same load: streamed and not, greedy and sampled at temperature 0.8 with seeds,
 unseeded sampled ones, `n = 2`, and JSON-schema chat requests -- every completion with
 `ignore_eos` and a fixed `max_tokens`, so its length is known. The first round has no
-fault and is the reference; every later round injects its fault once tokens flow:
+fault and is the reference; every later round injects its fault once tokens flow in every stream:
 
   kill-worker       SIGKILL a worker
   sigterm-worker    SIGTERM a worker (it drains), restarted after it exits
@@ -174,7 +174,7 @@ def _rolling_restart(stack: Stack) -> None:
         _wait_registered(stack, name)
 
 
-# Each fault, run on a thread once tokens flow.
+# Each fault, run on a thread once tokens flow in every stream.
 INJECT: dict[str, Callable[[Stack], None]] = {
     "kill-worker": lambda stack: _send(stack, "worker-0", signal.SIGKILL),
     "sigterm-worker": lambda stack: _send(stack, "worker-0", signal.SIGTERM),
@@ -208,15 +208,19 @@ def run_round(stack: Stack, asks: list[Ask], fault: str | None, max_tokens: int,
     async def main():
         async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
                                       timeout=bound_s + 5) as client:
-            started = asyncio.Event()
-            tasks = {a.key: asyncio.create_task(ask(client, stack.served_model_name, a, max_tokens, bound_s, started))
+            started = {a.key: asyncio.Event() for a in asks}
+            tasks = {a.key: asyncio.create_task(ask(client, stack.served_model_name, a, max_tokens, bound_s,
+                                                    started[a.key]))
                      for a in asks}
+
+            async def flowing(key: str) -> None:  # its tokens flow, or it already ended
+                waiter = asyncio.create_task(started[key].wait())
+                await asyncio.wait([waiter, tasks[key]], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+
             injected = None
-            if fault is not None:  # once tokens flow (or every request already ended: say so)
-                flowing = asyncio.create_task(started.wait())
-                await asyncio.wait([flowing, asyncio.gather(*tasks.values())],
-                                   return_when=asyncio.FIRST_COMPLETED)
-                flowing.cancel()
+            if fault is not None:  # once tokens flow in every stream: all of the load is in flight
+                await asyncio.gather(*(flowing(a.key) for a in asks if a.stream))
                 injected = asyncio.create_task(asyncio.to_thread(INJECT[fault], stack))
             results = {key: await task for key, task in tasks.items()}
             if injected is not None:

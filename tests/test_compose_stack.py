@@ -216,7 +216,7 @@ def test_streaming_gives_the_same_text(stack, cases):
 def test_a_worker_killed_mid_stream_the_requests_complete(stack):
     """Long streams on both workers; one worker container is killed while they run: the
     scheduler re-routes what it held and every stream ends with the text it gives unharmed."""
-    long_cases = [([5 + i, 17, 42, 99], 600) for i in range(4)]
+    long_cases = [([5 + i, 17, 42, 99], 1000) for i in range(4)]  # max_model_len is 1024
     whole = [c.text for c in greedy_completions(stack, long_cases)]
 
     async def run():
@@ -224,7 +224,9 @@ def test_a_worker_killed_mid_stream_the_requests_complete(stack):
             started = [asyncio.Event() for _ in long_cases]
             streams = [asyncio.create_task(_stream(client, p, m, s)) for (p, m), s in zip(long_cases, started)]
             await asyncio.gather(*(s.wait() for s in started))
-            busy = [c for c in containers("worker") if await asyncio.to_thread(worker_requests, c) > 0]
+            workers = containers("worker")
+            held = await asyncio.gather(*(asyncio.to_thread(worker_requests, c) for c in workers))
+            busy = [c for c, n in zip(workers, held) if n > 0]
             assert busy, "no worker holds a request"
             assert not all(s.done() for s in streams), "the streams ended before the kill"
             await asyncio.to_thread(docker, "kill", busy[0])
@@ -254,17 +256,23 @@ def test_scale_to_three_workers_and_back_while_requests_run(stack, cases, expect
                 finished.append((phase[0], i % len(cases), ids_of(resp.choices[0])))
                 i += 1
 
+        async def a_request_finishes_in(p: str, timeout_s: float = 120) -> None:
+            deadline = time.monotonic() + timeout_s
+            while not any(q == p for q, _, _ in finished):
+                assert time.monotonic() < deadline, f"no answer in phase {p!r}"
+                await asyncio.sleep(0.2)
+
         async with _client(stack) as client:
             loops = [asyncio.create_task(client_loop(client, k)) for k in range(4)]
             await asyncio.to_thread(compose, *SCALE_UP)
             await asyncio.to_thread(wait_healthy, 3)
             phase[0] = "three"
-            await asyncio.sleep(5)
+            await a_request_finishes_in("three")
             phase[0] = "leaving"
             await asyncio.to_thread(compose, *UP, "--no-recreate")
             await asyncio.to_thread(wait_healthy, 2)
             phase[0] = "two again"
-            await asyncio.sleep(2)
+            await a_request_finishes_in("two again")
             done.set()
             await asyncio.gather(*loops)
         return finished

@@ -8,6 +8,7 @@ import asyncio
 import signal
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -56,7 +57,14 @@ def test_a_lone_worker_finishes_its_requests_on_sigterm(tiny_model_dir, redis_ur
     with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run"),
                        worker_args=("--drain-timeout", "60")) as stack:
         async def refused_meanwhile(client):
-            await asyncio.sleep(1.5)  # the scheduler has seen the drain
+            # Once the scheduler has seen the drain and the gateway its heartbeat (readiness
+            # and admission read the same): polled, however long a loaded machine takes.
+            url = f"http://{stack.config.host}:{stack.config.port}/health/ready"
+            deadline = time.monotonic() + 30
+            async with httpx.AsyncClient(timeout=5) as http:
+                while (await http.get(url)).status_code == 200:
+                    assert time.monotonic() < deadline, "the drain never reached the gateway"
+                    await asyncio.sleep(0.1)
             try:
                 await client.completions.create(model=stack.served_model_name, prompt="hi", max_tokens=2)
             except openai.APIStatusError as exc:
@@ -94,7 +102,7 @@ def test_a_gateway_cuts_what_is_open_at_its_drain_timeout(tiny_model_dir, redis_
             start = time.monotonic()
             try:
                 while stack.procs["gateway"].poll() is None:
-                    assert time.monotonic() - start < 20, "the gateway did not exit"
+                    assert time.monotonic() - start < 40, "the gateway did not exit"
                     await asyncio.sleep(0.05)
                 return time.monotonic() - start
             finally:
@@ -102,4 +110,4 @@ def test_a_gateway_cuts_what_is_open_at_its_drain_timeout(tiny_model_dir, redis_
 
         results, took = _under_sigterm(stack, "gateway", exit_time)
         assert not any(r == (MAX_TOKENS, "length") for r in results), (results, took)
-        assert took < 10, took
+        assert took < 25, took  # bounded by the 0.5 s drain timeout and the exit, not the 30 s default

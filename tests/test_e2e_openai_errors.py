@@ -85,7 +85,7 @@ def keyed_stack(tiny_model_dir, redis_url, tmp_path_factory):
                  "--redis-url", s.redis_url, "--key-prefix", s.config.key_prefix, "--port", str(port),
                  "--api-key", "key-three"], stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            wait_until_answers(f"http://127.0.0.1:{port}/health", proc, 60, "keyed gateway did not start")
+            wait_until_answers(f"http://127.0.0.1:{port}/health", proc, 120, "keyed gateway did not start")
             yield s, f"http://127.0.0.1:{port}/v1"
         finally:
             proc.terminate()

@@ -174,10 +174,12 @@ async def test_a_request_that_cannot_be_sent_again_ends_with_503_and_the_reason(
             while not any(isinstance(m, NewRequest) for m in worker.messages):
                 await asyncio.sleep(0.01)
             pauser = redis.Redis.from_url(config.redis_url)
-            pauser.client_pause(12_000, all=False)  # writes only, past the gateway's 10 s of retries
+            # Writes only, well past the gateway's 10 s of retries however late it resubscribes
+            # (unpaused as soon as the answer is in).
+            pauser.client_pause(30_000, all=False)
             try:
                 kill_subscriptions(config.redis_url)
-                response = await asyncio.wait_for(answer, 30)
+                response = await asyncio.wait_for(answer, 45)
             finally:
                 pauser.client_unpause()
                 pauser.close()

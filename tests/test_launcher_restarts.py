@@ -34,7 +34,7 @@ def test_backoff_doubles_and_resets_after_a_stable_run():
 @pytest.mark.e2e
 def test_killed_services_are_restarted_and_serve_again(tiny_model_dir, redis_url, tmp_path_factory):
     with running_stack(tiny_model_dir, redis_url, tmp_path_factory.mktemp("run")) as stack:
-        client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300)
 
         def complete() -> str:
             return client.completions.create(model=stack.served_model_name, prompt="hello",
