@@ -137,6 +137,7 @@ class Driver:
     def __init__(self, args):
         self.runner = ModelRunner(RunnerConfig(model=args.model_dir,
                                                kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
+                                               block_size=args.block_size,
                                                attention_backend=args.attention_backend,
                                                device=args.device, dtype=args.dtype,
                                                quantization=args.quantization,
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--block-size", type=int, default=RunnerConfig.block_size, help="tokens per KV block")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     p.add_argument("--workload", action="store_true", help="also the serving workload")
     p.add_argument("--dataset", default="random", choices=KINDS)
