@@ -9,7 +9,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -110,6 +110,17 @@ async def stream_ids(client, stack: Stack, prompt, started: asyncio.Event, **kwa
     return ids
 
 
+async def all_flowing(tasks: Sequence[asyncio.Task], started: Sequence[asyncio.Event], timeout_s: float = 120) -> None:
+    """Until each stream's `started` is set or its task has ended (a stream that failed
+    early then shows its own error, not a timeout here)."""
+    async def one(task: asyncio.Task, event: asyncio.Event) -> None:
+        waiter = asyncio.create_task(event.wait())
+        await asyncio.wait([waiter, task], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+
+    await asyncio.wait_for(asyncio.gather(*(one(t, e) for t, e in zip(tasks, started))), timeout_s)
+
+
 def run_streams(stack: Stack, prompts, fault: Callable[[], None] | None = None, **kwargs) -> list[list[int]]:
     """Stream every prompt at once (the official openai client); once tokens flow in every
     stream (a request still on its way when the fault strikes tests something else), call
@@ -119,7 +130,7 @@ def run_streams(stack: Stack, prompts, fault: Callable[[], None] | None = None, 
         started = [asyncio.Event() for _ in prompts]
         async with client:
             tasks = [asyncio.create_task(stream_ids(client, stack, p, s, **kwargs)) for p, s in zip(prompts, started)]
-            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
+            await all_flowing(tasks, started)
             if fault is not None:
                 await asyncio.to_thread(fault)
             return await asyncio.gather(*tasks)

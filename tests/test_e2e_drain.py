@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.stack_helpers import running_stack
+from tests.stack_helpers import all_flowing, running_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +45,7 @@ def _under_sigterm(stack, name: str, during, max_tokens: int = MAX_TOKENS) -> tu
             started = [asyncio.Event() for _ in range(3)]  # the signal once all three stream
             tasks = [asyncio.create_task(_stream(client, stack.served_model_name, s, max_tokens))
                      for s in started]
-            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
+            await all_flowing(tasks, started)
             stack.procs[name].send_signal(signal.SIGTERM)
             extra = await during(client)
             return await asyncio.gather(*tasks, return_exceptions=True), extra
