@@ -17,7 +17,7 @@ fault and is the reference; every later round injects its fault once tokens flow
   kill-scheduler    SIGKILL the scheduler holding the lease (the standby takes over)
   restart-redis     SIGKILL redis-server; the launcher starts it again (empty)
   redis-outage      SIGSTOP redis-server for 4 s, then SIGCONT
-  rolling-restart   SIGTERM every worker in turn, each restarted and registered again
+  rolling-restart   SIGTERM every worker in turn, each restarted and serving again
                     before the next
 
 Per fault: requests sent; completed (whole, as expected); failed with a clear error (an
@@ -172,6 +172,7 @@ def _rolling_restart(stack: Stack) -> None:
         proc.wait(timeout=60)
         time.sleep(0.5)  # the supervisor starts it again
         _wait_registered(stack, name)
+        wait_ready(stack)  # driven by the scheduler again before the next one goes
 
 
 # Each fault, run on a thread once tokens flow in every stream.
