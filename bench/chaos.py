@@ -216,8 +216,10 @@ def run_round(stack: Stack, asks: list[Ask], fault: str | None, max_tokens: int,
 
             async def flowing(key: str) -> None:  # its tokens flow, or it already ended
                 waiter = asyncio.create_task(started[key].wait())
-                await asyncio.wait([waiter, tasks[key]], return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
+                try:
+                    await asyncio.wait([waiter, tasks[key]], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
 
             injected = None
             if fault is not None:  # once tokens flow in every stream: all of the load is in flight

@@ -115,8 +115,10 @@ async def all_flowing(tasks: Sequence[asyncio.Task], started: Sequence[asyncio.E
     early then shows its own error, not a timeout here)."""
     async def one(task: asyncio.Task, event: asyncio.Event) -> None:
         waiter = asyncio.create_task(event.wait())
-        await asyncio.wait([waiter, task], return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
+        try:
+            await asyncio.wait([waiter, task], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
 
     await asyncio.wait_for(asyncio.gather(*(one(t, e) for t, e in zip(tasks, started))), timeout_s)
 
@@ -132,6 +134,7 @@ def run_streams(stack: Stack, prompts, fault: Callable[[], None] | None = None, 
             tasks = [asyncio.create_task(stream_ids(client, stack, p, s, **kwargs)) for p, s in zip(prompts, started)]
             await all_flowing(tasks, started)
             if fault is not None:
+                assert not all(t.done() for t in tasks), "the streams ended before the fault"
                 await asyncio.to_thread(fault)
             return await asyncio.gather(*tasks)
 

@@ -57,7 +57,7 @@ def test_killed_services_are_restarted_and_serve_again(tiny_model_dir, redis_url
                 assert time.monotonic() < deadline, f"{name} was not restarted"
                 time.sleep(0.2)
             assert stack.procs[name].pid != before
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120  # a worker loads its model again
             while not ready():
                 assert stack.procs[name].poll() is None, f"{name} died again"
                 assert time.monotonic() < deadline, f"not ready after restarting {name}"
