@@ -56,6 +56,7 @@ def test_a_redis_restart_under_load(tiny_model_dir, tmp_path_factory):
                 started = [asyncio.Event() for _ in range(4)]
                 tasks = [asyncio.create_task(stream(client, s)) for s in started]
                 await all_flowing(tasks, started)
+                assert not all(t.done() for t in tasks), "the streams ended before the fault"
                 redis_proc = stack.procs["redis"]
                 redis_proc.send_signal(signal.SIGKILL)
                 await asyncio.to_thread(redis_proc.wait, 10)
