@@ -42,7 +42,7 @@ def _under_sigterm(stack, name: str, during, max_tokens: int = MAX_TOKENS) -> tu
     async def main():
         async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
                                       timeout=120) as client:
-            started = [asyncio.Event() for _ in range(3)]  # the signal once all three stream
+            started = [asyncio.Event() for _ in range(3)]  # SIGTERM once all three have tokens
             tasks = [asyncio.create_task(_stream(client, stack.served_model_name, s, max_tokens))
                      for s in started]
             await all_flowing(tasks, started)
