@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -110,6 +111,16 @@ def run_client(cmd: list[str], proc: subprocess.Popen, name: str, log: Path, **k
         raise subprocess.CalledProcessError(client.returncode, cmd)
 
 
+def transformers_cli() -> str:
+    """The `transformers` command of this Python's environment (a venv's bin/ need not be on
+    PATH when its python is run by path), else the one on PATH."""
+    beside = Path(sys.executable).parent / "transformers"
+    found = str(beside) if beside.is_file() else shutil.which("transformers")
+    if found is None:
+        raise SystemExit("hf-serve needs the `transformers` command: pip install 'transformers[serving]'")
+    return found
+
+
 def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Popen, str, list[str]]:
     """Returns (process, base_url, extra bench/serve.py args)."""
     model = str(Path(args.model_dir).resolve())
@@ -129,7 +140,7 @@ def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Pope
         cmd = [sys.executable, "-m", "compose.cli", "engine", "--model", model, "--port", str(port), *runner]
         extra = ["--model", served]
     elif name == "hf-serve":
-        cmd = ["transformers", "serve", "--continuous-batching", "--device", args.device, "--dtype", args.dtype,
+        cmd = [transformers_cli(), "serve", "--continuous-batching", "--device", args.device, "--dtype", args.dtype,
                "--port", str(port), model]
         # It takes text only and has no ignore_eos: text prompts, EOS left on (a random model
         # rarely emits it; output throughput counts the tokens actually produced).

@@ -15,7 +15,9 @@
        floor = max(FLOPs / matmul rate, bytes / read bandwidth)
    FLOPs: 2 x (every linear weight) per token, lm_head only for the rows that sample,
    plus QK^T and PV over each query's context. Bytes: every linear weight once per step,
-   the K/V each query reads, and the K/V written.
+   the K/V each query reads, and the K/V written. Beside it, the phases' floor: the
+   linear layers and attention each at that roofline, summed, since a layer runs them one
+   after the other (the floor assumes the attention's reads overlap the matmuls).
 3. With --workload: bench/serve.py's default workload (same spec flags) run to completion
    through BatchScheduler + ModelRunner at `--concurrency` (a closed loop, as the serving
    benchmark drives it), every step's floor summed against the sum of step times.
@@ -105,12 +107,38 @@ class Cost:
     flops: float
     bytes: float
 
-    def __add__(self, other: "Cost") -> "Cost":
-        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+    def seconds(self, rate: float, bandwidth: float) -> float:
+        """The larger of the FLOPs over `rate` and the bytes over `bandwidth`."""
+        return max(self.flops / rate, self.bytes / bandwidth)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A step's cost in its two phases: the linear layers (every weight read once, 2 FLOPs
+    a weight per token) and attention (the K/V read and written, QK^T and PV)."""
+    linears: Cost
+    attention: Cost
+
+    @property
+    def flops(self) -> float:
+        return self.linears.flops + self.attention.flops
+
+    @property
+    def bytes(self) -> float:
+        return self.linears.bytes + self.attention.bytes
+
+    def floor(self, rate: float, bandwidth: float) -> float:
+        """The roofline: the step's FLOPs and bytes as if compute and reads overlapped."""
+        return Cost(self.flops, self.bytes).seconds(rate, bandwidth)
+
+    def phases_floor(self, rate: float, bandwidth: float) -> float:
+        """Each phase at its own roofline, one after the other, as a layer runs them (its
+        attention needs its QKV projection, its output projection needs the attention)."""
+        return self.linears.seconds(rate, bandwidth) + self.attention.seconds(rate, bandwidth)
 
 
 def step_cost(cfg: DecoderConfig, elem: int, work: list[tuple[int, int, bool]],
-              layer_elem: int | None = None, kv_elem: int | None = None) -> Cost:
+              layer_elem: int | None = None, kv_elem: int | None = None) -> StepCost:
     """FLOPs and bytes of one step; `work` = (tokens computed before, tokens now, samples?)
     per request; `layer_elem`: bytes per weight of the layers' linears when they differ
     from `elem` (1 with int8 weights; the LM head keeps `elem`); `kv_elem`: bytes per K/V
@@ -123,12 +151,12 @@ def step_cost(cfg: DecoderConfig, elem: int, work: list[tuple[int, int, bool]],
     samples = sum(1 for *_, s in work if s)
     # query at position p attends p + 1 keys; a request's rows cover positions c .. c+n-1
     attended = sum(n * c + n * (n + 1) // 2 for c, n, _ in work)
-    flops = (2 * layer_params * tokens * cfg.num_layers + 2 * head_params * samples
-             + 4 * cfg.num_heads * cfg.head_dim * attended * cfg.num_layers)
+    linear_flops = 2 * layer_params * tokens * cfg.num_layers + 2 * head_params * samples
+    attention_flops = 4 * cfg.num_heads * cfg.head_dim * attended * cfg.num_layers
     kv_read = sum(c + n for c, n, _ in work) * 2 * kv * (kv_elem or elem) * cfg.num_layers
     kv_written = tokens * 2 * kv * (kv_elem or elem) * cfg.num_layers
     weights = layer_params * cfg.num_layers * (layer_elem or elem) + head_params * elem
-    return Cost(flops, weights + kv_read + kv_written)
+    return StepCost(Cost(linear_flops, weights), Cost(attention_flops, kv_read + kv_written))
 
 
 class Driver:
@@ -161,7 +189,7 @@ class Driver:
         if error is not None:
             raise SystemExit(f"request rejected: {error.error}")
 
-    def step(self) -> tuple[worker_pb2.StepRequest, worker_pb2.StepResult, float, Cost] | None:
+    def step(self) -> tuple[worker_pb2.StepRequest, worker_pb2.StepResult, float, StepCost] | None:
         step = self.scheduler.schedule()
         if step is None:
             return None
@@ -195,11 +223,13 @@ def decode_roofline(args, rate: float, bandwidth: float) -> dict:
         costs.append(cost)
     cost = costs[len(costs) // 2]  # contexts grow by one token a step: the middle one
     step_s = statistics.median(times)
-    floor = max(cost.flops / rate, cost.bytes / bandwidth)
+    floor = cost.floor(rate, bandwidth)
+    phases = cost.phases_floor(rate, bandwidth)
     return dict(batch=args.batch, context=args.context, step_ms=step_s * 1e3,
                 flops=cost.flops, bytes=cost.bytes, compute_ms=cost.flops / rate * 1e3,
                 memory_ms=cost.bytes / bandwidth * 1e3, floor_ms=floor * 1e3,
-                ratio=step_s / floor, tokens_per_s=args.batch / step_s,
+                ratio=step_s / floor, phases_floor_ms=phases * 1e3, phases_ratio=step_s / phases,
+                tokens_per_s=args.batch / step_s,
                 bandwidth_utilisation=cost.bytes / step_s / bandwidth)
 
 
@@ -220,7 +250,7 @@ def workload_roofline(args, rate: float, bandwidth: float) -> dict:
             break
         _, result, elapsed, cost = stepped
         total_s += elapsed
-        floor_s += max(cost.flops / rate, cost.bytes / bandwidth)
+        floor_s += cost.floor(rate, bandwidth)
         out_tokens += len(result.sampled)
         running -= sum(1 for s in result.sampled if s.finish_reason)
         steps += 1
@@ -278,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(median of {args.steps}); compute floor {d['compute_ms']:.2f} ms "
           f"({d['flops'] / 1e9:.2f} GFLOP), memory floor {d['memory_ms']:.2f} ms "
           f"({d['bytes'] / 1e6:.0f} MB) -> {d['ratio']:.2f}x the floor, "
-          f"{d['bandwidth_utilisation']:.0%} of the {kind} bandwidth")
+          f"{d['bandwidth_utilisation']:.0%} of the {kind} bandwidth; the phases one after the "
+          f"other {d['phases_floor_ms']:.2f} ms -> {d['phases_ratio']:.2f}x")
     if args.workload:
         w = result["workload"] = workload_roofline(args, rate, bandwidth)
         print(f"workload ({w['requests']} requests, concurrency {w['concurrency']}, {w['steps']} steps): "

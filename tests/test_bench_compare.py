@@ -88,6 +88,13 @@ def dying_server(tmp_path: Path, after_s: float) -> tuple[subprocess.Popen, Path
     return proc, log
 
 
+def test_hf_serve_runs_the_transformers_command_of_this_environment(compare, monkeypatch):
+    """The venv's own `transformers`, also when the venv's bin/ is not on PATH (its python
+    run by path, as the docs' commands do)."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert compare.transformers_cli() == str(Path(sys.executable).parent / "transformers")
+
+
 def test_a_server_that_dies_while_starting_fails_the_run_with_its_log(compare, tmp_path):
     proc, log = dying_server(tmp_path, 0.2)
     with pytest.raises(compare.ServerDied, match="(?s)hf-serve exited with status 1.*loading the model.*out of memory"):

@@ -32,6 +32,14 @@ def test_step_cost_counts_weights_attention_and_kv():
     kv_read = (4 + 2) * 2 * 4 * 4 * 2  # tokens in context x (K and V) x kv width x bytes x layers
     kv_written = 3 * 2 * 4 * 4 * 2
     assert cost.bytes == (576 * 2 + 800) * 4 + kv_read + kv_written
+    # the phases: the linears' FLOPs and weights, the attention's FLOPs and K/V
+    assert cost.linears.flops == 2 * 576 * 3 * 2 + 2 * 800 * 1
+    assert cost.linears.bytes == (576 * 2 + 800) * 4
+    assert cost.attention.bytes == kv_read + kv_written
+    # at 1 FLOP/s and 1 byte/s the linears' FLOPs and the attention's bytes set each phase
+    assert cost.linears.flops > cost.linears.bytes and cost.attention.bytes > cost.attention.flops
+    assert cost.phases_floor(1.0, 1.0) == cost.linears.flops + cost.attention.bytes
+    assert cost.floor(1.0, 1.0) == max(cost.flops, cost.bytes) < cost.phases_floor(1.0, 1.0)
 
 
 def test_decode_roofline_runs_and_reports_its_bandwidth_share(tiny_model_dir, tmp_path):
@@ -44,5 +52,6 @@ def test_decode_roofline_runs_and_reports_its_bandwidth_share(tiny_model_dir, tm
     assert result["bandwidth_kind"] == "memory read" and result["read_gbps"] > 0
     d = result["decode"]
     assert d["batch"] == 4 and d["floor_ms"] == max(d["compute_ms"], d["memory_ms"])
+    assert d["floor_ms"] <= d["phases_floor_ms"] <= d["compute_ms"] + d["memory_ms"]
     share = d["bytes"] / (d["step_ms"] / 1e3) / (result["read_gbps"] * 1e9)
     assert d["bandwidth_utilisation"] == pytest.approx(share)
