@@ -38,6 +38,7 @@ server that exits before or during its run fails the benchmark with the end of i
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -111,14 +112,25 @@ def run_client(cmd: list[str], proc: subprocess.Popen, name: str, log: Path, **k
         raise subprocess.CalledProcessError(client.returncode, cmd)
 
 
+BENCH_EXTRAS = "pip install -c constraints.txt -e '.[bench]' (`make bench` does)"
+
+
 def transformers_cli() -> str:
     """The `transformers` command of this Python's environment (a venv's bin/ need not be on
     PATH when its python is run by path), else the one on PATH."""
     beside = Path(sys.executable).parent / "transformers"
     found = str(beside) if beside.is_file() else shutil.which("transformers")
     if found is None:
-        raise SystemExit("hf-serve needs the `transformers` command: pip install 'transformers[serving]'")
+        raise SystemExit(f"hf-serve needs the `transformers` command: {BENCH_EXTRAS}")
     return found
+
+
+def check_contenders(contenders: list[str]) -> None:
+    """Fail before the first round, not in it, when a contender cannot start here."""
+    if "hf-serve" in contenders:
+        transformers_cli()
+        if importlib.util.find_spec("accelerate") is None:  # `transformers serve` loads with a device_map
+            raise SystemExit(f"hf-serve needs accelerate: {BENCH_EXTRAS}")
 
 
 def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Popen, str, list[str]]:
@@ -280,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the stack's and the engine's KV cache (pagedserve --kv-cache-dtype)")
     p.add_argument("--out-dir", default="bench/results/compare")
     args = p.parse_args(argv)
+    check_contenders(args.contenders)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {c: [] for c in args.contenders}

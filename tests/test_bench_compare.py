@@ -95,6 +95,22 @@ def test_hf_serve_runs_the_transformers_command_of_this_environment(compare, mon
     assert compare.transformers_cli() == str(Path(sys.executable).parent / "transformers")
 
 
+def test_hf_serve_without_its_command_fails_before_the_first_round(compare, monkeypatch, tmp_path):
+    monkeypatch.setattr(compare.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SystemExit, match=r"transformers.*make bench"):
+        compare.check_contenders(["stack", "hf-serve"])
+    compare.check_contenders(["stack", "engine"])  # they need neither
+
+
+def test_hf_serve_needs_accelerate(compare):
+    if importlib.util.find_spec("accelerate") is None:
+        with pytest.raises(SystemExit, match=r"accelerate.*make bench"):
+            compare.check_contenders(["hf-serve"])
+    else:
+        compare.check_contenders(["hf-serve"])
+
+
 def test_a_server_that_dies_while_starting_fails_the_run_with_its_log(compare, tmp_path):
     proc, log = dying_server(tmp_path, 0.2)
     with pytest.raises(compare.ServerDied, match="(?s)hf-serve exited with status 1.*loading the model.*out of memory"):
