@@ -118,8 +118,8 @@ BENCH_EXTRAS = "pip install -c constraints.txt -e '.[bench]' (`make bench` does)
 def transformers_cli() -> str:
     """The `transformers` command of this Python's environment (a venv's bin/ need not be on
     PATH when its python is run by path), else the one on PATH."""
-    beside = Path(sys.executable).parent / "transformers"
-    found = str(beside) if beside.is_file() else shutil.which("transformers")
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    found = shutil.which("transformers", path=search)
     if found is None:
         raise SystemExit(f"hf-serve needs the `transformers` command: {BENCH_EXTRAS}")
     return found
