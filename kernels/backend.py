@@ -1,9 +1,13 @@
 """Pick the attention backend a worker runs: the functions that touch the paged KV cache.
 
 Every backend offers the same four calls (signatures as in kernels/torch_attention.py):
-`plan(block_tables, seq_lens, query_start_loc, block_size, sliding_window, workspace)` once
-per step, `paged_attention(..., plan=plan)` and `write_kv(...)` per layer, `copy_blocks(...)`
-for copy-on-write; `new_workspace()` makes the scratch memory a worker keeps for its life.
+`plan(block_tables, seq_lens, query_start_loc, block_size, sliding_window, workspace, *,
+bidir_spans=None)` once per step and window, `paged_attention(..., plan=plan)` and
+`write_kv(...)` per layer, `copy_blocks(...)` for copy-on-write; `new_workspace()` makes the
+scratch memory a worker keeps for its life. `bidir_spans` (int32 [num_tokens, 2] on the
+query's device: each row's bidirectional block [s, e), [0, 0] for none; Gemma 3's images,
+the rule in kernels/reference.py) travels in the plan; None is the plain causal contract,
+at its cost.
 
 "torch" (kernels/torch_attention.py) runs anywhere. "cpu" (kernels/cpu_attention.py) is
 torch plus a C kernel for decode rows, compiled on first use with the machine's C compiler.

@@ -157,6 +157,7 @@ int paged_attention(const struct paged_attention_args *args) {
     void *out = args->out;
     const int32_t *block_tables = args->block_tables, *seq_lens = args->seq_lens;
     const int32_t *query_start_loc = args->query_start_loc, *reqs = args->reqs;
+    const int32_t *bidir_spans = args->bidir_spans;
     const int64_t table_stride = args->table_stride, num_reqs = args->num_reqs;
     const int64_t q_row_stride = args->q_row_stride, num_heads = args->num_heads;
     const int64_t num_kv_heads = args->num_kv_heads, head_dim = args->head_dim;
@@ -177,7 +178,12 @@ int paged_attention(const struct paged_attention_args *args) {
         float *acc = malloc(sizeof(float) * max_vecs * head_dim);
         float *s = malloc(sizeof(float) * max_scores * heads * group);
         int64_t *koff = malloc(sizeof(int64_t) * max_vecs), *pos = malloc(sizeof(int64_t) * max_vecs);
-        if (!qv || !acc || !s || !koff || !pos) {
+        /* The last key each vector sees before the window cuts: its position p, or with a
+           span [s, e) holding p (checked by the Python side) e - 1: [0, p] u [s, e) = [0, e - 1].
+           Without spans it is `pos` itself: nothing more to do per score. */
+        int64_t *reach = bidir_spans ? malloc(sizeof(int64_t) * max_vecs) : NULL;
+        const int64_t *last = bidir_spans ? reach : pos;
+        if (!qv || !acc || !s || !koff || !pos || (bidir_spans && !reach)) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -206,6 +212,12 @@ int paged_attention(const struct paged_attention_args *args) {
                     koff[i] = (i % per_row) / group * head_dim;  /* its kv head in the row */
                     pos[i] = ctx0 + i / per_row;                  /* its position */
                 }
+                if (bidir_spans) {
+                    for (int64_t i = 0; i < nv; i++) {
+                        const int32_t *block = bidir_spans + 2 * (q0 + i / per_row);
+                        reach[i] = block[0] < block[1] && block[1] - 1 > pos[i] ? block[1] - 1 : pos[i];
+                    }
+                }
                 /* The context block by block: one table read per block, no division per token. */
                 const int64_t first_block = lo / block_size;
                 const int64_t end_block = (seq_len + block_size - 1) / block_size;
@@ -220,7 +232,7 @@ int paged_attention(const struct paged_attention_args *args) {
                         for (int64_t i = 0; i < nv; i++) {
                             float dot = dot_row(qv + i * head_dim, k_cache, base + koff[i], head_dim, kv_bf16);
                             if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot / soft_cap);
-                            const int visible = l <= pos[i] && (window <= 0 || l > pos[i] - window);
+                            const int visible = l <= last[i] && (window <= 0 || l > pos[i] - window);
                             sl[i * span] = visible ? dot : -INFINITY;
                         }
                     }
@@ -266,7 +278,7 @@ int paged_attention(const struct paged_attention_args *args) {
                 }
             }
         }
-        free(qv); free(acc); free(s); free(koff); free(pos);
+        free(qv); free(acc); free(s); free(koff); free(pos); free(reach);
     }
     return failed ? -1 : 0;
 }

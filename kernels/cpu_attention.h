@@ -17,6 +17,9 @@ struct paged_attention_args {
     const int32_t *seq_lens;        /* [num requests]: tokens in context, this step's included */
     const int32_t *query_start_loc; /* [num requests + 1]: first query row of each request */
     const int32_t *reqs;            /* [num_reqs]: the requests this call computes */
+    const int32_t *bidir_spans;     /* [tokens, 2]: query row t sees keys [s, e) too, its
+                                       position p in s <= p < e <= seq_len, or s == e (none);
+                                       NULL: no spans (plain causal) */
     int64_t num_reqs;
     int64_t q_row_stride;           /* elements between two query rows */
     int64_t num_heads;

@@ -7,9 +7,18 @@ one-token query. On the `small` preset at batch 32 that was ~40% of a decode ste
 kernel reads each K and V vector once, where it lies in the paged cache.
 
 Same contract as kernels/reference.py (flat varlen batch, cache layout, causal rule,
-sliding window, soft cap; fp32 math). Requests with q_len <= SHORT_MAX_Q_LEN (decodes,
-short chunked-prefill tails) go to the C kernel; longer prefill chunks still take the
-torch backend's gather + SDPA path, where SDPA's blocked GEMMs are the right tool.
+sliding window, soft cap, bidirectional spans; fp32 math). Requests with q_len <=
+SHORT_MAX_Q_LEN (decodes, short chunked-prefill tails) go to the C kernel; longer prefill
+chunks still take the torch backend's gather + SDPA path, where SDPA's blocked GEMMs are
+the right tool.
+
+Spans reach the C kernel too: a short request may hold a whole small image (a few soft
+tokens), or the end of one whose start is in its cached context (a prefix-cache hit ending
+inside the image). A span [s, e) holds its row's position p (checked by plan_attention), so
+the row sees [0, p] u [s, e) = [0, max(p, e - 1)]: the kernel moves that row's last visible
+key from p to e - 1, and nothing else changes. Without spans (or when no short request's
+span reaches past its row: always for decodes, whose row is the context's last) the plan
+passes NULL and the kernel reads `pos` as before, with no extra work per score.
 
 The kernel, per (request r, kv head h) work item, in parallel (OpenMP, torch's own runtime
 and thread count):
@@ -18,7 +27,8 @@ and thread count):
     for key position l in [first visible, seq_len):              # each K row read once
         k = k_cache[block_tables[r][l // bs], l % bs, h]
         for each query vector i (row j = i // group, at position p = seq_len - q_len + j):
-            s[i][l] = dot(q_vecs[i], k), soft-capped; -inf unless p - window < l <= p
+            last = p, or max(p, e - 1) with a bidirectional span [s, e) (spans[row j])
+            s[i][l] = dot(q_vecs[i], k), soft-capped; -inf unless p - window < l <= last
     p[i] = exp(s[i] - max(s[i]))        # softmax, fp32 (AVX-512: 16 at a time, a polynomial)
     for l: acc[i] += p[i][l] * v_cache[block(l), l % bs, h]       # each V row read once
     out[row j, head h * group + i % group] = acc[i] / sum(p[i])
@@ -126,6 +136,7 @@ class KernelArgs(NamedTuple):
     seq_lens: int
     query_start_loc: int
     reqs: int
+    bidir_spans: int  # 0 (NULL): no spans
     num_reqs: int
     q_row_stride: int
     num_heads: int
@@ -142,7 +153,8 @@ class KernelArgs(NamedTuple):
     kv_bf16: int
 
 
-_POINTERS = ("query", "out", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc", "reqs")
+_POINTERS = ("query", "out", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc", "reqs",
+             "bidir_spans")
 
 
 def load_library(path: Path):
@@ -221,6 +233,12 @@ class CpuKernels:
                         ("query_start_loc", plan.query_start_loc), ("short_reqs", plan.short_reqs)):
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"{name} must be a contiguous CPU tensor")
+        spans = plan.bidir_spans
+        if spans is not None and not (spans.is_contiguous() and spans.device.type == "cpu"
+                                      and spans.dtype == torch.int32
+                                      and spans.shape == (plan.num_rows, 2)):
+            raise ValueError(f"the plan's bidir_spans must be a contiguous int32 CPU tensor "
+                             f"[{plan.num_rows}, 2]")
         # One work item per request, with all its kv heads (each token's K/V is read as one
         # contiguous run); split by kv head when there are too few requests to keep every
         # thread busy. (torch.get_num_threads() also sets this thread's OpenMP thread count
@@ -231,7 +249,8 @@ class CpuKernels:
             v_cache=v_cache.data_ptr(), block_tables=plan.block_tables.data_ptr(),
             table_stride=plan.block_tables.shape[1], seq_lens=plan.seq_lens.data_ptr(),
             query_start_loc=plan.query_start_loc.data_ptr(), reqs=plan.short_reqs.data_ptr(),
-            num_reqs=plan.short_reqs.numel(), q_row_stride=query.stride(0), num_heads=num_heads,
+            bidir_spans=0 if spans is None else spans.data_ptr(), num_reqs=plan.short_reqs.numel(),
+            q_row_stride=query.stride(0), num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
             window=sliding_window or 0, soft_cap=soft_cap or 0.0, max_q_len=plan.max_q_len,
             max_scores=plan.max_scores, splits=splits, bf16=_DTYPES[query.dtype],
@@ -257,15 +276,22 @@ class CpuPlan:
     max_block_id: int
     num_rows: int  # query rows of the whole batch
     long: torch_attention.AttentionPlan  # the other requests, for the torch path
+    # int32 [num_rows, 2], contiguous: the rows' bidirectional spans, for the C kernel; None
+    # when no short request has a row whose span reaches past it (the kernel gets NULL)
+    bidir_spans: torch.Tensor | None = None
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
                    sliding_window: int | None = None,
-                   workspace: torch_attention.GatherWorkspace | None = None) -> CpuPlan:
+                   workspace: torch_attention.GatherWorkspace | None = None, *,
+                   bidir_spans: torch.Tensor | None = None) -> CpuPlan:
     """Split the batch: short requests for the C kernel (with the bounds it needs, checked
     here once per step: ValueError for a block table too narrow for its context), the rest
-    planned by the torch backend."""
+    planned by the torch backend. `bidir_spans` (int32 [num_tokens, 2], kernels/reference.py)
+    is checked here (ValueError), and handed on to each path only where it changes a row."""
+    reaching = None if bidir_spans is None else torch_attention.bidir_span_requests(
+        bidir_spans, seq_lens, query_start_loc)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     short, long = [], []
@@ -298,8 +324,11 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
         max_q_len=max((starts[i + 1] - starts[i] for i in short), default=0),
         max_scores=max((scored(i) for i in short), default=0),
         block_size=block_size, min_block_id=min_id, max_block_id=max_id, num_rows=starts[-1],
-        long=torch_attention.plan_attention(block_tables, seq_lens, query_start_loc, block_size,
-                                            sliding_window, workspace, only=long),
+        long=torch_attention.plan_attention(
+            block_tables, seq_lens, query_start_loc, block_size, sliding_window, workspace, only=long,
+            bidir_spans=bidir_spans if reaching and any(reaching[i] for i in long) else None),
+        bidir_spans=(bidir_spans[: starts[-1]].to(torch.int32).contiguous()
+                     if reaching and any(reaching[i] for i in short) else None),
     )
 
 
@@ -307,11 +336,16 @@ def paged_attention(kernels: CpuKernels, query: torch.Tensor, k_cache: torch.Ten
                     v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None, soft_cap: float | None = None,
-                    plan: CpuPlan | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    plan: CpuPlan | None = None, out: torch.Tensor | None = None, *,
+                    bidir_spans: torch.Tensor | None = None) -> torch.Tensor:
     """Same result as `paged_attention_reference`; `plan` (from this module's
-    plan_attention, with the same sliding_window) is reused across layers."""
+    plan_attention, with the same sliding_window and bidir_spans) is reused across layers.
+    `bidir_spans` only without a plan (a plan carries its own)."""
     if plan is None:
-        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], sliding_window)
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], sliding_window,
+                              bidir_spans=bidir_spans)
+    elif bidir_spans is not None:
+        raise ValueError("pass bidir_spans to plan_attention: the plan carries them")
     if out is None:
         out = query.new_empty(query.shape)  # contiguous, whatever the query's strides
     if not (kernels.supports(query.dtype) and kernels.supports(k_cache.dtype)):

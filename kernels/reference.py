@@ -9,6 +9,19 @@ Flat varlen batch: request `i` owns query rows `query_start_loc[i]:query_start_l
 Those rows are the LAST `q_len` tokens of its `seq_lens[i]`-token context, whose K/V are
 already in the cache (written by `write_kv` earlier in the same layer), so query row `j`
 sits at position `seq_lens[i] - q_len + j` and sees keys at positions `<=` its own.
+
+Bidirectional blocks (Gemma 3's images), optional: `bidir_spans` int32 `[num_tokens, 2]`
+on the query's device, row t = `[s, e)`, the absolute positions (in its request) of the
+block query row t belongs to (`s <= its position < e <= seq_len`), or `s == e` (`[0, 0]`)
+for none. The query at position q then sees key k iff
+
+    ((k <= q) or (s <= k < e)) and (no window or k > q - W)
+
+so a row inside a block also sees the block's keys AFTER it, up to e - 1; their K/V are
+written in the same step (an image is never split across prefill chunks: the caller makes
+e <= seq_len). That is transformers' Gemma 3 mask (`create_masks_for_vision_model`):
+OR(causal, same block) on global layers, AND(window, OR(causal, same block)) on sliding
+ones. A decode row (the last of its context) is never changed by its span.
 """
 
 import torch
@@ -36,12 +49,14 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
+    bidir_spans: torch.Tensor | None = None,  # int32 [num_tokens, 2]: [s, e) per query row
 ) -> torch.Tensor:
     """Causal attention of each request's query rows over its paged context (fp32 math).
 
     sliding_window=W: a query at position p sees keys at positions p-W+1 .. p (itself and
     W-1 before it, the Hugging Face / Mistral convention). soft_cap=c: scores become
-    c * tanh(scores / c) before masking (Gemma).
+    c * tanh(scores / c) before masking (Gemma). bidir_spans: each row also sees the keys
+    of its span [s, e) (the module's docstring), the window still applying.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -67,6 +82,9 @@ def paged_attention_reference(
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
         k_pos = torch.arange(seq_len, device=query.device)[None, :]
         allowed = k_pos <= q_pos
+        if bidir_spans is not None:
+            span = bidir_spans[start:end].to(query.device).long()
+            allowed |= (k_pos >= span[:, :1]) & (k_pos < span[:, 1:])
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))

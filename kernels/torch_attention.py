@@ -14,9 +14,16 @@ paged_attention, in pseudo-code:
         out[rows] = sdpa(q.view(B, kvh, group, d), K^T, V^T, mask)
     every other request (prefill chunks), one by one:
         K = index_select(k_cache, its blocks).flat[:seq_len]              # [seq_len, kvh, d]
-        if q_len == seq_len and no window: causal = True, no mask (SDPA's fast path)
-        else mask[j, l] = l <= seq_len - q_len + j  (and l > that - window)
+        p[j] = seq_len - q_len + j                                        # row j's position
+        if a row's bidirectional span [s, e) reaches past it (e - 1 > p[j]):
+            mask[j, l] = (l <= p[j] or s[j] <= l < e[j])  (and l > p[j] - window)
+        elif q_len == seq_len and no window: causal = True, no mask (SDPA's fast path)
+        else mask[j, l] = l <= p[j]  (and l > p[j] - window)
         out[rows] = sdpa(q, K, V, mask, enable_gqa=True)
+
+Spans (`bidir_spans`, kernels/reference.py) never change a decode row (the last of its
+context, and e <= seq_len), so they shape prefill masks only, and only of the requests
+where some row's span reaches past it; without spans the plan does no extra work at all.
 
 index_select is used instead of advanced indexing: on CPU it is ~2x faster for this gather.
 The gathers write into a `GatherWorkspace` that outlives the step: allocating fresh ~10 MB
@@ -86,29 +93,67 @@ class AttentionPlan:
 
 
 def _causal_mask(q_len: int, seq_len: int, sliding_window: int | None,
-                 device: torch.device) -> torch.Tensor | None:
-    if q_len == seq_len and sliding_window is None:
+                 device: torch.device, spans: torch.Tensor | None = None) -> torch.Tensor | None:
+    """bool [q_len, seq_len]: which keys each row sees; None for plain causal over the whole
+    context. `spans`: the rows' bidirectional spans [q_len, 2], or None."""
+    if q_len == seq_len and sliding_window is None and spans is None:
         return None
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
     k_pos = torch.arange(seq_len, device=device)[None, :]
     allowed = k_pos <= q_pos
+    if spans is not None:
+        spans = spans.to(device=device, dtype=torch.long)
+        allowed |= (k_pos >= spans[:, :1]) & (k_pos < spans[:, 1:])
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
     return allowed
+
+
+def bidir_span_requests(bidir_spans: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor) -> list[bool]:
+    """For each request: does a span make one of its rows see a key after its own position
+    (e - 1 > p)? Only those requests need spans in their masks. Checks the contract first
+    (ValueError): one [s, e) per query row, and each non-empty span holds its row's
+    position: 0 <= s <= p < e <= seq_len; an empty one has s == e."""
+    qsl = query_start_loc.cpu().long()
+    lens = seq_lens.cpu().long()
+    num_tokens = int(qsl[-1])
+    if (bidir_spans.dim() != 2 or bidir_spans.shape[1] != 2 or bidir_spans.shape[0] < num_tokens
+            or bidir_spans.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"bidir_spans must be int32 [num_tokens={num_tokens}, 2], got "
+                         f"{bidir_spans.dtype} {tuple(bidir_spans.shape)}")
+    spans = bidir_spans[:num_tokens].cpu().long()
+    q_lens = qsl[1:] - qsl[:-1]
+    req = torch.repeat_interleave(torch.arange(len(lens)), q_lens, output_size=num_tokens)
+    pos = torch.arange(num_tokens) - qsl[:-1][req] + (lens - q_lens)[req]
+    s, e = spans[:, 0], spans[:, 1]
+    some = s != e
+    bad = (e < s) | (some & ((s < 0) | (s > pos) | (e <= pos) | (e > lens[req])))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"query row {row} (request {int(req[row])}, position {int(pos[row])}, "
+                         f"context {int(lens[req[row]])}) has span {spans[row].tolist()}: a span "
+                         "must hold its row's position and end within the context, or be empty")
+    reaching = (some & (e - 1 > pos)).long()
+    return (torch.zeros(len(lens), dtype=torch.long).index_add_(0, req, reaching) > 0).tolist()
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
                    sliding_window: int | None = None,
                    workspace: GatherWorkspace | None = None,
-                   only: list[int] | None = None) -> AttentionPlan:
+                   only: list[int] | None = None, *,
+                   bidir_spans: torch.Tensor | None = None) -> AttentionPlan:
     """Split the batch into decodes (vectorised) and prefill chunks (looped); precompute
     their gather indices and masks. Pass a long-lived `workspace` to reuse its buffers
     across steps (default: a fresh one, shared by this step's layers). `only`: plan just
-    these requests (another kernel computes the rest)."""
+    these requests (another kernel computes the rest). `bidir_spans`: int32 [num_tokens, 2],
+    each query row's bidirectional block (kernels/reference.py), checked here (ValueError)."""
     device = block_tables.device
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    reaching = None if bidir_spans is None else bidir_span_requests(bidir_spans, seq_lens,
+                                                                   query_start_loc)
     decodes, prefills = [], []
     for i in range(len(lens)) if only is None else only:
         seq_len, q_len = lens[i], starts[i + 1] - starts[i]
@@ -116,9 +161,10 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
             decodes.append(i)
         elif q_len > 1:
             num_blocks = -(-seq_len // block_size)
+            spans = bidir_spans[starts[i]:starts[i + 1]] if reaching and reaching[i] else None
             prefills.append(PrefillSlice(
                 starts[i], starts[i + 1], block_tables[i, :num_blocks].long(), seq_len,
-                _causal_mask(q_len, seq_len, sliding_window, device)))
+                _causal_mask(q_len, seq_len, sliding_window, device, spans)))
     idx = torch.tensor(decodes, dtype=torch.long, device=device)
     max_blocks = -(-max((lens[i] for i in decodes), default=0) // block_size)
     decode_lens = seq_lens.to(device).long()[idx][:, None]
@@ -159,14 +205,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None, soft_cap: float | None = None,
                     plan: AttentionPlan | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, *,
+                    bidir_spans: torch.Tensor | None = None) -> torch.Tensor:
     """Same result as `paged_attention_reference`; pass `plan` to reuse it across layers
-    (it must have been built with the same sliding_window), `out` to write in place."""
+    (it must have been built with the same sliding_window and bidir_spans), `out` to write
+    in place. `bidir_spans` only without a plan (a plan carries its own)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     if plan is None:
-        plan = plan_attention(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, block_size, sliding_window,
+                              bidir_spans=bidir_spans)
+    elif bidir_spans is not None:
+        raise ValueError("pass bidir_spans to plan_attention: the plan carries them")
     if out is None:
         out = torch.empty_like(query)
     num_decodes = plan.decode_rows.numel()

@@ -20,12 +20,14 @@ a program finds its request by binary search, and a tile past its request's quer
         pos[r] = context + token(r)                     # absolute position of each query row
         keys to visit: [lo, hi) with hi = context + last token of the tile + 1,
                        lo = 0, or with a window W: context + t0 - W + 1 (rounded down)
+        if HAS_SPANS: [s[r], e[r]) = bidir_spans[row of r]     # [0, 0]: none
+                      hi = min(max(hi, max_r e[r]), seq_len)   # a block's keys after the tile
         m = -inf, l = 0, acc = 0                       # online softmax state, fp32
         for each TILE_N keys k in [lo, hi):
             block = block_tables[i, k // block_size]   # a key-by-key gather: tiles may span blocks
             K, V = cache[block, k % block_size, kv_head]         # int64 addresses
             S = Q K^T * scale;  if soft_cap: S = soft_cap * tanh(S / soft_cap)
-            S[r, k] = -inf unless k <= pos[r] (and k > pos[r] - W)
+            S[r, k] = -inf unless (k <= pos[r] or s[r] <= k < e[r]) (and k > pos[r] - W)
             m' = max(m, rowmax S);  P = exp(S - m');  alpha = exp(m - m')
             l = l * alpha + rowsum P;  acc = acc * alpha + P V;  m = m'
         out[rows] = acc / l
@@ -35,10 +37,16 @@ guarded so it never computes (-inf) - (-inf). Keys at or past seq_len are never 
 unused cache slots may hold anything (even NaN). fp32 inputs use IEEE dots (no TF32).
 
 Launch parameters depend only on shapes and dtype (`launch_config`), so `plan_attention`
-has nothing to precompute and the call never syncs with the host.
+has nothing to precompute and the call never syncs with the host. Bidirectional spans
+(Gemma 3's images, kernels/reference.py) make a compiled variant of their own (HAS_SPANS):
+without them the kernel is exactly the causal one, and the plan is None. The plan only
+carries the spans to the kernel (int32, contiguous, on the device) and checks their shape;
+checking their values would sync with the host, so it trusts them as the contract says
+(the kernel applies the rule as written for any span, and never reads past seq_len).
 """
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -89,7 +97,7 @@ def _find_request(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, scale, soft_cap, window, num_seqs,
+    query_start_loc_ptr, bidir_spans_ptr, scale, soft_cap, window, num_seqs,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
     stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
@@ -98,7 +106,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_SPANS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,6 +129,11 @@ def _paged_attention_kernel(
         q_pos = context + tok
 
         hi = context + tl.minimum(t0 + BLOCK_Q, q_len)  # one past the last visible key
+        if HAS_SPANS:  # [span_lo, span_hi): each row's bidirectional block, [0, 0] for none
+            span_offs = (q_begin + tok).to(tl.int64) * 2
+            span_lo = tl.load(bidir_spans_ptr + span_offs, mask=row_ok, other=0)
+            span_hi = tl.load(bidir_spans_ptr + span_offs + 1, mask=row_ok, other=0)
+            hi = tl.minimum(tl.maximum(hi, tl.max(span_hi, axis=0)), context + q_len)
         lo = hi * 0
         if USE_WINDOW:
             lo = tl.maximum(context + t0 - window + 1, 0) // TILE_N * TILE_N
@@ -143,7 +156,11 @@ def _paged_attention_kernel(
             if USE_SOFT_CAP:
                 s = soft_cap * _tanh(s / soft_cap)
             s = s * log2e
-            visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            visible = k_pos[None, :] <= q_pos[:, None]
+            if HAS_SPANS:
+                visible = visible | ((k_pos[None, :] >= span_lo[:, None])
+                                     & (k_pos[None, :] < span_hi[:, None]))
+            visible = k_ok[None, :] & visible
             if USE_WINDOW:
                 visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
@@ -173,11 +190,28 @@ class TritonWorkspace:
     """The Triton path needs no scratch memory; this exists for the backend contract."""
 
 
+@dataclass(frozen=True)
+class TritonPlan:
+    """A step's bidirectional spans, int32 [num_tokens, 2], contiguous, on the device."""
+
+    bidir_spans: torch.Tensor
+
+
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
-                   sliding_window: int | None = None, workspace: TritonWorkspace | None = None) -> None:
-    """Nothing to plan: the kernel reads the metadata tensors on the device."""
-    return None
+                   sliding_window: int | None = None, workspace: TritonWorkspace | None = None, *,
+                   bidir_spans: torch.Tensor | None = None) -> TritonPlan | None:
+    """Nothing to plan without spans (None): the kernel reads the metadata tensors on the
+    device. With spans: them, as the kernel reads them (no host sync; their shape is
+    checked, ValueError, their values are the caller's to get right)."""
+    if bidir_spans is None:
+        return None
+    if (bidir_spans.dim() != 2 or bidir_spans.shape[1] != 2
+            or bidir_spans.dtype not in (torch.int32, torch.int64)
+            or bidir_spans.device != query_start_loc.device):
+        raise ValueError(f"bidir_spans must be int32 [num_tokens, 2] on {query_start_loc.device}, "
+                         f"got {bidir_spans.dtype} {tuple(bidir_spans.shape)} on {bidir_spans.device}")
+    return TritonPlan(bidir_spans.to(torch.int32).contiguous())
 
 
 def launch_config(num_tokens: int, num_seqs: int, group: int, head_dim: int,
@@ -238,12 +272,22 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None, soft_cap: float | None = None,
-                    plan: None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    plan: TritonPlan | None = None, out: torch.Tensor | None = None, *,
+                    bidir_spans: torch.Tensor | None = None) -> torch.Tensor:
     """Same result as `paged_attention_reference`. Any strides are accepted (e.g. `query` a
-    view into a fused QKV output); `out` is written in place when given."""
+    view into a fused QKV output); `out` is written in place when given. Spans come in
+    the plan (plan_attention's), or as `bidir_spans` without one."""
     if out is None:
         out = torch.empty_like(query)
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    if bidir_spans is not None:
+        if plan is not None:
+            raise ValueError("pass bidir_spans to plan_attention: the plan carries them")
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1],
+                              bidir_spans=bidir_spans)
+    spans = None if plan is None else plan.bidir_spans
+    if spans is not None and spans.shape[0] < query.shape[0]:
+        raise ValueError(f"bidir_spans has {spans.shape[0]} rows for {query.shape[0]} query rows")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
@@ -258,12 +302,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        seq_lens if spans is None else spans,  # not read without spans (HAS_SPANS=False)
         float(scale), float(soft_cap or 1.0), int(sliding_window or 0), num_seqs,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1], USE_WINDOW=sliding_window is not None,
-        USE_SOFT_CAP=soft_cap is not None,
+        USE_SOFT_CAP=soft_cap is not None, HAS_SPANS=spans is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         UPCAST_DOT=INTERPRETED and query.dtype == torch.bfloat16, **cfg,
     )

@@ -56,18 +56,26 @@ def compile_for_cuda(kernel, arch: int, pointer_types: dict, constexprs: dict, f
     return (int(found[1]), int(found[2])) if found else None
 
 
-COMPILE_CASES = {  # (dtype, decode_only, head_dim, group, window/soft-cap, arch)
-    "bf16-decode-128-sm90": ("bf16", True, 128, 4, False, 90),
-    "bf16-prefill-128-sm90": ("bf16", False, 128, 4, False, 90),
-    "bf16-decode-128-sm80": ("bf16", True, 128, 4, False, 80),
-    "bf16-prefill-128-sm80-options": ("bf16", False, 128, 4, True, 80),
-    "fp16-prefill-80": ("fp16", False, 80, 4, True, 90),
-    "bf16-decode-256": ("bf16", True, 256, 8, True, 90),
-    "bf16-prefill-256": ("bf16", False, 256, 2, False, 90),
-    "bf16-decode-64-group7": ("bf16", True, 64, 7, False, 90),
-    "bf16-decode-128-group32": ("bf16", True, 128, 32, False, 90),
-    "fp32-prefill-128": ("fp32", False, 128, 4, False, 90),
-    "fp32-decode-256": ("fp32", True, 256, 4, True, 90),
+COMPILE_CASES = {  # (dtype, decode_only, head_dim, group, window/soft-cap, arch, bidirectional spans)
+    "bf16-decode-128-sm90": ("bf16", True, 128, 4, False, 90, False),
+    "bf16-prefill-128-sm90": ("bf16", False, 128, 4, False, 90, False),
+    "bf16-decode-128-sm80": ("bf16", True, 128, 4, False, 80, False),
+    "bf16-prefill-128-sm80-options": ("bf16", False, 128, 4, True, 80, False),
+    "fp16-prefill-80": ("fp16", False, 80, 4, True, 90, False),
+    "bf16-decode-256": ("bf16", True, 256, 8, True, 90, False),
+    "bf16-prefill-256": ("bf16", False, 256, 2, False, 90, False),
+    "bf16-decode-64-group7": ("bf16", True, 64, 7, False, 90, False),
+    "bf16-decode-128-group32": ("bf16", True, 128, 32, False, 90, False),
+    "fp32-prefill-128": ("fp32", False, 128, 4, False, 90, False),
+    "fp32-decode-256": ("fp32", True, 256, 4, True, 90, False),
+    # Gemma 3 with images: head_dim 256 (4B/12B/27B) and 128, 2 query heads per kv head
+    # (12B/27B: 16/8, 32/16), sliding layers (window, soft cap off as in Gemma 3) or global
+    "bf16-prefill-256-spans-sliding": ("bf16", False, 256, 2, True, 90, True),
+    "bf16-prefill-128-spans": ("bf16", False, 128, 2, False, 90, True),
+    "bf16-prefill-128-spans-sm80": ("bf16", False, 128, 4, True, 80, True),
+    "fp16-prefill-256-spans": ("fp16", False, 256, 2, False, 90, True),
+    "fp32-prefill-256-spans": ("fp32", False, 256, 2, True, 90, True),
+    "bf16-decode-256-spans": ("bf16", True, 256, 2, True, 90, True),
 }
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -77,16 +85,17 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 def test_attention_compiles_for_cuda_without_spills(case):
     """What the wrapper would launch compiles for Hopper/Ampere, and keeps its tiles in
     registers (no local-memory stack), on a machine without a GPU."""
-    dtype, decode_only, head_dim, group, options, arch = COMPILE_CASES[case]
+    dtype, decode_only, head_dim, group, options, arch, spans = COMPILE_CASES[case]
     cfg = triton_attention.launch_config(64 if decode_only else 300, 64, group, head_dim,
                                          TORCH_DTYPES[dtype])
     launch = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
     constexprs = dict(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=16, USE_WINDOW=options, USE_SOFT_CAP=options,
+        BLOCK_SIZE=16, USE_WINDOW=options, USE_SOFT_CAP=options, HAS_SPANS=spans,
         DOT_PRECISION="ieee" if dtype == "fp32" else None, UPCAST_DOT=False, **cfg)
     pointers = {n: "*" + dtype for n in ATTN_POINTERS}
-    pointers.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")})
+    pointers.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr",
+                                         "bidir_spans_ptr")})
     usage = compile_for_cuda(triton_attention._paged_attention_kernel, arch, pointers, constexprs,
                              floats=("scale", "soft_cap"), options=launch)
     if usage is not None:
