@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from gateway.media.options import limits_arg, media_io_kwargs_arg  # stdlib-only too
 from gateway.tool_parsers import TOOL_PARSERS  # stdlib-only, like this module
 from proto.env_flags import EnvFlags
 from proto.model_source import served_name, served_names
@@ -43,6 +46,20 @@ class GatewayConfig:
     # and whether an absent or "auto" tool_choice lets the model decide.
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # Media in chat content parts (gateway/media/): images and video fetched, checked and
+    # stored in Redis by content hash. vLLM's flags, with vLLM's JSON syntax
+    # (gateway/media/options.py).
+    limit_mm_per_prompt: str = '{"image": 8, "video": 1}'  # most items of each kind per prompt
+    media_io_kwargs: str = '{"video": {"num_frames": 32}}'  # video sampling: num_frames, fps
+    # Local files (file:// URLs or paths) are read only below this folder; None: refused.
+    allowed_local_media_path: str | None = None
+    # http(s) media only from these host names (exact match); empty: from any host.
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout_s: float = 10.0  # the whole fetch of one URL, redirects included
+    max_media_bytes: int = 20 * 2**20  # one image or video file, however it arrives
+    max_image_pixels: int = 2**25  # width * height of an image or a video frame (~33.5 MP)
+    max_video_frames: int = 9000  # frames in a video, before sampling (5 min at 30 fps)
+    media_ttl_s: float = 3600.0  # stored media expire this long after their last use
 
     @property
     def model_name(self) -> str:
@@ -54,7 +71,7 @@ class GatewayConfig:
 
 
 # flag → (GatewayConfig field, type, help). `model` is the only required one.
-_FLAGS: dict[str, tuple[str, type, str]] = {
+_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--model": ("model", str, "checkpoint folder or Hugging Face Hub id (tokenizer, chat template)"),
     "--served-model-name": ("served_model_name", str, "names clients use, the first one reported "
                                                       "(default: the folder's name, or the Hub id)"),
@@ -75,6 +92,19 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
                                                   "streams finish (no new connections) before closing them"),
     "--tool-call-parser": ("tool_call_parser", str, "how the model writes tool calls: "
                                                     + ", ".join(TOOL_PARSER_NAMES)),
+    "--limit-mm-per-prompt": ("limit_mm_per_prompt", limits_arg,
+                              'most media items of each kind per prompt, JSON: {"image": 8, "video": 1}'),
+    "--media-io-kwargs": ("media_io_kwargs", media_io_kwargs_arg,
+                          'video sampling, JSON: {"video": {"num_frames": 32, "fps": 2}} '
+                          "(the fewer frames of the two)"),
+    "--allowed-local-media-path": ("allowed_local_media_path", str,
+                                   "folder local media files (file:// or a path) may be read from; "
+                                   "unset: local files are refused"),
+    "--media-fetch-timeout-s": ("media_fetch_timeout_s", float, "seconds to fetch one media URL"),
+    "--max-media-bytes": ("max_media_bytes", int, "largest image or video file accepted"),
+    "--max-image-pixels": ("max_image_pixels", int, "most pixels of an image or video frame"),
+    "--max-video-frames": ("max_video_frames", int, "most frames of a video, before sampling"),
+    "--media-ttl-s": ("media_ttl_s", float, "seconds stored media live after their last use"),
 }
 
 
@@ -96,6 +126,8 @@ def add_cli_args(flags: EnvFlags) -> None:
     flags.switch("--protect-metrics", help="with API keys, /metrics and /health want a key too")
     flags.switch("--enable-auto-tool-choice", help="let the model decide when to call tools "
                                                    "(tool_choice absent or 'auto'; needs --tool-call-parser)")
+    flags.names("--allowed-media-domains", help="host names http(s) media may come from "
+                                                "(unset: any)")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -107,4 +139,6 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     values["api_keys"] = tuple(dict.fromkeys(k for k in keys if k))  # no duplicates, order kept
     values["protect_metrics"] = bool(getattr(args, "protect_metrics", False))
     values["enable_auto_tool_choice"] = bool(getattr(args, "enable_auto_tool_choice", False))
+    domains = (getattr(args, "allowed_media_domains", None) or "").split(",")
+    values["allowed_media_domains"] = tuple(dict.fromkeys(d.strip().lower() for d in domains if d.strip()))
     return GatewayConfig(**values)

@@ -50,3 +50,8 @@ class RedisKeys:
     def scheduler_epoch(self) -> str:
         """The last fencing token drawn by a scheduler taking the lease (scheduler_svc/leader.py)."""
         return f"{self.prefix}:scheduler-epoch"
+
+    def media(self, content_hash: str) -> str:
+        """A MediaItem (an image's encoded bytes, or one video frame's RGB pixels) under the
+        sha256 hex of its content, with a TTL every reuse refreshes (gateway/media/store.py)."""
+        return f"{self.prefix}:media:{content_hash}"

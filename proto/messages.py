@@ -196,3 +196,25 @@ events_decoder = msgspec.msgpack.Decoder(list[TokenEvent])
 registration_decoder = msgspec.msgpack.Decoder(WorkerRegistration)
 stats_decoder = msgspec.msgpack.Decoder(WorkerStats)
 heartbeat_decoder = msgspec.msgpack.Decoder(SchedulerHeartbeat)
+
+
+class MediaItem(msgspec.Struct, frozen=True):
+    """One image as stored under `RedisKeys.media(content_hash)` (gateway → worker): written
+    once by the gateway that validated it, read by any worker that must encode it.
+
+    kind "encoded": `data` is the image file exactly as the client sent it (PNG, JPEG, WEBP,
+    GIF -- its first frame --, BMP; `mime` says which), already fully decoded once by the
+    gateway; content hash = sha256(data).
+    kind "rgb8": `data` is `height` rows of `width` RGB pixels, 3 bytes each, row-major, no
+    padding (len = width * height * 3): a sampled video frame; `mime` is ""; content hash =
+    sha256(f"rgb8:{width}x{height}:".encode() + data). A frame's timestamp is not part of it:
+    the same pixels are one item, however many requests or instants carry them."""
+
+    kind: Literal["encoded", "rgb8"]
+    width: int
+    height: int
+    data: bytes
+    mime: str = ""
+
+
+media_item_decoder = msgspec.msgpack.Decoder(MediaItem)

@@ -1,0 +1,210 @@
+"""The media of one request, from content parts to stored items: what the preflight calls.
+
+    loader = MediaLoader.from_config(config, redis_client)      # one per gateway
+    loaded = await loader.load([MediaPart("image", url, "messages[0].content[1].image_url.url"), ...])
+    # → [LoadedImage(content_hash, width, height, mime, ...) | LoadedVideo(frames=(LoadedFrame(
+    #     content_hash, width, height, timestamp_s, index), ...), ...)], in the parts' order
+
+`load` first counts the parts against `--limit-mm-per-prompt` (nothing is fetched for a
+request over it), then fetches, checks and stores every part concurrently: at most
+`fetch_concurrency` parts of one request at once (network), and at most `decode_threads`
+decodes in this gateway at once, each in a thread (CPU: a big image or video never runs on
+the event loop). The first part that fails cancels the others and its 400 is the answer;
+items already stored simply expire.
+
+An image is stored as its file (`MediaItem` "encoded"), a video as its sampled frames
+(`MediaItem` "rgb8", one per frame); the request then carries only their hashes. A part's
+`uuid` (vLLM's client-given id of an item) travels along but is not trusted as an identity:
+the content hash is computed from the bytes every time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import redis.asyncio as aioredis
+
+from gateway.config import GatewayConfig
+from gateway.errors import OpenAIError, invalid
+from gateway.media.fetch import FetchPolicy, MediaFetcher, MediaKind
+from gateway.media.images import check_image
+from gateway.media.options import VideoSampling, parse_limits, parse_video_sampling
+from gateway.media.store import MediaStore
+from gateway.media.video import decode_video
+from proto.keys import RedisKeys
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """One media content part of a request, as the preflight finds it."""
+
+    kind: MediaKind
+    url: str
+    param: str  # where it is in the body, for errors: "messages[0].content[1].image_url.url"
+    uuid: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadedImage:
+    content_hash: str
+    width: int
+    height: int
+    mime: str
+    param: str
+    uuid: str | None = None
+    kind: Literal["image"] = "image"
+
+
+@dataclass(frozen=True)
+class LoadedFrame:
+    """One kept frame of a video: an image of its own in the prompt, with its time."""
+
+    content_hash: str
+    width: int
+    height: int
+    timestamp_s: float  # from the video's first frame
+    index: int  # among the video's frames
+
+
+@dataclass(frozen=True)
+class LoadedVideo:
+    frames: tuple[LoadedFrame, ...]
+    total_frames: int
+    fps: float
+    duration_s: float
+    param: str
+    uuid: str | None = None
+    kind: Literal["video"] = "video"
+
+
+LoadedMedia = LoadedImage | LoadedVideo
+
+
+@dataclass(frozen=True)
+class MediaSettings:
+    """GatewayConfig's media fields, parsed."""
+
+    limits: Mapping[str, int] = field(default_factory=lambda: parse_limits("{}"))
+    sampling: VideoSampling = VideoSampling()
+    fetch: FetchPolicy = FetchPolicy()
+    max_image_pixels: int = 2**25
+    max_video_frames: int = 9000
+    ttl_s: float = 3600.0
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> MediaSettings:
+        return cls(limits=parse_limits(config.limit_mm_per_prompt),
+                   sampling=parse_video_sampling(config.media_io_kwargs),
+                   fetch=FetchPolicy(timeout_s=config.media_fetch_timeout_s, max_bytes=config.max_media_bytes,
+                                     allowed_domains=tuple(d.lower() for d in config.allowed_media_domains),
+                                     allowed_local_path=config.allowed_local_media_path),
+                   max_image_pixels=config.max_image_pixels, max_video_frames=config.max_video_frames,
+                   ttl_s=config.media_ttl_s)
+
+
+@dataclass
+class LoaderStats:
+    """Media this gateway took in (for its metrics); the store counts what it wrote."""
+
+    images: int = 0
+    videos: int = 0
+    video_frames: int = 0  # kept after sampling
+
+
+class MediaLoader:
+    def __init__(self, settings: MediaSettings, store: MediaStore, fetcher: MediaFetcher | None = None, *,
+                 fetch_concurrency: int = 4, decode_threads: int | None = None):
+        self.settings = settings
+        self.store = store
+        self.fetcher = fetcher or MediaFetcher(settings.fetch)
+        self.stats = LoaderStats()
+        self._fetch_concurrency = fetch_concurrency
+        self._decoding = asyncio.Semaphore(decode_threads or min(4, os.cpu_count() or 1))
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig, client: aioredis.Redis) -> MediaLoader:
+        """The gateway's loader, storing through `client` (flags checked again: a bad value
+        set on a GatewayConfig built in code fails here, at startup)."""
+        try:
+            settings = MediaSettings.from_config(config)
+        except ValueError as exc:
+            raise ValueError(f"gateway media settings: {exc}") from None
+        return cls(settings, MediaStore(client, RedisKeys(config.key_prefix), settings.ttl_s))
+
+    async def aclose(self) -> None:
+        await self.fetcher.aclose()
+
+    def check_limits(self, parts: Sequence[MediaPart]) -> None:
+        """400 for more parts of a kind than `--limit-mm-per-prompt` allows (vLLM's message),
+        naming the first part over the limit."""
+        seen: dict[str, int] = {}
+        for part in parts:
+            seen[part.kind] = seen.get(part.kind, 0) + 1
+            limit = self.settings.limits.get(part.kind, 0)
+            if seen[part.kind] > limit:
+                total = sum(p.kind == part.kind for p in parts)
+                message = (f"This server does not accept {part.kind} input." if limit == 0 else
+                           f"At most {limit} {part.kind}(s) may be provided in one prompt; this "
+                           f"request has {total}.")
+                raise invalid(message, param=part.param, code="too_many_media_items")
+
+    async def load(self, parts: Sequence[MediaPart], sampling: VideoSampling | None = None) -> list[LoadedMedia]:
+        """Every part fetched, checked and stored, in order (`sampling`: this request's
+        video sampling, the server's by default)."""
+        self.check_limits(parts)
+        if not parts:
+            return []
+        fetching = asyncio.Semaphore(self._fetch_concurrency)
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._load_one(part, fetching, sampling or self.settings.sampling))
+                         for part in parts]
+        except BaseExceptionGroup as failed:
+            raise _first_error(failed) from None
+        return [task.result() for task in tasks]
+
+    async def _load_one(self, part: MediaPart, fetching: asyncio.Semaphore,
+                        sampling: VideoSampling) -> LoadedMedia:
+        if not part.url:
+            raise invalid(f"The {part.kind} part has no URL (media by uuid alone are not supported).",
+                          param=part.param, code="invalid_media_url")
+        async with fetching:
+            fetched = await self.fetcher.fetch(part.url, part.kind, part.param)
+        if part.kind == "image":
+            async with self._decoding:
+                image = await asyncio.to_thread(check_image, fetched.data,
+                                                max_pixels=self.settings.max_image_pixels, param=part.param)
+            digest = await self.store.put(image.item())
+            self.stats.images += 1
+            return LoadedImage(digest, image.width, image.height, image.mime, part.param, part.uuid)
+        async with self._decoding:
+            video = await asyncio.to_thread(decode_video, fetched.data, sampling=sampling,
+                                            max_pixels=self.settings.max_image_pixels,
+                                            max_frames=self.settings.max_video_frames, param=part.param)
+        digests = [await self.store.put(frame.item()) for frame in video.frames]
+        self.stats.videos += 1
+        self.stats.video_frames += len(video.frames)
+        frames = tuple(LoadedFrame(digest, f.width, f.height, f.timestamp_s, f.index)
+                       for digest, f in zip(digests, video.frames))
+        return LoadedVideo(frames, video.total_frames, video.fps, video.duration_s, part.param, part.uuid)
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """What to raise for a failed load: an unexpected error first (it is a bug, and must not
+    hide behind a 400), else the first OpenAIError."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    unexpected = [e for e in leaves if not isinstance(e, OpenAIError)]
+    return (unexpected or leaves)[0]

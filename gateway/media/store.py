@@ -1,0 +1,95 @@
+"""Checked media in Redis, each item once under its content hash, for any worker to read.
+
+`MediaStore.put(item)` writes a `MediaItem` (msgpack) to `RedisKeys.media(content_hash)`
+with a TTL and returns the hash; the request then carries only the hash. Storing what is
+there already costs one round trip and no upload: `PEXPIRE` first (the item exists: its
+TTL starts again, so media in use do not expire under a request), and only when that finds
+nothing `SET ... NX PX` (NX: two gateways storing the same bytes at once write it once).
+
+Content hash (`content_hash`): sha256 hex of an encoded image's file bytes; of
+`b"rgb8:<width>x<height>:" + pixels` for a raw frame (the header keeps two frames with the
+same bytes but another shape apart). Equal content, equal hash, on every gateway.
+
+Workers read with `read_media_item` (redis-py's synchronous client, from any thread) or
+`proto.messages.media_item_decoder` on the value of `RedisKeys.media(hash)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import msgspec
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.errors import OpenAIError
+from proto.keys import RedisKeys
+from proto.messages import MediaItem, media_item_decoder
+
+
+def content_hash(item: MediaItem) -> str:
+    """The key an item is stored under: the same for the same content, everywhere."""
+    digest = hashlib.sha256()
+    if item.kind == "rgb8":
+        digest.update(f"rgb8:{item.width}x{item.height}:".encode())
+    digest.update(item.data)
+    return digest.hexdigest()
+
+
+@dataclass
+class StoreStats:
+    """What one gateway's store did since it started (for its metrics)."""
+
+    items_written: int = 0  # new items
+    bytes_written: int = 0  # their encoded sizes
+    items_reused: int = 0  # puts of an item Redis already held (TTL refreshed, nothing sent)
+
+
+class MediaStore:
+    def __init__(self, client: aioredis.Redis, keys: RedisKeys, ttl_s: float):
+        if ttl_s <= 0:
+            raise ValueError(f"media TTL must be positive, not {ttl_s}")
+        self._client = client
+        self._keys = keys
+        self._ttl_ms = max(1, int(ttl_s * 1000))
+        self._encoder = msgspec.msgpack.Encoder()
+        self.stats = StoreStats()
+
+    async def put(self, item: MediaItem) -> str:
+        """Store `item` (or refresh the TTL of its stored copy); its content hash. Redis
+        unreachable: a 503, as for the rest of a request's admission."""
+        digest = content_hash(item)
+        key = self._keys.media(digest)
+        try:
+            if await self._client.pexpire(key, self._ttl_ms):
+                self.stats.items_reused += 1
+                return digest
+            value = self._encoder.encode(item)
+            if await self._client.set(key, value, nx=True, px=self._ttl_ms):
+                self.stats.items_written += 1
+                self.stats.bytes_written += len(value)
+            else:  # another gateway stored it between the two commands
+                await self._client.pexpire(key, self._ttl_ms)
+                self.stats.items_reused += 1
+        except (RedisError, OSError) as exc:
+            raise OpenAIError(503, f"The media store is unreachable: {exc}", code="redis_unavailable") from exc
+        return digest
+
+    async def get(self, digest: str) -> MediaItem | None:
+        """The item stored under `digest`, None when absent or expired."""
+        value = await self._client.get(self._keys.media(digest))
+        return None if value is None else media_item_decoder.decode(value)
+
+    async def ttl_s(self, digest: str) -> float | None:
+        """Seconds the item has left, None when absent (for tests and diagnostics)."""
+        ms = await self._client.pttl(self._keys.media(digest))
+        return None if ms < 0 else ms / 1000
+
+
+def read_media_item(client: redis.Redis, keys: RedisKeys, digest: str) -> MediaItem | None:
+    """The stored item, from redis-py's synchronous client (a worker's thread); None when
+    it is absent or expired."""
+    value = client.get(keys.media(digest))
+    return None if value is None else media_item_decoder.decode(value)

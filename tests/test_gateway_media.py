@@ -1,0 +1,493 @@
+"""The gateway's media layer (gateway/media/): the flags, fetching (data:, a real local HTTP
+server, local files), image checks with PIL, the Redis store, and the loader's limits.
+Every refusal is a 400 with OpenAI's error fields, naming the content part."""
+
+import argparse
+import asyncio
+import base64
+import hashlib
+import io
+import struct
+import threading
+import time
+import uuid
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from PIL import Image
+
+from compose.launcher import free_port
+from gateway.config import GatewayConfig, add_cli_args, config_from_args
+from gateway.errors import OpenAIError
+from gateway.media.fetch import FetchPolicy, MediaFetcher
+from gateway.media.images import check_image
+from gateway.media.loader import LoadedImage, MediaLoader, MediaPart, MediaSettings
+from gateway.media.options import VideoSampling, parse_limits, parse_video_sampling
+from gateway.media.store import MediaStore, content_hash, read_media_item
+from proto.env_flags import EnvFlags
+from proto.keys import RedisKeys
+from proto.messages import MediaItem
+
+PARAM = "messages[0].content[1].image_url.url"
+
+
+def encode(image: Image.Image, fmt: str, **save) -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **save)
+    return out.getvalue()
+
+
+def png(size=(32, 24), color=(200, 30, 40)) -> bytes:
+    return encode(Image.new("RGB", size, color), "PNG")
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that declares a size and holds no pixels: a decompression bomb's header."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IEND", b""))
+
+
+def refused(exc_info, code: str, *words: str, param: str = PARAM) -> None:
+    error = exc_info.value
+    assert isinstance(error, OpenAIError)
+    assert error.status == 400 and error.type == "invalid_request_error"
+    assert error.code == code, error.message
+    assert error.param == param
+    for word in words:
+        assert word in error.message, error.message
+
+
+# ---- flags ---------------------------------------------------------------------------------
+
+
+def gateway_parser() -> argparse.ArgumentParser:
+    flags = EnvFlags(argparse.ArgumentParser())
+    add_cli_args(flags)
+    return flags.parser
+
+
+def test_media_flags_defaults_env_and_vllm_syntax(monkeypatch):
+    config = config_from_args(gateway_parser().parse_args(["--model", "m"]))
+    assert config.limit_mm_per_prompt == GatewayConfig(model="m").limit_mm_per_prompt
+    assert config.allowed_media_domains == () and config.allowed_local_media_path is None
+    settings = MediaSettings.from_config(config)
+    assert dict(settings.limits) == {"image": 8, "video": 1}
+    assert settings.sampling == VideoSampling(num_frames=32, fps=-1.0)
+    assert settings.fetch == FetchPolicy(timeout_s=10.0, max_bytes=20 * 2**20)
+
+    monkeypatch.setenv("PAGEDSERVE_MAX_MEDIA_BYTES", "1000")
+    monkeypatch.setenv("PAGEDSERVE_ALLOWED_MEDIA_DOMAINS", "a.example, B.example")
+    args = gateway_parser().parse_args([
+        "--model", "m", "--limit-mm-per-prompt", '{"image": {"count": 2, "width": 512}, "video": 0}',
+        "--media-io-kwargs", '{"video": {"num_frames": 4, "fps": 1.5}}',
+        "--allowed-local-media-path", "/srv/media", "--media-fetch-timeout-s", "2.5", "--media-ttl-s", "60"])
+    config = config_from_args(args)
+    assert config.allowed_media_domains == ("a.example", "b.example")
+    assert config.max_media_bytes == 1000 and config.media_fetch_timeout_s == 2.5
+    settings = MediaSettings.from_config(config)
+    assert dict(settings.limits) == {"image": 2, "video": 0}
+    assert settings.sampling == VideoSampling(num_frames=4, fps=1.5)
+    assert settings.fetch.allowed_local_path == "/srv/media" and settings.ttl_s == 60.0
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--limit-mm-per-prompt", "image=2", "not JSON"),
+    ("--limit-mm-per-prompt", '{"image": -1}', "count >= 0"),
+    ("--media-io-kwargs", '{"video": {"frames": 4}}', "unknown video option"),
+    ("--media-io-kwargs", '{"video": {"num_frames": 0}}', "num_frames"),
+    ("--media-io-kwargs", '{"audio": {}}', "unknown media kind"),
+])
+def test_bad_media_flags_fail_at_startup(capsys, flag, value, words):
+    with pytest.raises(SystemExit):
+        gateway_parser().parse_args(["--model", "m", flag, value])
+    assert words in capsys.readouterr().err
+
+
+def test_limits_keep_defaults_for_kinds_left_out():
+    assert parse_limits('{"image": 3}') == {"image": 3, "video": 1}
+    assert parse_video_sampling('{"video": {"fps": 2}}') == VideoSampling(num_frames=32, fps=2.0)
+
+
+# ---- data: URLs ----------------------------------------------------------------------------
+
+
+def fetch(url: str, kind: str = "image", policy: FetchPolicy = FetchPolicy()):
+    async def run():
+        fetcher = MediaFetcher(policy)
+        try:
+            return await fetcher.fetch(url, kind, PARAM)
+        finally:
+            await fetcher.aclose()
+    return asyncio.run(run())
+
+
+def test_data_url_decodes_and_tolerates_line_breaks():
+    data = png()
+    wrapped = base64.encodebytes(data).decode()  # 76-column lines
+    fetched = fetch(f"data:image/png;base64,{wrapped}")
+    assert fetched.data == data and fetched.mime == "image/png"
+    assert fetch(data_url(data, "application/octet-stream")).data == data
+
+
+@pytest.mark.parametrize("url, code, words", [
+    ("data:image/png;base64,not*base64!", "invalid_base64", ["not valid base64"]),
+    ("data:image/png;base64,iVBORw0KGgo", "invalid_base64", ["not valid base64"]),  # bad padding
+    ("data:image/png,rawdata", "invalid_base64", ["must be base64"]),
+    ("data:text/plain;base64,aGVsbG8=", "invalid_media_type", ["'text/plain'", "image/*"]),
+    ("data:video/mp4;base64,aGVsbG8=", "invalid_media_type", ["'video/mp4'"]),
+    ("data:image/png;base64", "invalid_media_url", ["no ','"]),
+    ("ftp://example.com/a.png", "invalid_media_url", ["unsupported scheme 'ftp'"]),
+    ("", "invalid_media_url", ["empty"]),
+])
+def test_bad_data_urls(url, code, words):
+    with pytest.raises(OpenAIError) as exc_info:
+        fetch(url)
+    refused(exc_info, code, *words)
+
+
+def test_data_url_over_the_byte_cap():
+    with pytest.raises(OpenAIError) as exc_info:
+        fetch(data_url(b"x" * 3000), policy=FetchPolicy(max_bytes=1000))
+    refused(exc_info, "media_too_large", "limit is 1000 bytes")
+
+
+# ---- http(s):// against a real local server --------------------------------------------
+
+
+class _Handler(BaseHTTPRequestHandler):
+    image = png()
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _send(self, body: bytes, status: int = 200, length: int | None = None, **headers) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body) if length is None else length))
+        for name, value in headers.items():
+            self.send_header(name.replace("_", "-"), value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        port = self.server.server_address[1]
+        path = self.path
+        if path == "/ok.png":
+            self._send(self.image, content_type="image/png")
+        elif path == "/missing.png":
+            self._send(b"nope", status=404)
+        elif path == "/redirect":
+            self._send(b"", status=302, location="/ok.png")
+        elif path == "/redirect-elsewhere":
+            self._send(b"", status=302, location=f"http://localhost:{port}/ok.png")
+        elif path == "/redirect-file":
+            self._send(b"", status=302, location="file:///etc/passwd")
+        elif path == "/loop":
+            self._send(b"", status=302, location="/loop")
+        elif path == "/declared-big":
+            self._send(b"x" * 10, length=10**9)
+        elif path == "/streamed-big":  # no Content-Length: counted while it arrives
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for _ in range(50):
+                self.wfile.write(b"x" * 1000)
+        elif path == "/slow":  # headers at once, then a drip that never ends in time
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            for _ in range(20):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.1)
+        else:
+            self._send(b"?", status=500)
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_fetch_and_redirect(http_server):
+    fetched = fetch(f"{http_server}/ok.png")
+    assert fetched.data == _Handler.image and fetched.mime == "image/png"
+    assert fetch(f"{http_server}/redirect").data == _Handler.image
+    policy = FetchPolicy(allowed_domains=("127.0.0.1",))
+    assert fetch(f"{http_server}/redirect", policy=policy).data == _Handler.image
+
+
+@pytest.mark.parametrize("path, policy, code, words", [
+    ("/missing.png", FetchPolicy(), "media_fetch_failed", ["HTTP 404"]),
+    ("/loop", FetchPolicy(), "media_fetch_failed", ["more than 5 redirects"]),
+    ("/redirect-file", FetchPolicy(), "media_fetch_failed", ["non-http(s)"]),
+    ("/declared-big", FetchPolicy(max_bytes=10_000), "media_too_large", ["1000000000 bytes"]),
+    ("/streamed-big", FetchPolicy(max_bytes=10_000), "media_too_large", ["limit is 10000 bytes"]),
+    ("/slow", FetchPolicy(timeout_s=0.3), "media_fetch_failed", ["no answer within 0.3 s"]),
+    ("/ok.png", FetchPolicy(allowed_domains=("media.example",)), "media_domain_not_allowed",
+     ["'127.0.0.1' is not allowed", "media.example"]),
+    # every hop is checked: allowed at first, redirected to a host that is not
+    ("/redirect-elsewhere", FetchPolicy(allowed_domains=("127.0.0.1",)), "media_domain_not_allowed",
+     ["'localhost'"]),
+])
+def test_http_refusals(http_server, path, policy, code, words):
+    started = time.monotonic()
+    with pytest.raises(OpenAIError) as exc_info:
+        fetch(f"{http_server}{path}", policy=policy)
+    refused(exc_info, code, *words)
+    assert time.monotonic() - started < 1.5  # the slow server is cut off at its deadline
+
+
+def test_connection_refused():
+    with pytest.raises(OpenAIError) as exc_info:
+        fetch(f"http://127.0.0.1:{free_port()}/a.png")
+    refused(exc_info, "media_fetch_failed", "could not connect")
+
+
+# ---- local files -------------------------------------------------------------------------
+
+
+def test_local_files_only_below_the_allowed_folder(tmp_path):
+    root = tmp_path / "media"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.png").write_bytes(png())
+    (tmp_path / "secret.png").write_bytes(png())
+    (root / "escape.png").symlink_to(tmp_path / "secret.png")
+    policy = FetchPolicy(allowed_local_path=str(root))
+
+    assert fetch(f"file://{root}/sub/a.png", policy=policy).data == png()
+    assert fetch(str(root / "sub" / "a.png"), policy=policy).data == png()
+    assert fetch("sub/a.png", policy=policy).data == png()  # relative: below the folder
+    for url in (f"file://{tmp_path}/secret.png", f"{root}/../secret.png", str(root / "escape.png"),
+                "../secret.png"):
+        with pytest.raises(OpenAIError) as exc_info:
+            fetch(url, policy=policy)
+        refused(exc_info, "local_media_not_allowed", "outside the folder")
+    with pytest.raises(OpenAIError) as exc_info:
+        fetch(f"file://{root}/sub/a.png")  # no folder allowed
+    refused(exc_info, "local_media_not_allowed", "--allowed-local-media-path")
+    with pytest.raises(OpenAIError) as exc_info:
+        fetch(f"file://{root}/nothing.png", policy=policy)
+    refused(exc_info, "media_fetch_failed", "does not exist")
+    with pytest.raises(OpenAIError) as exc_info:
+        fetch(f"file://{root}/sub", policy=policy)
+    refused(exc_info, "media_fetch_failed", "cannot be read")
+    with pytest.raises(OpenAIError) as exc_info:
+        fetch(f"file://{root}/sub/a.png", policy=FetchPolicy(allowed_local_path=str(root), max_bytes=10))
+    refused(exc_info, "media_too_large")
+    with pytest.raises(OpenAIError) as exc_info:
+        fetch(f"file://otherhost{root}/sub/a.png", policy=policy)
+    refused(exc_info, "invalid_media_url", "'otherhost'")
+
+
+# ---- images --------------------------------------------------------------------------------
+
+
+def rgba() -> Image.Image:
+    image = Image.new("RGBA", (17, 9), (10, 20, 30, 128))
+    image.putpixel((3, 4), (255, 0, 0, 0))
+    return image
+
+
+GIF_COLORS = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
+GIF_FRAMES = [Image.new("RGB", (20, 10), color) for color in GIF_COLORS]
+
+IMAGES = {
+    "png-rgb": (png((31, 7)), "PNG", "image/png", (31, 7), "RGB"),
+    "jpeg": (encode(Image.new("RGB", (40, 30), (9, 90, 200)), "JPEG", quality=90), "JPEG", "image/jpeg",
+             (40, 30), "RGB"),
+    "png-rgba": (encode(rgba(), "PNG"), "PNG", "image/png", (17, 9), "RGBA"),
+    "png-grayscale": (encode(Image.new("L", (5, 50), 77), "PNG"), "PNG", "image/png", (5, 50), "L"),
+    "png-palette": (encode(Image.new("RGB", (12, 12), (1, 2, 3)).convert("P"), "PNG"), "PNG", "image/png",
+                    (12, 12), "P"),
+    "gif-animated": (encode(GIF_FRAMES[0], "GIF", save_all=True, append_images=GIF_FRAMES[1:]), "GIF",
+                     "image/gif", (20, 10), "P"),
+    "webp": (encode(Image.new("RGB", (16, 16), (5, 6, 7)), "WEBP"), "WEBP", "image/webp", (16, 16), "RGB"),
+    "bmp": (encode(Image.new("RGB", (3, 2), (5, 6, 7)), "BMP"), "BMP", "image/bmp", (3, 2), "RGB"),
+}
+
+
+@pytest.mark.parametrize("name", IMAGES)
+def test_images_that_are_accepted(name):
+    data, fmt, mime, size, mode = IMAGES[name]
+    checked = check_image(data, max_pixels=2**25, param=PARAM)
+    assert (checked.format, checked.mime, (checked.width, checked.height), checked.mode) == (fmt, mime, size, mode)
+    item = checked.item()
+    assert item == MediaItem(kind="encoded", width=size[0], height=size[1], data=data, mime=mime)
+    assert content_hash(item) == hashlib.sha256(data).hexdigest()  # the file's own sha256
+
+
+def test_gif_keeps_its_first_frame():
+    data = IMAGES["gif-animated"][0]
+    with Image.open(io.BytesIO(data)) as image:  # what the worker will do with the stored bytes
+        assert image.n_frames == 3 and image.convert("RGB").getpixel((0, 0)) == GIF_COLORS[0]
+
+
+@pytest.mark.parametrize("data, code, words", [
+    (b"hello, this is text", "invalid_image", ["not a valid image"]),
+    (png()[: len(png()) // 2], "invalid_image", ["truncated or corrupt"]),
+    (IMAGES["jpeg"][0][:300], "invalid_image", ["JPEG image is truncated or corrupt"]),
+    (png()[:60] + b"\xff" * 20 + png()[80:], "invalid_image", ["corrupt"]),
+    (encode(Image.new("RGB", (8, 8)), "TIFF"), "unsupported_image_format", ["TIFF is not supported"]),
+    (encode(Image.new("RGB", (8, 8)), "ICO"), "unsupported_image_format", ["ICO"]),
+    (png_header(6000, 6000), "image_too_large", ["6000x6000", "limit is 33554432"]),  # no pixel decoded
+    (png_header(100_000, 100_000), "image_too_large", ["33554432"]),  # past PIL's own bomb limit
+    (png_header(0, 10), "invalid_image", []),  # no pixels: PIL does not even identify it
+])
+def test_images_that_are_refused(data, code, words):
+    with pytest.raises(OpenAIError) as exc_info:
+        check_image(data, max_pixels=2**25, param=PARAM)
+    refused(exc_info, code, *words)
+
+
+def test_pixel_cap_is_a_setting():
+    with pytest.raises(OpenAIError) as exc_info:
+        check_image(png((20, 20)), max_pixels=399, param=PARAM)
+    refused(exc_info, "image_too_large", "20x20 = 400 pixels", "limit is 399")
+    assert check_image(png((20, 20)), max_pixels=400, param=PARAM).width == 20
+
+
+# ---- the store, on a real Redis -------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_store_round_trip_nx_and_ttl(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    keys = RedisKeys(f"media-test-{uuid.uuid4().hex[:8]}")
+    store = MediaStore(client, keys, ttl_s=30)
+    try:
+        image = check_image(png(), max_pixels=2**25, param=PARAM).item()
+        digest = await store.put(image)
+        assert digest == hashlib.sha256(png()).hexdigest()
+        assert await store.get(digest) == image
+        assert 29 < await store.ttl_s(digest) <= 30
+        assert (store.stats.items_written, store.stats.items_reused) == (1, 0)
+        assert store.stats.bytes_written == len(await client.get(keys.media(digest)))
+
+        # A repeat writes nothing and starts the TTL again.
+        await client.pexpire(keys.media(digest), 2000)
+        assert await store.ttl_s(digest) <= 2
+        assert await store.put(MediaItem("encoded", image.width, image.height, png(), "image/png")) == digest
+        assert 29 < await store.ttl_s(digest) <= 30
+        assert (store.stats.items_written, store.stats.items_reused) == (1, 1)
+
+        # NX: a different value under an existing key is never written over it.
+        await client.set(keys.media(digest), b"other", keepttl=True)
+        await store.put(image)
+        assert await client.get(keys.media(digest)) == b"other"
+        await client.delete(keys.media(digest))
+
+        # Raw frames: the shape is part of the hash; the same pixels are one item.
+        pixels = bytes(range(24))
+        wide, tall = MediaItem("rgb8", 4, 2, pixels), MediaItem("rgb8", 2, 4, pixels)
+        assert await store.put(wide) != await store.put(tall)
+        assert content_hash(wide) == hashlib.sha256(b"rgb8:4x2:" + pixels).hexdigest()
+        assert await store.put(MediaItem("rgb8", 4, 2, bytes(pixels))) == content_hash(wide)
+        assert await store.get("0" * 64) is None
+
+        # A worker's thread reads with the synchronous client.
+        sync = redis.Redis.from_url(redis_url)
+        assert await asyncio.to_thread(read_media_item, sync, keys, content_hash(wide)) == wide
+        assert read_media_item(sync, keys, "0" * 64) is None
+        sync.close()
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.anyio
+async def test_store_without_redis_is_a_503():
+    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
+    store = MediaStore(client, RedisKeys("x"), ttl_s=30)
+    with pytest.raises(OpenAIError) as exc_info:
+        await store.put(MediaItem("encoded", 1, 1, b"x", "image/png"))
+    assert exc_info.value.status == 503 and exc_info.value.code == "redis_unavailable"
+    await client.aclose()
+
+
+# ---- the loader ------------------------------------------------------------------------------
+
+
+def part(url: str, i: int = 0, kind: str = "image") -> MediaPart:
+    return MediaPart(kind, url, f"messages[0].content[{i}].{kind}_url.url")
+
+
+@pytest.mark.anyio
+async def test_loader_loads_in_order_and_dedupes(redis_url, http_server, tmp_path):
+    client = aioredis.Redis.from_url(redis_url)
+    keys = RedisKeys(f"media-test-{uuid.uuid4().hex[:8]}")
+    (tmp_path / "c.png").write_bytes(IMAGES["png-rgba"][0])
+    settings = MediaSettings(fetch=FetchPolicy(allowed_local_path=str(tmp_path)))
+    loader = MediaLoader(settings, MediaStore(client, keys, ttl_s=60))
+    try:
+        parts = [part(data_url(IMAGES["jpeg"][0], "image/jpeg"), 0), part(f"{http_server}/ok.png", 1),
+                 part("c.png", 2), MediaPart("image", data_url(_Handler.image), "input[0].content[3].image_url",
+                                             uuid="client-id")]
+        loaded = await loader.load(parts)
+        assert [type(x) for x in loaded] == [LoadedImage] * 4
+        assert [x.param for x in loaded] == [p.param for p in parts]
+        assert [(x.width, x.height, x.mime) for x in loaded] == [
+            (40, 30, "image/jpeg"), (32, 24, "image/png"), (17, 9, "image/png"), (32, 24, "image/png")]
+        assert loaded[1].content_hash == loaded[3].content_hash == hashlib.sha256(_Handler.image).hexdigest()
+        assert loaded[3].uuid == "client-id"
+        stored = await loader.store.get(loaded[2].content_hash)
+        assert stored.data == IMAGES["png-rgba"][0] and stored.kind == "encoded"
+        assert loader.stats.images == 4 and loader.store.stats.items_written == 3
+        assert await loader.load([]) == []
+    finally:
+        await loader.aclose()
+        await client.aclose()
+
+
+@pytest.mark.anyio
+async def test_loader_refusals_name_the_part(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    settings = MediaSettings(limits=parse_limits('{"image": 2, "video": 0}'))
+    loader = MediaLoader(settings, MediaStore(client, RedisKeys(f"media-test-{uuid.uuid4().hex[:8]}"), 60))
+    good = data_url(png())
+    try:
+        with pytest.raises(OpenAIError) as exc_info:
+            await loader.load([part(good, 0), part(good, 1), part(good, 2)])
+        refused(exc_info, "too_many_media_items", "At most 2 image(s) may be provided in one prompt",
+                "has 3", param="messages[0].content[2].image_url.url")
+        with pytest.raises(OpenAIError) as exc_info:
+            await loader.load([part(good, 0), part("data:video/mp4;base64,AAAA", 1, "video")])
+        refused(exc_info, "too_many_media_items", "does not accept video",
+                param="messages[0].content[1].video_url.url")
+        # Nothing was fetched or stored for a request over the limit.
+        assert loader.stats.images == 0 and loader.store.stats.items_written == 0
+
+        with pytest.raises(OpenAIError) as exc_info:  # one bad part among good ones
+            await loader.load([part(good, 0), part("data:image/png;base64,!!", 1)])
+        refused(exc_info, "invalid_base64", param="messages[0].content[1].image_url.url")
+        with pytest.raises(OpenAIError) as exc_info:
+            await loader.load([part(data_url(b"GIF89a not really"), 4)])
+        refused(exc_info, "invalid_image", param="messages[0].content[4].image_url.url")
+        with pytest.raises(OpenAIError) as exc_info:
+            await loader.load([MediaPart("image", "", "messages[0].content[0].image_url.url", uuid="u")])
+        refused(exc_info, "invalid_media_url", "uuid alone", param="messages[0].content[0].image_url.url")
+    finally:
+        await loader.aclose()
+        await client.aclose()
+
+
+def test_loader_from_config_checks_its_settings(redis_url):
+    with pytest.raises(ValueError, match="gateway media settings"):
+        MediaLoader.from_config(GatewayConfig(model="m", limit_mm_per_prompt="[]"),
+                                aioredis.Redis.from_url(redis_url))
+    loader = MediaLoader.from_config(GatewayConfig(model="m", max_media_bytes=5, key_prefix="p"),
+                                     aioredis.Redis.from_url(redis_url))
+    assert loader.settings.fetch.max_bytes == 5
