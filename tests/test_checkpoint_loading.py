@@ -62,9 +62,11 @@ BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden
 
 @pytest.mark.parametrize("raw, message", [
     ({"architectures": ["Phi3ForCausalLM"]}, r"unsupported architecture 'Phi3ForCausalLM'; supported: "
-                                             r"Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+                                             r"Gemma3ForCausalLM, Gemma3ForConditionalGeneration, "
+                                             r"LlamaForCausalLM, MistralForCausalLM, "
                                              r"Qwen2ForCausalLM, Qwen3ForCausalLM"),
-    ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {}}, "vision-language"),
+    ({"architectures": ["LlavaForConditionalGeneration"], "text_config": {}},
+     "a vision-language checkpoint: of those only Gemma3ForConditionalGeneration is served"),
     ({"architectures": ["Qwen2ForCausalLM"], "rope_scaling": {"type": "yarn", "factor": 4.0}},
      "unsupported rope_type 'yarn'"),
     ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "embedding model"),

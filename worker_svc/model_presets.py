@@ -9,6 +9,13 @@ window (shorter than the test prompts) on Qwen2's upper layers, on every Mistral
 on Gemma 3's sliding layers; head_dim 32 where hidden / heads is 16 (Qwen3, Gemma 3); tied
 embeddings (Qwen2, Qwen3, Gemma 3); two RoPE bases with linear scaling on the global layers,
 `query_pre_attn_scalar` and a final logit soft-cap (Gemma 3).
+
+`gemma3-vision` is `Gemma3ForConditionalGeneration`: the `gemma3` text part of the preset
+plus a SigLIP vision tower and Gemma 3's projector (`VISION_SHAPES`): `tiny` sees 56x56
+images as 4x4 patches of 14 pixels, average-pooled 2x2 to 4 soft tokens an image; `small`
+224x224 images as 16x16 patches pooled to 64 soft tokens (Gemma 3 itself: 896x896, 64x64
+patches, 256 soft tokens). Its tokenizer holds Gemma's image tokens and its chat template is
+Google's Gemma 3 template (`GEMMA3_TEMPLATE`).
 """
 
 from dataclasses import dataclass, field
@@ -16,7 +23,8 @@ from types import MappingProxyType
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma3-vision")
+VISION_ARCHS = ("gemma3-vision",)  # Gemma3ForConditionalGeneration: worker_svc/make_vision_model.py
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,37 @@ REAL_1B = MappingProxyType({
 })
 
 
+@dataclass(frozen=True)
+class VisionShape:
+    """The SigLIP vision tower and projector of a `gemma3-vision` preset."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    mm_tokens_per_image: int  # a square; (image_size / patch_size)^2 patches pool to it
+
+
+VISION_SHAPES = MappingProxyType({
+    "tiny": VisionShape(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        image_size=56, patch_size=14, mm_tokens_per_image=4),
+    "small": VisionShape(hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
+                         num_attention_heads=6, image_size=224, patch_size=14, mm_tokens_per_image=64),
+})
+
+
+def vision_shape(preset: str) -> VisionShape:
+    if preset not in VISION_SHAPES:
+        raise ValueError(f"preset {preset!r} has no vision tower; gemma3-vision comes in "
+                         f"{sorted(VISION_SHAPES)}")
+    return VISION_SHAPES[preset]
+
+
 def shape(arch: str, preset: str) -> Shape:
+    if arch in VISION_ARCHS:
+        vision_shape(preset)  # refuses the presets without one (`1b`)
     if preset == "1b":
         return Shape(**REAL_1B[arch], dtype=torch.bfloat16, corpus_chars=None)
     if preset not in SHAPES:
@@ -90,7 +128,7 @@ def family_config(arch: str, preset: str, s: Shape) -> dict:
     if arch == "mistral":
         return dict(tie_word_embeddings=False, rms_norm_eps=1e-5, sliding_window=48 if tiny else 4096,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma3-vision"):
         head_dim = 32 if tiny else 64 if preset == "small" else 256
         layer_types = (["sliding_attention", "sliding_attention", "full_attention"] if tiny else
                        ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
@@ -117,6 +155,8 @@ class ChatFlavour:
     template: str
     unk: str | None = None
     extra: tuple[str, ...] = field(default=())  # specials that are neither bos, eos nor pad
+    # specials the tokenizer knows by a name, (name, token): tokenizer.<name> is the token
+    named: tuple[tuple[str, str], ...] = field(default=())
 
 
 CHATML = (
@@ -173,6 +213,57 @@ GEMMA_TURNS = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 
+# Google's chat template of the Gemma 3 checkpoints (gemma-3-4b-it and up), verbatim: a
+# content list renders its {"type": "image"} parts as <start_of_image>, which the processor
+# then expands (the rule: worker_svc/make_vision_model.py).
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
+# Gemma 3's image tokens, under the names its tokenizer gives them (Gemma3Processor reads
+# tokenizer.boi_token, .image_token, .eoi_token)
+GEMMA3_IMAGE_TOKENS = (("boi_token", "<start_of_image>"), ("image_token", "<image_soft_token>"),
+                       ("eoi_token", "<end_of_image>"))
+
 FLAVOURS = MappingProxyType({
     "llama": ChatFlavour(specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), bos="<|endoftext|>",
                          eos=("<|endoftext|>", "<|im_end|>"), pad="<|endoftext|>", template=CHATML,
@@ -186,6 +277,10 @@ FLAVOURS = MappingProxyType({
     "gemma3": ChatFlavour(specials=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
                           bos="<bos>", eos=("<eos>", "<end_of_turn>"), pad="<pad>", unk="<unk>",
                           template=GEMMA_TURNS, extra=("<start_of_turn>", "<end_of_turn>")),
+    "gemma3-vision": ChatFlavour(specials=GEMMA_SPECIALS + tuple(t for _, t in GEMMA3_IMAGE_TOKENS),
+                                 bos="<bos>", eos=("<eos>", "<end_of_turn>"), pad="<pad>", unk="<unk>",
+                                 template=GEMMA3_TEMPLATE, extra=("<start_of_turn>", "<end_of_turn>"),
+                                 named=GEMMA3_IMAGE_TOKENS),
 })
 
 

@@ -2,7 +2,7 @@
 a family differs (worker_svc/model/config.py).
 
 forward(input_ids [T], positions [T], attn metadata, kv cache, logits_indices [S]):
-    h = embed(input_ids) (* embedding_scale)
+    h = embed(input_ids) (* embedding_scale)     or the caller's `inputs_embeds` [T, hidden]
     per layer i:
         a = o_proj(paged_attention(rope_i(norm_q(q)), write_kv(rope_i(norm_k(k)), v),
                                    window_i, soft_cap))          on input_layernorm(h)
@@ -15,6 +15,14 @@ Parameter names follow transformers' <Family>ForCausalLM, except q/k/v and gate/
 are stacked into one matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps the
 checkpoint's separate tensors into their slices. Every op is written in transformers'
 order and precision, so greedy outputs agree token for token in fp32.
+
+Vision-language checkpoints (Gemma3ForConditionalGeneration): `load_weights` takes the
+language model's tensors under any of their layouts (worker_svc/model/weight_names.py) and
+leaves the vision tower's and projector's to the vision encoder
+(worker_svc/model/gemma3_vision.py). A step with image soft tokens passes `inputs_embeds`:
+`embed(input_ids)` with the image embeddings written over the soft tokens' rows
+(worker_svc/model/image_placement.py), the order transformers' Gemma3Model uses (scale the
+text embeddings, then scatter the images' unscaled); without images the step is unchanged.
 """
 
 from collections.abc import Iterable
@@ -26,6 +34,7 @@ from kernels.backend import AttentionBackend
 from worker_svc.batch import AttentionMetadata
 from worker_svc.model.config import DecoderConfig
 from worker_svc.model.layers import GatedMLP, RotaryEmbedding, rms_norm
+from worker_svc.model.weight_names import MULTIMODAL_ARCHITECTURES, TEXT, split_name
 
 
 class Attention(nn.Module):
@@ -125,14 +134,22 @@ class DecoderForCausalLM(nn.Module):
         """The attention windows of the layers: the step builds one attention plan for each."""
         return set(self.cfg.sliding_windows)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits [S, vocab] of the rows `logits_indices`; kv_caches = (K per layer, V per layer)."""
-        k_caches, v_caches = kv_caches
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings [T, hidden] of `input_ids`, times the family's embedding scale
+        (rounded to the weights' dtype first, as transformers' Gemma3TextScaledWordEmbedding)."""
         h = self.model.embed_tokens(input_ids)
         if self.embedding_scale is not None:
             h = h * self.embedding_scale
+        return h
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+                logits_indices: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [S, vocab] of the rows `logits_indices`; kv_caches = (K per layer, V per layer).
+        `inputs_embeds` [T, hidden], when given, is the step's input instead of
+        `embed(input_ids)` (a step carrying image embeddings)."""
+        k_caches, v_caches = kv_caches
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         ropes = [rotary.tables(positions) for rotary in self.rotaries]
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
             h = layer(ropes, h, attn, k_cache, v_cache)
@@ -161,7 +178,15 @@ class DecoderForCausalLM(nn.Module):
         for name in params:
             parts = [i for s, _, i in self.STACKED if f".{s}." in name]
             expected.update([f"{name}#{i}" for i in parts] if parts else [name])
+        multimodal = self.cfg.architecture in MULTIMODAL_ARCHITECTURES
         for name, tensor in weights:
+            part, local = split_name(name)
+            if part != TEXT:
+                if multimodal:
+                    continue  # the vision encoder's (worker_svc/model/gemma3_vision.py)
+                raise KeyError(f"checkpoint tensor {name!r} is a {part} weight, but "
+                               f"{self.cfg.architecture} is a text decoder")
+            name = local
             if "rotary_emb.inv_freq" in name:
                 continue  # derived, stored by some old checkpoints
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:

@@ -8,15 +8,57 @@ embeddings, and the final logits soft-capped when `final_logit_softcapping` is s
 
 `attn_logit_softcapping` is not applied: Gemma 3 replaced it by the q/k norms, and
 transformers' and vLLM's Gemma 3 both ignore the field; a config that sets it is served
-as they serve it, with a warning. The vision-language checkpoints
-(Gemma3ForConditionalGeneration) are not served."""
+as they serve it, with a warning.
+
+Gemma3ForConditionalGeneration (every Gemma 3 above 1B: this decoder + a SigLIP tower +
+a projector, worker_svc/model/gemma3_vision.py) is read from its `text_config`, laid over
+Gemma3TextConfig's defaults, as transformers does: a saved config keeps only the keys that
+differ from them (Google's gemma-3-4b-it's text_config has six). The outer config says what
+holds for the whole model: dtype, tied embeddings, EOS ids. Its logits are not soft-capped:
+transformers 5's Gemma3ForConditionalGeneration applies no final soft-cap (Gemma3ForCausalLM
+does), and the released checkpoints set none."""
 
 import logging
+from types import MappingProxyType
 
-from worker_svc.model.config import FULL, SLIDING, DecoderConfig, read_common, read_layer_windows, read_rope
+from worker_svc.model.config import (
+    FULL,
+    SLIDING,
+    DecoderConfig,
+    architecture_of,
+    read_common,
+    read_layer_windows,
+    read_rope,
+)
 
-ARCHITECTURES = ("Gemma3ForCausalLM",)
+ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# Gemma3TextConfig's defaults in transformers (those this module reads).
+TEXT_CONFIG_DEFAULTS = MappingProxyType({
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "eos_token_id": 1, "tie_word_embeddings": True, "attention_bias": False,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096,
+})
 log = logging.getLogger(__name__)
+
+
+def text_config(raw: dict) -> dict:
+    """The decoder's config.json dict of a Gemma3ForConditionalGeneration config.json."""
+    text = {**TEXT_CONFIG_DEFAULTS, **(raw.get("text_config") or {}),
+            "architectures": raw["architectures"]}
+    dtype = raw.get("dtype") or raw.get("torch_dtype")
+    if dtype is not None:
+        text["dtype"] = dtype
+    for key in ("tie_word_embeddings", "eos_token_id"):
+        if raw.get(key) is not None:
+            text[key] = raw[key]
+    if text.get("final_logit_softcapping") is not None:
+        log.warning("Gemma3ForConditionalGeneration: final_logit_softcapping=%s is not applied, "
+                    "as transformers 5 does not apply it for this architecture",
+                    text["final_logit_softcapping"])
+        text["final_logit_softcapping"] = None
+    return text
 
 
 def _rope_by_layer_type(raw: dict) -> dict:
@@ -30,6 +72,8 @@ def _rope_by_layer_type(raw: dict) -> dict:
 
 
 def read_config(raw: dict, generation: dict | None) -> DecoderConfig:
+    if architecture_of(raw) == "Gemma3ForConditionalGeneration":  # its language model
+        raw = text_config(raw)
     if raw.get("use_bidirectional_attention"):
         raise ValueError("Gemma 3 with use_bidirectional_attention (an embedding model) is not "
                          "a causal decoder; it is not served")

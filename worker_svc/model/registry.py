@@ -4,14 +4,19 @@ A family module (worker_svc/model/<family>.py) has `ARCHITECTURES`, the names it
 and `read_config(raw, generation) -> DecoderConfig`, which turns its config keys into the
 shared decoder's switches (worker_svc/model/decoder.py). Adding a family is one such file,
 listed here, plus its parity test against transformers (tests/test_model_families.py).
+
+A vision-language checkpoint (Gemma3ForConditionalGeneration) is served by its text
+family (gemma3.py reads `text_config`); `load_vision_config` reads its vision part
+(worker_svc/model/gemma3_vision.py), None for a text-only checkpoint.
 """
 
 import json
 from pathlib import Path
 from types import MappingProxyType, ModuleType
 
-from worker_svc.model import gemma3, llama, mistral, qwen2, qwen3
+from worker_svc.model import gemma3, gemma3_vision, llama, mistral, qwen2, qwen3
 from worker_svc.model.config import DecoderConfig, architecture_of
+from worker_svc.model.gemma3_vision import Gemma3VisionConfig
 
 FAMILIES = MappingProxyType({arch: module for module in (llama, qwen2, qwen3, mistral, gemma3)
                              for arch in module.ARCHITECTURES})
@@ -23,7 +28,8 @@ def family_of(raw: dict) -> ModuleType:
     if arch not in FAMILIES:
         hint = ""
         if "text_config" in raw:
-            hint = " (a vision-language checkpoint: only text decoders are served)"
+            hint = (" (a vision-language checkpoint: of those only Gemma3ForConditionalGeneration "
+                    "is served)")
         raise ValueError(f"unsupported architecture {arch!r}{hint}; supported: {', '.join(sorted(FAMILIES))}")
     return FAMILIES[arch]
 
@@ -39,3 +45,11 @@ def load_config(model_dir: str | Path) -> DecoderConfig:
     raw = json.loads((model_dir / "config.json").read_text())
     gen_path = model_dir / "generation_config.json"
     return read_config(raw, json.loads(gen_path.read_text()) if gen_path.exists() else None)
+
+
+def load_vision_config(model_dir: str | Path) -> Gemma3VisionConfig | None:
+    """The vision encoder's config of a checkpoint folder, None when it has none (text only)."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if architecture_of(raw) not in gemma3_vision.ARCHITECTURES:
+        return None
+    return gemma3_vision.read_vision_config(raw)
