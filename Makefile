@@ -9,7 +9,7 @@ WORKERS ?= 1
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: up test test-compose install redis cc docker-compose bench clean
+.PHONY: up test test-compose install redis cc docker-compose bench gpu-bundle gpu-check gpu-dry-run clean
 
 # Run apt as root, or through sudo when there is one.
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
@@ -68,6 +68,28 @@ test-compose: install docker-compose
 bench: install
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(PY) bench/compare.py $(BENCH_ARGS)
+
+# The GPU check (bench/gpu/check.py; README "On a GPU"). Here, with network: the bundle of
+# wheels (for the GPU image's Python), Redis and tokenizers that the lent machine lacks.
+# There, without network: install it and run the GPU tests and benchmarks in one call.
+# DEVICE=cpu runs what a CPU can (the dry run); GPU_PY is the Python to check with.
+GPU_BUNDLE ?= .gpu-bundle
+GPU_PYTHON_VERSION ?= 3.12
+GPU_PY  ?= python3
+DEVICE  ?= cuda
+gpu-bundle: install
+	$(PY) bench/gpu/bundle.py --dest $(GPU_BUNDLE) --python-version $(GPU_PYTHON_VERSION)
+
+gpu-check:
+	$(GPU_PY) bench/gpu/check.py --device $(DEVICE) --bundle $(GPU_BUNDLE) $(if $(OUT),--out $(OUT),)
+
+# The proof here that the bundle is complete: a venv with only the GPU image's packages
+# (for this machine's Python), a bundle for that Python, and the check on the CPU.
+gpu-dry-run: install
+	$(PY) bench/gpu/image_venv.py --dest .gpu-image-venv
+	$(PY) bench/gpu/bundle.py --dest .gpu-bundle-dry-run \
+	  --python-version $$($(PY) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+	$(MAKE) gpu-check DEVICE=cpu GPU_PY=.gpu-image-venv/bin/python GPU_BUNDLE=.gpu-bundle-dry-run
 
 clean:
 	rm -rf $(VENV) .run models

@@ -140,7 +140,9 @@ def start_server(name: str, args, port: int, log: Path) -> tuple[subprocess.Pope
     runner = ["--device", args.device, "--dtype", args.dtype,
               *(["--quantization", args.quantization] if args.quantization != "none" else []),
               *(["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []),
-              *(["--threads", str(args.threads)] if args.threads else [])]
+              *(["--threads", str(args.threads)] if args.threads else []),
+              *(["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+                if args.gpu_memory_utilization else [])]
     if name in ("stack", "stack-async"):
         cmd = [sys.executable, "-m", "compose.cli", "up", "--model", model, "--port", str(port),
                "--run-dir", str(log.parent / f"run-{name}"),
@@ -290,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the stack's and the engine's weights (pagedserve --quantization)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
                    help="the stack's and the engine's KV cache (pagedserve --kv-cache-dtype)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="on a GPU, the stack's and the engine's KV cache fills this share of the device")
     p.add_argument("--out-dir", default="bench/results/compare")
     args = p.parse_args(argv)
     check_contenders(args.contenders)

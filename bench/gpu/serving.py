@@ -1,0 +1,137 @@
+"""The GPU check's serving step: the stack against the in-process engine, and decode steps
+against the device's bandwidth, on a random checkpoint made from a carried tokenizer.
+
+    python bench/gpu/serving.py --device cuda --preset 1b --tokenizer .gpu-bundle/tokenizers/llama-1b \
+        --json serving.json
+
+1. The checkpoint: `make_model(preset, arch=llama)` with the tokenizer given (nothing is
+   trained here: a `1b` vocabulary takes a minute of BPE training), bf16 on a GPU.
+2. For each `--concurrency`: bench/compare.py with the contenders `stack` and `engine`, one
+   round, `2 x concurrency` requests of the serving workload (input mean 256, output mean
+   128): output tokens/s of each, the stack over the engine, TTFT and TPOT p50, the worker's
+   mean step and the mean gap between steps.
+3. For each `--roofline-batches`: bench/roofline.py's decode step at that batch (context
+   320): its time, the floor, and its model-bandwidth utilisation (weights + K/V read and
+   written per step, over the step, over a measured device-to-device copy's bandwidth).
+The JSON (`--json`) is rewritten after each part, so a run stopped by its time box keeps
+what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def carried_tokenizer(folder: Path, into: Path) -> Path:
+    """A loadable copy of a bundle's tokenizer folder (its tokenizer.json travels gzipped)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for f in folder.iterdir():
+        if f.name.endswith(".gz"):
+            with gzip.open(f, "rb") as src, (into / f.name.removesuffix(".gz")).open("wb") as dst:
+                shutil.copyfileobj(src, dst)
+        else:
+            shutil.copy(f, into / f.name)
+    return into
+
+
+def make_checkpoint(args) -> Path:
+    from worker_svc.make_model import make_model
+
+    out = args.work / f"llama-{args.preset}"
+    if (out / "config.json").exists():
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = carried_tokenizer(args.tokenizer, Path(tmp) / "tokenizer")
+        make_model(out, preset=args.preset, seed=0, arch="llama", tokenizer_dir=tokenizer)
+    return out
+
+
+def compare(args, model: Path, concurrency: int) -> dict:
+    out_dir = args.work / f"compare-{concurrency}"
+    cmd = [sys.executable, str(ROOT / "bench/compare.py"), "--model-dir", str(model), "--contenders", "stack",
+           "engine", "--runs", "1", "--concurrency", str(concurrency),
+           "--num-requests", str(max(16, 2 * concurrency)), "--input-mean", str(args.input_mean),
+           "--output-mean", str(args.output_mean), "--device", args.device, "--dtype", args.dtype,
+           "--out-dir", str(out_dir)]
+    if args.device.startswith("cuda"):
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    summary = json.loads((out_dir / "summary.json").read_text())["contenders"]
+    row = {name: {k: c.get(k) for k in ("output_throughput_median", "ttft_s_p50_median", "tpot_s_p50_median",
+                                        "step_mean_s_median", "gap_mean_s_median")}
+           for name, c in summary.items()}
+    stack, engine = (summary[n]["output_throughput_median"] for n in ("stack", "engine"))
+    row["stack_over_engine"] = stack / engine if engine else None
+    return row
+
+
+def roofline(args, model: Path, batch: int) -> dict:
+    out = args.work / f"roofline-{batch}.json"
+    subprocess.run([sys.executable, str(ROOT / "bench/roofline.py"), "--model-dir", str(model),
+                    "--device", args.device, "--dtype", args.dtype, "--batch", str(batch), "--context", "320",
+                    "--kv-cache-gib", str(args.roofline_kv_gib), "--out", str(out)], check=True, cwd=ROOT)
+    result = json.loads(out.read_text())
+    d = result["decode"]
+    return {"step_ms": d["step_ms"], "floor_ratio": d["ratio"], "bandwidth_utilisation": d["bandwidth_utilisation"],
+            "bytes_per_step": d["bytes"], "copy_GB_per_s": result["read_gbps"],
+            "matmul_GFLOP_per_s": result["matmul_gflops"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--tokenizer", type=Path, required=True, help="a bundle's tokenizer folder")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--input-mean", type=int, default=256)
+    p.add_argument("--output-mean", type=int, default=128)
+    p.add_argument("--roofline-batches", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--roofline-kv-gib", type=float, default=None, help="default: 8 on a GPU, 1 on the CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    p.add_argument("--work", type=Path, default=Path("/tmp/pagedserve-gpu-serving"))
+    p.add_argument("--json", type=Path, required=True)
+    args = p.parse_args(argv)
+    gpu = args.device.startswith("cuda")
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    args.roofline_kv_gib = args.roofline_kv_gib or (8.0 if gpu else 1.0)
+    args.work.mkdir(parents=True, exist_ok=True)
+    result: dict = {"preset": args.preset, "arch": "llama", "device": args.device, "dtype": args.dtype,
+                    "workload": {"input_mean": args.input_mean, "output_mean": args.output_mean,
+                                 "requests": "2 x concurrency"},
+                    "serving": {}, "decode_roofline": {}}
+
+    def save() -> None:
+        args.json.write_text(json.dumps(result, indent=1))
+
+    t0 = time.monotonic()
+    model = make_checkpoint(args)
+    result["make_model_s"] = round(time.monotonic() - t0, 1)
+    save()
+    for c in args.concurrency:
+        result["serving"][str(c)] = compare(args, model, c)
+        save()
+    for b in args.roofline_batches:
+        result["decode_roofline"][str(b)] = roofline(args, model, b)
+        save()
+    for c, row in result["serving"].items():
+        print(f"concurrency {c}: stack {row['stack']['output_throughput_median']:.0f} tok/s, engine "
+              f"{row['engine']['output_throughput_median']:.0f} tok/s, stack/engine {row['stack_over_engine']:.2f}")
+    for b, row in result["decode_roofline"].items():
+        print(f"decode batch {b}: {row['step_ms']:.2f} ms, {row['bandwidth_utilisation']:.0%} of the copy bandwidth")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
