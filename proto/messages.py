@@ -46,6 +46,18 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     grammar: Grammar | None = None
 
 
+class MultiModalInput(msgspec.Struct, frozen=True, array_like=True):
+    """One image (or video frame) of a prompt: its soft tokens are prompt_token_ids[offset :
+    offset + length]; the worker encodes the MediaItem stored under
+    RedisKeys.media(content_hash) and writes its embeddings over them. Those tokens see each
+    other both ways (Gemma 3), so the scheduler never splits them across steps, and the
+    hash is part of the prefix-cache key of every block they touch."""
+
+    content_hash: str  # sha256 hex of the stored media
+    offset: int
+    length: int
+
+
 class NewRequest(msgspec.Struct, frozen=True, tag="new"):
     request_id: str
     prompt_token_ids: list[int]
@@ -63,6 +75,8 @@ class NewRequest(msgspec.Struct, frozen=True, tag="new"):
     # replacing a copy it still runs. (seed, position) sampling and `request_seed` make the
     # new copy produce the tokens the client already has; the gateway drops those by index.
     resubmitted: bool = False
+    # Images and video frames in the prompt, in prompt order (empty for text).
+    mm_inputs: tuple[MultiModalInput, ...] = ()
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

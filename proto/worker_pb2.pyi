@@ -58,7 +58,7 @@ class Grammar(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "reply_channel")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "reply_channel", "mm_inputs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class NewRequestData(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REPLY_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    MM_INPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -73,7 +74,18 @@ class NewRequestData(_message.Message):
     num_computed_tokens: int
     sampling: SamplingParams
     reply_channel: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reply_channel: _Optional[str] = ...) -> None: ...
+    mm_inputs: _containers.RepeatedCompositeFieldContainer[MultiModalInput]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reply_channel: _Optional[str] = ..., mm_inputs: _Optional[_Iterable[_Union[MultiModalInput, _Mapping]]] = ...) -> None: ...
+
+class MultiModalInput(_message.Message):
+    __slots__ = ("content_hash", "offset", "length")
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    content_hash: str
+    offset: int
+    length: int
+    def __init__(self, content_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class CachedRequestData(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_computed_tokens", "replace_block_ids")
@@ -96,7 +108,7 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "finished_request_ids", "new_requests", "cached_requests", "num_scheduled_tokens", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "swapped_out_request_ids", "after_step_id")
+    __slots__ = ("step_id", "finished_request_ids", "new_requests", "cached_requests", "num_scheduled_tokens", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "swapped_out_request_ids", "after_step_id", "fencing_token")
     class NumScheduledTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +126,7 @@ class StepRequest(_message.Message):
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_OUT_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestData]
@@ -124,7 +137,8 @@ class StepRequest(_message.Message):
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockPair]
     swapped_out_request_ids: _containers.RepeatedScalarFieldContainer[str]
     after_step_id: int
-    def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swapped_out_request_ids: _Optional[_Iterable[str]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
+    fencing_token: int
+    def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swapped_out_request_ids: _Optional[_Iterable[str]] = ..., after_step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "finish_reason")
