@@ -3,11 +3,15 @@
     config.py        GatewayConfig; add_cli_args / config_from_args
     app.py           create_app(config) -> FastAPI: thin routes
     protocol.py      pydantic models of the OpenAI request schema
+    content_parts.py a chat message's content parts: text, image_url, video_url
     response_models.py  pydantic models of the OpenAI response shapes (logprobs included)
     errors.py        OpenAI-shaped errors and the handlers that produce them
     auth.py          API keys: bearer check on /v1 before routing, constant-time compare
     metrics.py       Prometheus metrics (/metrics)
     preflight.py     body limit, parsing, model / live worker, tokenizing, context check, n fan-out
+    mm_prompt.py     a chat prompt with images / video: media loaded, template, Gemma3Processor's
+                     expansion, each image's soft-token range (NewRequest.mm_inputs)
+    image_tokens.py  a vision checkpoint's image tokens and soft tokens per image (None: text model)
     tokenizer.py     the checkpoint's tokenizer and chat template (or --chat-template's)
     sampling_defaults.py  generation_config.json's sampling defaults (--generation-config)
     detokenizer.py   incremental detokenization (tokenizers' DecodeStream)
@@ -25,4 +29,5 @@
                      forced calls; tool_calls and their stream deltas
     responses_request.py, responses_output.py   the Responses API (/v1/responses)
     tokenize_models.py   /tokenize and /detokenize shapes
+    media/           images and video: fetch, check, decode, store by content hash (MediaLoader)
 """

@@ -22,7 +22,10 @@ from gateway.generation import Generation
 from gateway.generation_group import Generating, GenerationGroup
 from gateway.health import router as health_router
 from gateway.auth import APIKeyMiddleware, APIKeys
+from gateway.image_tokens import ImageTokens
+from gateway.media.loader import MediaLoader
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.mm_prompt import MediaPrompts
 from gateway.preflight import Admitted, Preflight, parse, read_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.response_models import ModelCard, ModelList
@@ -44,24 +47,35 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend] | None = None) -> FastAPI:
     """The gateway app. Loads the tokenizer now (a folder, or a Hub id from the cache, found
-    the way the worker finds it); connects to Redis in the lifespan."""
+    the way the worker finds it), and a vision checkpoint's image tokens; connects to Redis
+    in the lifespan, where a vision checkpoint's MediaLoader stores media through the
+    backend's client. A backend without Redis (the in-process engine's) gets no loader:
+    images and video are then refused with a 400 that points at the stack."""
     model_dir = resolve_model(config.model)
     tokenizer = PromptTokenizer(model_dir, config.chat_template)
     sampling_defaults = SamplingDefaults.load(config.generation_config, model_dir)
     token_texts = TokenTexts(tokenizer)
+    image_tokens = ImageTokens.read(model_dir, tokenizer.hf)  # None: a text model
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Redis by default; `pagedserve engine` passes the in-process engine's backend,
-        # which has the same methods (compose/inprocess_backend.py).
+        # which has the same methods (compose/inprocess_backend.py) but no Redis.
         backend = backend_factory() if backend_factory else RedisBackend(
             config.redis_url, RedisKeys(config.key_prefix), config.worker_cache_ttl_s)
         await backend.start()
         app.state.backend = backend
-        app.state.preflight = Preflight(config, backend, tokenizer, sampling_defaults)
+        loader: MediaLoader | None = None
         try:
+            if image_tokens is not None and isinstance(backend, RedisBackend):
+                loader = MediaLoader.from_config(config, backend.redis)
+            media = MediaPrompts(config.model_name, tokenizer, image_tokens, loader)
+            app.state.preflight = Preflight(config, backend, tokenizer, sampling_defaults, media)
+            metrics.media.loader = loader
             yield
         finally:
+            if loader is not None:
+                await loader.aclose()
             await backend.stop()
 
     app = FastAPI(title="pagedserve gateway", lifespan=lifespan)
@@ -123,6 +137,9 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
             is_chat = False  # not a JSON object: parse() below says what is wrong
         body = parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, raw)
         request.app.state.preflight.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest) and any(m.has_media for m in body.messages):
+            raise OpenAIError(400, "/tokenize does not take image or video parts yet; send the text "
+                                   "parts only.", param="messages", code="unsupported_content_part")
         if isinstance(body, TokenizeChatRequest):
             ids = await asyncio.to_thread(
                 tokenizer.encode_chat, [m.template_dict() for m in body.messages],
@@ -180,7 +197,7 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
                 raise from_validation_errors(list(exc.errors(include_url=False))) from None
             admitted = await request.app.state.preflight.admit_chat(chat)
         except OpenAIError as exc:
-            raise as_responses_error(exc) from None
+            raise as_responses_error(exc, body) from None
         echo = {key: value for key, value in (
             ("instructions", body.instructions), ("metadata", body.metadata), ("temperature", body.temperature),
             ("top_p", body.top_p), ("max_output_tokens", body.max_output_tokens), ("tools", body.tools),

@@ -255,6 +255,12 @@ class RedisBackend(EventQueues):
         return self._schedulers
 
     @property
+    def redis(self) -> aioredis.Redis:
+        """The pooled client (commands time out; a connection error is retried), for other
+        parts of the gateway that keep data in Redis: the media store. Closed by `stop`."""
+        return self._client
+
+    @property
     def subscribed(self) -> bool:
         """Whether the reply channel is subscribed now (token events can reach us)."""
         return self._subscribed.is_set()

@@ -8,21 +8,27 @@ them around a `Generation` (one per HTTP request, n choices), per choice.
 
 Beside them, `WorkerStatsCollector` (proto/metrics.py) renders the scheduler's WorkerStats
 of every live worker — KV accounting, request phases, steps — which the /metrics handler
-refreshes from the backend before each scrape. One CollectorRegistry per app.
+refreshes from the backend before each scrape; `MediaStatsCollector` renders what this
+gateway's MediaLoader took in and its MediaStore wrote (vision checkpoints: images, videos,
+kept video frames, media items and bytes stored in Redis; zeros otherwise). One
+CollectorRegistry per app.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.generation import Generation, GenerationOutput
+from gateway.media.loader import LoaderStats, MediaLoader
+from gateway.media.store import StoreStats
 from proto.metrics import FIRST_TOKEN_SECONDS, REQUEST_SECONDS, TOKEN_SECONDS, WorkerStatsCollector
 
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
@@ -60,6 +66,9 @@ class GatewayMetrics:
         # The scheduler's accounting of every live worker; refreshed by the /metrics handler.
         self.worker_stats = WorkerStatsCollector()
         r.register(self.worker_stats)
+        # The media this gateway took in; the app sets its loader once Redis is connected.
+        self.media = MediaStatsCollector(model_name)
+        r.register(self.media)
 
     def meter(self, generation: Generation, num_prompt_tokens: int) -> MeteredGeneration:
         """`generation`, timed from now (its request was just admitted)."""
@@ -67,6 +76,40 @@ class GatewayMetrics:
 
     def response(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class MediaStatsCollector:
+    """Renders the counters of `loader` (None: no media taken, all zeros) at each scrape:
+
+        pagedserve:mm_images_received_total        images fetched, checked and stored
+        pagedserve:mm_videos_received_total        videos decoded
+        pagedserve:mm_video_frames_received_total  their frames kept after sampling
+        pagedserve:mm_items_stored_total           media items this gateway wrote to Redis
+        pagedserve:mm_items_reused_total           items it found there already (TTL refreshed)
+        pagedserve:mm_stored_bytes_total           bytes of the items it wrote
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.loader: MediaLoader | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterator[Metric]:
+        loader = self.loader
+        taken = loader.stats if loader is not None else LoaderStats()
+        stored = loader.store.stats if loader is not None else StoreStats()
+        for name, doc, value in (
+                ("mm_images_received", "images fetched, checked and stored", taken.images),
+                ("mm_videos_received", "videos decoded", taken.videos),
+                ("mm_video_frames_received", "video frames kept after sampling", taken.video_frames),
+                ("mm_items_stored", "media items written to Redis", stored.items_written),
+                ("mm_items_reused", "media items Redis held already (TTL refreshed)", stored.items_reused),
+                ("mm_stored_bytes", "bytes of the media items written to Redis", stored.bytes_written)):
+            family = CounterMetricFamily(f"pagedserve:{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 @dataclass

@@ -1,6 +1,9 @@
 """Everything a request must pass before it is queued (DESIGN.md step 1): body size, JSON and
 schema, model name, a live worker, tokenization, vocabulary and context length (the API key
-is checked before routing, by `gateway.auth`).
+is checked before routing, by `gateway.auth`); for a chat request with images or video, the
+media too (gateway/mm_prompt.py: refused before anything is fetched when the server cannot
+take them, then fetched, checked, stored, and placed in the prompt, whose image tokens count
+toward the context length).
 Each failure is an `OpenAIError` with the status OpenAI would use."""
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from gateway.backend import RedisBackend
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, from_validation_errors, invalid
 from gateway.generation import TextOptions
+from gateway.mm_prompt import MediaPrompts, media_parts
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.structured_output import grammar_for
 from gateway.tokenizer import PromptTokenizer
 from gateway.tool_parsers.calls import ToolParser
 from gateway.tools import plan_tools
-from proto.messages import Grammar, NewRequest, SamplingParams
+from proto.messages import Grammar, MultiModalInput, NewRequest, SamplingParams
 
 Body = TypeVar("Body", bound=BaseModel)
 logger = logging.getLogger(__name__)
@@ -95,11 +99,13 @@ def parse(model: type[Body], body: bytes) -> Body:
 
 class Preflight:
     def __init__(self, config: GatewayConfig, backend: RedisBackend, tokenizer: PromptTokenizer,
-                 defaults: SamplingDefaults = SamplingDefaults()):
+                 defaults: SamplingDefaults = SamplingDefaults(), media: MediaPrompts | None = None):
         self.config = config
         self.backend = backend
         self.tokenizer = tokenizer
         self.defaults = defaults  # for parameters a request leaves out (generation_config.json)
+        # prompts with images or video; by default none are taken (a text model's answer)
+        self.media = media or MediaPrompts(config.model_name, tokenizer, None, None)
 
     def check_model(self, requested_model: str | None) -> None:
         """404 for a model name this gateway does not serve (absent means the served one)."""
@@ -144,16 +150,24 @@ class Preflight:
         return admitted
 
     async def admit_chat(self, body: ChatCompletionRequest) -> Admitted:
+        parts = media_parts(body.messages) if body.has_media else []
+        if parts:  # what no fetch can fix is refused first: a text model, the engine, limits
+            self.check_model(body.model)
+            self.media.check(body, parts)
         max_model_len = await self.max_model_len(body.model)
         await admit(self.backend)
-        messages = [m.template_dict() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        prompt_ids = await asyncio.to_thread(
-            self.tokenizer.encode_chat, messages, tools=tools,
-            add_generation_prompt=bool(body.add_generation_prompt),
-            continue_final_message=bool(body.continue_final_message),
-            template_kwargs=body.chat_template_kwargs or {},
-            add_special_tokens=bool(body.add_special_tokens))
+        mm_inputs: tuple[MultiModalInput, ...] = ()
+        if parts:
+            prompt = await self.media.build(body, parts, tools)
+            prompt_ids, mm_inputs = prompt.token_ids, prompt.mm_inputs
+        else:
+            prompt_ids = await asyncio.to_thread(
+                self.tokenizer.encode_chat, [m.template_dict() for m in body.messages], tools=tools,
+                add_generation_prompt=bool(body.add_generation_prompt),
+                continue_final_message=bool(body.continue_final_message),
+                template_kwargs=body.chat_template_kwargs or {},
+                add_special_tokens=bool(body.add_special_tokens))
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # as much as the context leaves (at least 1), or the model's default
             left = max(1, max_model_len - len(prompt_ids))
@@ -162,7 +176,8 @@ class Preflight:
                                         self.config.enable_auto_tool_choice)
         grammar = tools.grammar or await asyncio.to_thread(grammar_for, body)
         admitted = self._admit(body, "chatcmpl", prompt_ids, max_tokens, max_model_len, where="messages",
-                               logprobs=body.num_logprobs, prompt_logprobs=None, grammar=grammar)
+                               logprobs=body.num_logprobs, prompt_logprobs=None, grammar=grammar,
+                               mm_inputs=mm_inputs)
         if tools.parser is None:
             return admitted
         text = admitted.text
@@ -173,11 +188,16 @@ class Preflight:
     def _admit(self, body: CompletionRequest | ChatCompletionRequest, id_prefix: str,
                prompt_ids: list[int], max_tokens: int, max_model_len: int, where: str, *,
                logprobs: int | None, prompt_logprobs: int | None,
-               grammar: Grammar | None = None) -> Admitted:
+               grammar: Grammar | None = None, mm_inputs: tuple[MultiModalInput, ...] = ()) -> Admitted:
+        """`mm_inputs`: the images' soft-token ranges in `prompt_ids` (gateway/mm_prompt.py);
+        they count toward the context like any token, and truncation never applies to them
+        (MediaPrompts.check refuses truncate_prompt_tokens with media)."""
         if body.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens
             prompt_ids = prompt_ids[-body.truncate_prompt_tokens:]
         if not prompt_ids:
             raise invalid("The prompt is empty after tokenization.", param=where)
+        if not mm_inputs:
+            self.media.check_text_prompt(prompt_ids, where)
         total = len(prompt_ids) + max_tokens
         if total > max_model_len:
             raise invalid(
@@ -188,7 +208,8 @@ class Preflight:
         sampling = self._sampling(body, max_tokens, logprobs, prompt_logprobs, grammar)
         request = NewRequest(request_id=f"{id_prefix}-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
                              sampling=sampling, reply_channel=self.backend.reply_channel,
-                             arrival_time=time.time(), priority=body.priority or 0, n=body.n or 1)
+                             arrival_time=time.time(), priority=body.priority or 0, n=body.n or 1,
+                             mm_inputs=mm_inputs)
         return Admitted(request, TextOptions(stop=body.stop, skip_special_tokens=body.skip_special_tokens is not False,
                                              include_stop_str=bool(body.include_stop_str_in_output)))
 

@@ -8,8 +8,10 @@ do not implement are declared anyway and accepted only at their neutral value (`
 `suffix: ""`, `use_beam_search: false`, ...); anything else is a 400 naming the parameter
 and saying it is not supported. Fields whose JSON may take
 several shapes (prompt, stop, message content) are normalised by before-validators, so an
-error names the field and not a pydantic union branch; their `WithJsonSchema` annotations
-publish the shapes accepted on the wire in the OpenAPI schema.
+error names the field and not a pydantic union branch; the `WithJsonSchema` annotations of
+prompt and stop publish the shapes accepted on the wire in the OpenAPI schema, and message
+content's parts (text, image_url, video_url: gateway/content_parts.py) appear there as the
+models they are.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, WithJsonSchema, field_validator,
                       model_validator)
+
+from gateway.content_parts import ContentPart, MediaContentPart, normalize_content
+from gateway.media.options import parse_video_sampling
 
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # OpenAI: top_logprobs <= 20 (chat), logprobs <= 5 (completions)
@@ -48,7 +53,6 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((None, False), "chat answers never repeat the prompt"),
     "documents": ((None,), "documents are not passed to chat templates"),
     "chat_template": ((None,), "the model's own chat template is always used"),
-    "mm_processor_kwargs": ((None,), "the models are text-only"),
     "guided_whitespace_pattern": ((None,), "JSON is generated with compact separators"),
     "whitespace_pattern": ((None,), "JSON is generated with compact separators"),
     "structural_tag": ((None,), "use tools with tool_choice, or a grammar"),
@@ -98,10 +102,6 @@ _LOGIT_BIAS_SCHEMA = {"anyOf": [
     {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": 1024,
      "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
     {"type": "null"}]}
-_CONTENT_SCHEMA = {"anyOf": [
-    {"type": "string"}, {"type": "null"},
-    {"type": "array", "items": {"type": "object", "properties": {
-        "type": {"const": "text"}, "text": {"type": "string"}}, "required": ["type", "text"]}}]}
 
 
 class StreamOptions(RequestPart):
@@ -264,9 +264,10 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatMessage(RequestPart):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # A string or a list of text parts (joined with newlines); null only for an assistant
-    # turn. Normalised to a string.
-    content: Annotated[str | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
+    # A string, or a list of content parts (gateway/content_parts.py): text parts only are
+    # joined with newlines into a string; with an image or a video the list stays, typed.
+    # null only for an assistant turn.
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     refusal: str | None = None  # assistant turns copied back from a response carry it
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, for the template
@@ -284,20 +285,8 @@ class ChatMessage(RequestPart):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_content(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise ValueError("must be a string or a list of content parts")
-        texts = []
-        for i, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ValueError(f"content part {i} has type {kind!r}: only 'text' parts are supported")
-            if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
-                raise ValueError(f"content part {i} must be {{'type': 'text', 'text': <string>}}")
-            texts.append(part["text"])
-        return "\n".join(texts)
+    def _content(cls, value: Any) -> Any:
+        return normalize_content(value)
 
     @field_validator("function_call", mode="before")
     @classmethod
@@ -314,14 +303,32 @@ class ChatMessage(RequestPart):
             raise ValueError("only 'assistant' messages carry 'tool_calls'")
         if self.content is None and not (self.role == "assistant"):
             raise ValueError(f"a '{self.role}' message needs 'content'")
+        if self.has_media and self.role != "user":
+            raise ValueError(f"only 'user' turns may carry image_url or video_url parts; this one "
+                             f"is '{self.role}'")
         return self
 
-    def template_dict(self) -> dict[str, Any]:
+    @property
+    def has_media(self) -> bool:
+        """Whether the content holds an image or a video (it is then a list of parts)."""
+        return isinstance(self.content, list)
+
+    @property
+    def media_parts(self) -> list[tuple[int, MediaContentPart]]:
+        """(index in content, part) of each image and video part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part) for j, part in enumerate(self.content) if part.type != "text"]
+
+    def template_dict(self, content: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The message as chat templates expect it; `developer` is OpenAI's newer `system`.
         A call's `arguments` (JSON text on the wire) become an object, as templates (Qwen's,
-        Llama's, Mistral's) write them with `tojson`."""
+        Llama's, Mistral's) write them with `tojson`. `content`: the template's parts for a
+        message with media (gateway/mm_prompt.py makes them), which its own content is not."""
+        if content is None and self.has_media:
+            raise ValueError("a message with images or video needs its template parts")
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": self.content or ""}
+                                   "content": content if content is not None else self.content or ""}
         for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
@@ -418,12 +425,45 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: bool | None = None
     documents: list[Any] | None = None
     chat_template: str | None = None
+    # Images and video (vLLM's names): this request's video sampling, over the server's
+    # --media-io-kwargs ({"video": {"num_frames": N, "fps": F}}); and the processor's
+    # switches, of which only pan-and-scan exists for Gemma 3, and is not supported.
+    media_io_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
 
-    @field_validator("functions", "function_call", "echo", "documents", "chat_template", "mm_processor_kwargs")
+    @field_validator("functions", "function_call", "echo", "documents", "chat_template")
     @classmethod
     def _neutral_chat(cls, value: Any, info) -> Any:
         return _require_neutral(info.field_name, value)
+
+    @field_validator("media_io_kwargs")
+    @classmethod
+    def _media_io_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            try:
+                parse_video_sampling(json.dumps(value))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(str(exc).removeprefix("--media-io-kwargs: ")) from None
+        return value
+
+    @field_validator("mm_processor_kwargs")
+    @classmethod
+    def _mm_processor_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, setting in (value or {}).items():
+            if key == "do_pan_and_scan":
+                if setting not in (None, False):
+                    raise ValueError("pan-and-scan ('do_pan_and_scan') is not supported: each image is "
+                                     "resized whole to the vision tower's size (vLLM's default); leave "
+                                     "it out or set it to false")
+            elif not key.startswith("pan_and_scan_"):  # pan-and-scan's own sizes: moot while it is off
+                raise ValueError(f"'{key}' is not supported: the only processor switch is "
+                                 "'do_pan_and_scan', and it must be false")
+        return value
+
+    @property
+    def has_media(self) -> bool:
+        """Whether any message carries an image or a video."""
+        return any(m.has_media for m in self.messages)
 
     @field_validator("tool_choice")
     @classmethod

@@ -5,7 +5,9 @@ scheduler path as /v1/chat/completions (gateway/responses_output.py shapes the a
     instructions                        a system message first
     input: "text"                       one user message
     input: [items]                      messages ({"role", "content": text or input_text /
-                                        output_text parts}), "function_call" items (an
+                                        output_text / input_image parts}; an input_image's
+                                        image_url becomes chat's image_url part, one by
+                                        file_id is refused), "function_call" items (an
                                         assistant turn's tool_calls), "function_call_output"
                                         items (tool messages)
     tools: [{"type": "function", "name", "parameters", ...}]   chat's tools
@@ -20,6 +22,7 @@ are refused; `store` is accepted and the response says `"store": false`.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -56,35 +59,60 @@ class ResponsesRequest(RequestPart):
         return value
 
 
-def _text_of(content: Any, where: str) -> str:
+def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: text parts joined into a string, or, with an
+    `input_image`, chat's list of parts (text and image_url)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        texts = []
-        for i, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
-                    and isinstance(part.get("text"), str)):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise invalid(f"{where}.content[{i}] has type {kind!r}: only text parts are supported.",
-                              param=f"{where}.content")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise invalid(f"{where}.content must be a string or a list of text parts.", param=f"{where}.content")
+    if not isinstance(content, list):
+        raise invalid(f"{where}.content must be a string or a list of content parts.", param=f"{where}.content")
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image":
+            parts.append(_image_part(part, f"{where}.content[{i}]"))
+        else:
+            raise invalid(f"{where}.content[{i}] has type {kind!r}: only input_text and input_image parts "
+                          "are supported.", param=f"{where}.content")
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """`{"type": "input_image", "image_url": URL, "detail": ...}` → chat's image_url part
+    (`detail` is ignored there anyway). Images by `file_id` need the Files API: refused."""
+    if part.get("file_id") is not None:
+        raise invalid(f"{where}: an input_image by 'file_id' is not supported yet (this server keeps no "
+                      "files); send the image in 'image_url', as an http(s) URL or a data: URL.",
+                      param=f"{where}.file_id", code="unsupported_parameter")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise invalid(f"{where}: an input_image needs 'image_url' (an http(s) URL or a data: URL).",
+                      param=f"{where}.image_url", code="missing_required_parameter")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
+    """The chat messages of `body`, and the Responses field each came from ("instructions",
+    "input", "input[3]"), for error parameters."""
     messages: list[dict[str, Any]] = []
+    sources: list[str] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
+        sources.append("instructions")
     if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
+        return [*messages, {"role": "user", "content": body.input}], [*sources, "input"]
     for i, item in enumerate(body.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise invalid(f"{where}.role must be user, system, developer or assistant.", param=f"{where}.role")
-            messages.append({"role": item["role"], "content": _text_of(item.get("content"), where)})
+            messages.append({"role": item["role"], "content": _content_of(item.get("content"), where)})
+            sources.append(where)
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
@@ -93,16 +121,18 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 last["tool_calls"].append(call)  # several calls of one turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                sources.append(where)
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else _text_of(output, where)})
+                             "content": output if isinstance(output, str) else _content_of(output, where)})
+            sources.append(where)
         else:
             raise invalid(f"{where} has type {kind!r}: only message, function_call and "
                           "function_call_output items are supported.", param=f"{where}.type")
     if not messages:
         raise invalid("'input' is empty.", param="input")
-    return messages
+    return messages, sources
 
 
 def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -128,12 +158,16 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 _FIELD_OF = (("max_tokens", "max_output_tokens"), ("messages", "input"), ("response_format", "text.format"))
 
 
-def as_responses_error(error: OpenAIError) -> OpenAIError:
-    """A chat-request error renamed into the Responses API's fields (`messages[2].content`
-    → `input`, `max_tokens` → `max_output_tokens`, ...)."""
+def as_responses_error(error: OpenAIError, body: ResponsesRequest | None = None) -> OpenAIError:
+    """A chat-request error renamed into the Responses API's fields (`max_tokens` →
+    `max_output_tokens`, ...). A message's field is named at the input item it came from when
+    `body` is given (`messages[1].content[0].image_url.url` → `input[0].content[0].image_url`,
+    the item's own field), else, like errors about the whole conversation, as `input`."""
     param = error.param
     for chat, ours in _FIELD_OF:
         if param is not None and (param == chat or param.startswith((chat + ".", chat + "["))):
+            if chat == "messages" and body is not None:
+                ours = _item_param(param, _messages(body)[1])
             message = error.message.replace(f"'{param}'", f"'{ours}'").replace(param, ours)
             if chat == "messages":
                 message = message.replace("messages", "input")
@@ -141,9 +175,22 @@ def as_responses_error(error: OpenAIError) -> OpenAIError:
     return error
 
 
+def _item_param(param: str, sources: list[str]) -> str:
+    """`messages[k]<field>` → the source of message k with that field (`sources` from
+    `_messages`); `input` when there is no item to name."""
+    found = re.fullmatch(r"messages\[(\d+)\](.*)", param)
+    if found is None or int(found[1]) >= len(sources):
+        return "input"
+    source = sources[int(found[1])]
+    if not source.startswith("input["):  # the whole input string, or the instructions
+        return source
+    # an input_image's image_url is the URL itself, where chat's is {"url": ...}
+    return source + found[2].replace(".image_url.url", ".image_url")
+
+
 def chat_body(body: ResponsesRequest) -> dict[str, Any]:
     """The /v1/chat/completions body this request amounts to (validated by the caller)."""
-    chat: dict[str, Any] = {"messages": _messages(body)}
+    chat: dict[str, Any] = {"messages": _messages(body)[0]}
     if body.model is not None:
         chat["model"] = body.model
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),

@@ -54,6 +54,14 @@ class PromptTokenizer:
                     add_special_tokens: bool = False) -> list[int]:
         """Render the chat template (by default with the assistant's generation prompt), then
         tokenize. The template already writes any BOS, so no special tokens are added again."""
+        text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        return self.encode_text(text, add_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat template's text for `messages` (a 400 when the template refuses them)."""
         if not self.hf.chat_template:
             raise invalid("This model has no chat template; use /v1/completions.", param="messages")
         if tools and not self.template_supports_tools:
@@ -68,7 +76,7 @@ class PromptTokenizer:
             raise invalid(f"The chat template rejected the messages: {exc}", param="messages") from exc
         if not isinstance(text, str):
             raise invalid("The chat template did not render to text.", param="messages")
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        return text
 
     def text_with_offsets(self, ids: list[int]) -> tuple[str, list[int]]:
         """`ids` decoded (special tokens skipped) and where each token's text starts in it."""
