@@ -56,6 +56,9 @@ def add_runner_flags(f: EnvFlags) -> None:
     f.add("--attention-backend", default="auto", help="auto|torch|cpu|triton")
     f.add("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     f.add("--seed", type=int, default=0)
+    f.add("--encoder-cache-memory", type=parse_bytes, default="256MiB",
+          help="vision models: memory on the device for image embeddings kept by content hash, "
+               "so an image or video frame that comes again is not encoded again")
 
 
 def add_batching_flags(f: EnvFlags) -> None:

@@ -5,9 +5,12 @@ messages carry, named once here, and the one renderer of them that every service
                         snapshot() is the `Histogram` message that travels in WorkerStats
     StepRecorder        one worker's steps: duration, requests, tokens, the gap before
                         each (StepHistograms)
+    EncoderRecorder     a vision worker's images: encoded, encoder-cache hits, seconds
+                        of each step's encoding (the worker's own /metrics only)
     WorkerStatsCollector  renders WorkerStats (the scheduler's per-worker accounting and
                         histograms) at the scheduler's /metrics and the gateway's
-    StepCollector       renders a worker's own StepRecorder at the worker's /metrics
+    StepCollector       renders a worker's own StepRecorder (and EncoderRecorder) at the
+                        worker's /metrics
     serve_metrics       a /metrics HTTP server for a registry (scheduler, worker)
 
 Names follow vLLM's (`vllm:x` → `pagedserve:x`) where they mean the same; every series is
@@ -88,6 +91,25 @@ class StepRecorder:
     def snapshot(self) -> StepHistograms:
         return StepHistograms(duration=self.duration.snapshot(), batch_size=self.batch_size.snapshot(),
                               tokens=self.tokens.snapshot(), gap=self.gap.snapshot())
+
+
+class EncoderRecorder:
+    """A vision worker's images, observed per step that had images to embed (the runner's
+    StepOutput.vision, worker_svc/vision_step.py): counters of the images (video frames
+    included) encoded and of those found in the encoder cache, and a histogram of the
+    seconds each step spent getting embeddings it lacked (fetch, decode, preprocess, encode).
+    One thread observes (the servicer's, after each step), as StepRecorder."""
+
+    def __init__(self) -> None:
+        self.items_encoded = 0
+        self.cache_hits = 0
+        self.seconds = HistogramRecorder(TOKEN_SECONDS)
+
+    def observe(self, items_encoded: int, cache_hits: int, seconds: float) -> None:
+        self.items_encoded += items_encoded
+        self.cache_hits += cache_hits
+        if items_encoded:
+            self.seconds.observe(seconds)
 
 
 def histogram_family(name: str, help_text: str, labels: Sequence[str],
@@ -194,15 +216,35 @@ class WorkerStatsCollector:
         return worker_stats_families(self.snapshot)
 
 
-class StepCollector:
-    """Renders a worker's own StepRecorder. Read without a lock while a step may observe:
-    each bucket list is copied whole, so a scrape is at most one step behind in places."""
+# EncoderRecorder's metrics: (name, help); counters get "_total" appended.
+MM_ITEMS_ENCODED = ("pagedserve:mm_items_encoded", "images and video frames run through the vision encoder")
+ENCODER_CACHE_HITS = ("pagedserve:encoder_cache_hits",
+                      "images and video frames a step needed whose embeddings the encoder cache held")
+ENCODER_SECONDS = ("pagedserve:encoder_seconds", "one step's work on the images it had to encode: "
+                   "fetching, decoding, preprocessing, the encoder's forward")
 
-    def __init__(self, worker_id: str, recorder: StepRecorder):
-        self._worker_id, self._recorder = worker_id, recorder
+
+def encoder_families(worker_id: str, encoder: EncoderRecorder) -> Iterator[Metric]:
+    for (name, help_text), value in ((MM_ITEMS_ENCODED, encoder.items_encoded),
+                                     (ENCODER_CACHE_HITS, encoder.cache_hits)):
+        family = CounterMetricFamily(name, help_text, labels=["worker"])
+        family.add_metric([worker_id], float(value))
+        yield family
+    yield histogram_family(*ENCODER_SECONDS, ["worker"], [([worker_id], encoder.seconds.snapshot())])
+
+
+class StepCollector:
+    """Renders a worker's own StepRecorder, and its EncoderRecorder when it has one (a
+    vision model). Read without a lock while a step may observe: each bucket list is copied
+    whole, so a scrape is at most one step behind in places."""
+
+    def __init__(self, worker_id: str, recorder: StepRecorder, encoder: EncoderRecorder | None = None):
+        self._worker_id, self._recorder, self._encoder = worker_id, recorder, encoder
 
     def collect(self) -> Iterator[Metric]:
-        return step_families([(self._worker_id, self._recorder.snapshot())])
+        yield from step_families([(self._worker_id, self._recorder.snapshot())])
+        if self._encoder is not None:
+            yield from encoder_families(self._worker_id, self._encoder)
 
 
 Health = Callable[[], tuple[bool, dict]]  # (healthy, what to say) for GET /health

@@ -1,13 +1,18 @@
 """Driving a ModelRunner without the scheduler service: a minimal scheduler, chunked
-prefill logits, and transformers' greedy generate() as the reference."""
+prefill logits, and transformers' greedy generate() as the reference; for images, an
+in-memory media source and the placeholder runs of a processor's input_ids."""
 
 import random
+from collections.abc import Sequence
 
 import torch
 
+from gateway.media.store import content_hash
 from proto import worker_pb2
+from proto.messages import MediaItem
 from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
+from worker_svc.media_source import MISSING, MediaUnavailableError
 from worker_svc.model_runner import ModelRunner
 from worker_svc.request_state import RequestState
 
@@ -21,8 +26,14 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 class MiniScheduler:
     """Just enough of a scheduler to drive ModelRunner: FCFS, a per-step token budget
-    (long prompts are chunked), scattered block ids from a shuffled free list, and
-    recompute preemption on demand."""
+    (long prompts are chunked; a chunk that would end inside an image ends at its start
+    instead, or takes the whole image when it starts there, as the real scheduler keeps an
+    image in one step), scattered block ids from a shuffled free list, and recompute
+    preemption on demand. Requests may carry images (mm_inputs), sampling settings, and
+    fail with "error" (token id -1: none appended; the error kept in `errors`); each
+    request's sampled-token logprobs are kept in `logprobs`, its prompt logprobs by
+    position in `prompt_logprobs` (the first sent kept), every step's StepOutput in
+    `outputs_seen` and its chunks, {request id: (first position, tokens)}, in `chunks`."""
 
     def __init__(self, runner: ModelRunner, block_size: int, num_blocks: int, token_budget: int):
         self.runner, self.block_size, self.budget = runner, block_size, token_budget
@@ -31,11 +42,32 @@ class MiniScheduler:
         self.reqs: dict[str, dict] = {}
         self.forget: list[str] = []
         self.step_id = 0
+        self.errors: dict[str, str] = {}
+        self.logprobs: dict[str, list] = {}
+        self.prompt_logprobs: dict[str, dict] = {}
+        self.outputs_seen: list = []  # every step's StepOutput
+        self.chunks: list[dict[str, tuple[int, int]]] = []
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+    def add(self, rid: str, prompt: list[int], max_tokens: int,
+            mm_inputs: Sequence[worker_pb2.MultiModalInput] = (), **sampling) -> None:
         self.reqs[rid] = dict(tokens=list(prompt), num_prompt=len(prompt), computed=0,
                               blocks=[], sent=False, done=None, paused=False,
-                              max_tokens=max_tokens)
+                              max_tokens=max_tokens, mm_inputs=list(mm_inputs), sampling=sampling)
+        self.logprobs[rid] = []
+        self.prompt_logprobs[rid] = {}
+
+    def _chunk(self, r: dict, budget: int) -> int:
+        """Tokens to compute now: up to the budget, never ending inside an image."""
+        start = r["computed"]
+        n = min(len(r["tokens"]) - start, budget)
+        for m in r["mm_inputs"]:
+            if m.offset < start + n < m.offset + m.length:
+                n = m.offset - start if m.offset > start else (m.offset + m.length - start)
+                return n if n <= budget else 0
+        return n
+
+    def done(self) -> bool:
+        return all(r["done"] for r in self.reqs.values())
 
     def preempt(self, rid: str) -> None:
         r = self.reqs[rid]
@@ -50,10 +82,13 @@ class MiniScheduler:
         req = worker_pb2.StepRequest(step_id=self.step_id, finished_request_ids=self.forget)
         self.forget = []
         budget = self.budget
+        self.chunks.append({})
         for rid, r in self.reqs.items():
             if r["done"] or r["paused"] or budget == 0:
                 continue
-            n = min(len(r["tokens"]) - r["computed"], budget)
+            n = self._chunk(r, budget)
+            if n == 0:
+                continue
             budget -= n
             need = -(-(r["computed"] + n) // self.block_size) - len(r["blocks"])
             new_blocks = [self.free.pop() for _ in range(max(need, 0))]
@@ -62,19 +97,23 @@ class MiniScheduler:
                 req.new_requests.add(
                     request_id=rid, token_ids=r["tokens"], num_prompt_tokens=r["num_prompt"],
                     block_ids=r["blocks"], num_computed_tokens=r["computed"],
-                    sampling=worker_pb2.SamplingParams(max_tokens=r["max_tokens"], temperature=0.0),
-                    reply_channel=f"chan-{rid[-1]}")
+                    sampling=worker_pb2.SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
+                                                       **r["sampling"]),
+                    reply_channel=f"chan-{rid[-1]}", mm_inputs=r["mm_inputs"])
                 r["sent"] = True
             else:
                 req.cached_requests.add(request_id=rid, new_block_ids=new_blocks,
                                         num_computed_tokens=r["computed"])
             req.num_scheduled_tokens[rid] = n
+            self.chunks[-1][rid] = (r["computed"], n)
             r["computed"] += n
         self.step_id += 1
         output = self.runner.step(req)
+        self.outputs_seen.append(output)
         for s in output.result.sampled:
             r = self.reqs[s.request_id]
-            r["tokens"].append(s.token_id)
+            if s.token_id >= 0:  # -1: failed without a token
+                r["tokens"].append(s.token_id)
             if s.finish_reason:
                 r["done"] = s.finish_reason
                 self.free.extend(r["blocks"])
@@ -82,20 +121,77 @@ class MiniScheduler:
                 self.forget.append(s.request_id)
         # events mirror the sampled tokens, grouped by reply channel, indexed by output position
         flat = [e for evs in output.events.values() for e in evs]
-        assert len(flat) == len(output.result.sampled)
+        assert len([e for e in flat if e.token_ids or e.finish_reason]) == len(output.result.sampled)
         for e in flat:
             r = self.reqs[e.request_id]
+            if e.finish_reason == "error" and not e.token_ids:
+                self.errors[e.request_id] = e.error
+                continue
+            for i, lp in enumerate(e.prompt_logprobs or ()):
+                self.prompt_logprobs[e.request_id].setdefault(e.prompt_index + i, lp)
+            if not e.token_ids:
+                continue  # prompt logprobs of a chunk that sampled nothing
             assert r["tokens"][r["num_prompt"] + e.index] == e.token_ids[0]
+            if e.logprobs:
+                self.logprobs[e.request_id].extend(e.logprobs)
         return output.result
+
+    def run(self, max_steps: int = 200) -> None:
+        for _ in range(max_steps):
+            if self.done():
+                return
+            self.step()
+        raise AssertionError(f"requests unfinished after {max_steps} steps")
 
     def outputs(self, rid: str) -> list[int]:
         r = self.reqs[rid]
         return r["tokens"][r["num_prompt"]:]
 
 
-def make_runner(model_dir, block_size=4, num_blocks=96, **config) -> ModelRunner:
+def make_runner(model_dir, block_size=4, num_blocks=96, media=None, **config) -> ModelRunner:
     return ModelRunner(RunnerConfig(model=str(model_dir), block_size=block_size, num_blocks=num_blocks,
-                                    **config))
+                                    **config), media=media)
+
+
+class FakeMediaSource:
+    """worker_svc.media_source.MediaSource in memory: `put` stores an item under its content
+    hash (the gateway's rule); `fetches` lists the hashes of each fetch."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, MediaItem] = {}
+        self.fetches: list[list[str]] = []
+
+    def put(self, item: MediaItem) -> str:
+        digest = content_hash(item)
+        self.items[digest] = item
+        return digest
+
+    def fetch(self, hashes):
+        self.fetches.append(list(hashes))
+        found = {h: self.items[h] for h in hashes if h in self.items}
+        if len(found) < len(hashes):
+            raise MediaUnavailableError({h: MISSING for h in hashes if h not in found}, found)
+        return found
+
+
+def image_runs(input_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(offset, length) of each run of `image_token_id` in a processor's input_ids: the
+    placeholder ranges the gateway sends (mm_inputs)."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(input_ids):
+        if t == image_token_id:
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+    return runs
+
+
+def mm_inputs(input_ids: Sequence[int], image_token_id: int,
+              hashes: Sequence[str]) -> list[worker_pb2.MultiModalInput]:
+    runs = image_runs(input_ids, image_token_id)
+    assert len(runs) == len(hashes), f"{len(runs)} images in the prompt, {len(hashes)} hashes"
+    return [worker_pb2.MultiModalInput(content_hash=h, offset=o, length=n) for (o, n), h in zip(runs, hashes)]
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:

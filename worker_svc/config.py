@@ -23,6 +23,9 @@ class RunnerConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     seed: int = 0  # seeds the generator of requests that carry no seed of their own
+    # image embeddings kept by content hash (worker_svc/encoder_cache.py), on the device;
+    # vision checkpoints only
+    encoder_cache_memory_bytes: int = 256 * 2**20
 
     @property
     def model_name(self) -> str:

@@ -11,7 +11,10 @@ No transport here (the gRPC server and Redis publishing wrap it). One step:
    and copy `blocks_to_copy` (copy-on-write), in that order (proto/worker.proto);
 3. build the flat batch of `num_scheduled_tokens` (worker_svc/batch.py), run the model
    (K/V written into the paged cache, paged attention), logits only for requests that
-   catch up with their token list;
+   catch up with their token list; when the chunks hold image soft tokens, the images'
+   embeddings (encoder cache, or fetched and encoded now: worker_svc/vision_step.py) are
+   written over those rows of the input embeddings, and each image's rows see each other
+   both ways (the batch's bidir_spans);
 4. sample one token for each of those, append it, apply the finish rule (worker_svc/stop.py);
    logprobs of sampled tokens, and of prompt tokens for requests that ask (worker_svc/logprobs.py);
 5. return a SampledToken per sampled token, and a TokenEvent per token (or per prompt-logprobs
@@ -19,6 +22,13 @@ No transport here (the gRPC server and Redis publishing wrap it). One step:
 
 Requests that finished keep their state until the scheduler forgets them, but are never
 computed or sampled again (a scheduler that still lists them gets nothing for them).
+
+A request that cannot run here -- images on a worker without a vision encoder or media
+source, placeholder ranges that are not the model's, an image expired from the media store
+or undecodable -- fails alone, in the step it is scheduled in, without being computed: an
+error TokenEvent to its reply channel, and a SampledToken with finish_reason "error" and
+token_id NO_TOKEN (there is none; it may come in a step that samples nothing for the
+request). The step and the other requests go on.
 """
 
 import functools
@@ -38,14 +48,18 @@ from worker_svc.config import RunnerConfig
 from worker_svc.grammar import GrammarCompiler
 from worker_svc.kv_budget import kv_cache_bytes
 from worker_svc.logprobs import gather_logprobs
-from worker_svc.model.registry import load_config
+from worker_svc.media_source import MediaSource
+from worker_svc.model.registry import load_config, load_vision_config
 from worker_svc.model.loader import load_model, resolve_dtype
 from worker_svc.request_state import RequestState
 from worker_svc.sampler import SamplingBatch, sample
 from worker_svc.stop import finish_reason
+from worker_svc.vision_step import ImageEmbedder, VisionStepStats, place_step_images
 
 
 log = logging.getLogger(__name__)
+
+NO_TOKEN = -1  # SampledToken.token_id of a request failed without being computed
 
 
 class StepConsistencyError(RuntimeError):
@@ -56,6 +70,7 @@ class StepConsistencyError(RuntimeError):
 class StepOutput:
     result: worker_pb2.StepResult
     events: dict[str, list[TokenEvent]]  # reply channel → that channel's events this step
+    vision: VisionStepStats | None = None  # what the step's images cost; None: no image in the step
 
 
 @dataclass
@@ -70,7 +85,10 @@ class _Produced:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, worker_id: str = ""):
+    """`media`: where image requests' media are read (worker_svc/media_source.py); with
+    None, or a text-only checkpoint, the runner serves text and fails image requests."""
+
+    def __init__(self, config: RunnerConfig, worker_id: str = "", media: MediaSource | None = None):
         self.config = config
         self.worker_id = worker_id
         self.device = torch.device(config.device)
@@ -90,6 +108,12 @@ class ModelRunner:
             log.info("KV cache in %s (%s)", str(self.kv_dtype).removeprefix("torch."), why)
         self.model = load_model(self.model_dir, cfg, self.backend, self.max_model_len,
                                 self.dtype, self.device, config.quantization)
+        # before the KV cache is sized: a GPU's share counts the encoder's weights too
+        self.vision_config = load_vision_config(self.model_dir)
+        self.vision: ImageEmbedder | None = None
+        if self.vision_config is not None and media is not None:
+            self.vision = ImageEmbedder.load(self.model_dir, self.vision_config, self.dtype, self.device,
+                                             media, config.encoder_cache_memory_bytes)
         num_blocks = config.num_blocks or num_blocks_for_memory(
             kv_cache_bytes(self.device, config.kv_cache_memory_bytes, config.gpu_memory_utilization),
             cfg.num_layers, config.block_size,
@@ -161,6 +185,8 @@ class ModelRunner:
             self.requests.pop(request_id, None)
         for new in request.new_requests:
             state = self.requests[new.request_id] = RequestState(new, self.device)
+            if state.image_ranges:
+                state.failure = self._image_failure(state)
             if new.sampling.HasField("grammar"):  # replays any outputs (a resumed request)
                 state.grammar = self.grammars.matcher(new.sampling.grammar.kind, new.sampling.grammar.spec,
                                                       state.token_ids[state.num_prompt_tokens:])
@@ -180,6 +206,14 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
 
+    def _image_failure(self, state: RequestState) -> str | None:
+        """Why this worker cannot serve `state`'s images, or None."""
+        if self.vision_config is None:
+            return f"the model {self.config.model_name} takes no images"
+        if self.vision is None:
+            return "this worker reads no media store, so it serves text only"
+        return self.vision.check(state)
+
     def step(self, request: worker_pb2.StepRequest) -> StepOutput:
         start = time.perf_counter()
         with torch.inference_mode():
@@ -188,18 +222,27 @@ class ModelRunner:
         with torch.inference_mode():
             self._copy_in(request)
         scheduled = []
+        failed: list[tuple[RequestState, str]] = []
         for request_id, n in request.num_scheduled_tokens.items():
             state = self.requests.get(request_id)
             if state is None:
                 raise StepConsistencyError(
                     f"step {request.step_id}: scheduled request {request_id!r} is unknown")
             if state.finish_reason is None:
-                scheduled.append((state, n))
+                if state.failure is None:
+                    scheduled.append((state, n))
+                else:
+                    failed.append((state, state.failure))
         result = worker_pb2.StepResult(step_id=request.step_id)
         events: dict[str, list[TokenEvent]] = {}
+        embeddings, vision = None, None
+        if self.vision is not None and any(s.num_computed_tokens < s.images_end for s, _ in scheduled):
+            scheduled, embeddings, vision = self._embed_images(scheduled, failed)
+        for state, message in failed:
+            self._fail(state, message, result, events)
         if scheduled:
             with torch.inference_mode():
-                produced = self._execute(scheduled)
+                produced = self._execute(scheduled, embeddings)
             for out in produced:
                 state, reason = out.state, None
                 if out.token_id is not None:
@@ -214,18 +257,52 @@ class ModelRunner:
                     logprobs=[out.logprobs] if out.logprobs is not None else None,
                     prompt_logprobs=out.prompt_logprobs or None, prompt_index=out.prompt_index))
         result.execute_seconds = time.perf_counter() - start
-        return StepOutput(result=result, events=events)
+        return StepOutput(result=result, events=events, vision=vision)
 
-    def _execute(self, scheduled: list[tuple[RequestState, int]]) -> list[_Produced]:
-        """Forward the flat batch, advance num_computed_tokens, sample, gather logprobs."""
+    def _embed_images(self, scheduled: list[tuple[RequestState, int]], failed: list[tuple[RequestState, str]]):
+        """The embeddings of the images the scheduled chunks hold (worker_svc/vision_step.py).
+        Requests an image of theirs failed move from `scheduled` to `failed`. Returns
+        (what is left scheduled, embeddings by content hash, the step's VisionStepStats),
+        the last two None when no chunk holds an image."""
+        with torch.inference_mode():
+            images = self.vision.prepare(scheduled)
+        if not images.embeddings and not images.failed:
+            return scheduled, None, None
+        if images.failed:
+            failed.extend(images.failed)
+            out = {id(state) for state, _ in images.failed}
+            scheduled = [(state, n) for state, n in scheduled if id(state) not in out]
+        return scheduled, images.embeddings, images.stats
+
+    @staticmethod
+    def _fail(state: RequestState, message: str, result: worker_pb2.StepResult,
+              events: dict[str, list[TokenEvent]]) -> None:
+        """Finish `state` with "error" in this step, uncomputed: its error event and a
+        SampledToken without a token, so the scheduler finishes it too."""
+        log.warning("request %s failed: %s", state.request_id, message)
+        state.finish_reason = "error"
+        result.sampled.add(request_id=state.request_id, token_id=NO_TOKEN, finish_reason="error")
+        events.setdefault(state.reply_channel, []).append(TokenEvent(
+            request_id=state.request_id, index=state.num_output_tokens, finish_reason="error",
+            error=message))
+
+    def _execute(self, scheduled: list[tuple[RequestState, int]],
+                 image_embeddings: dict[str, torch.Tensor] | None = None) -> list[_Produced]:
+        """Forward the flat batch (with the images' embeddings by content hash over their
+        soft tokens' rows), advance num_computed_tokens, sample, gather logprobs."""
         batch = build_flat_batch(scheduled, self.config.block_size, self.plan_attention,
                                  self.device, self.model.windows)
         prompt_rows, prompt_targets, prompt_ks, prompt_parts = self._prompt_logprob_rows(scheduled)
         indices = batch.logits_indices
         if prompt_rows:
             indices = torch.cat([indices, torch.tensor(prompt_rows, device=self.device)])
+        inputs_embeds = None
+        if batch.images:
+            inputs_embeds = place_step_images(self.model.embed(batch.input_ids), batch.images,
+                                              image_embeddings or {})
         logits = self.model(batch.input_ids, batch.positions, batch.attn,
-                            (self.kv_cache.k_caches, self.kv_cache.v_caches), indices)
+                            (self.kv_cache.k_caches, self.kv_cache.v_caches), indices,
+                            inputs_embeds=inputs_embeds)
         for state, n in scheduled:
             state.num_computed_tokens += n
         reqs = batch.sampling_requests

@@ -3,6 +3,7 @@
 import torch
 
 from proto import worker_pb2
+from worker_svc.model.image_placement import PlaceholderRange
 from worker_svc.sampler import position_seed
 
 
@@ -10,11 +11,13 @@ class RequestState:
     """Invariants: token_ids[:num_computed_tokens] have K/V in the slots named by
     block_ids (token t in block_ids[t // block_size]); num_prompt_tokens <= len(token_ids);
     once finish_reason is set the request never samples again (it waits for the scheduler
-    to list it in finished_request_ids)."""
+    to list it in finished_request_ids). Image i's soft tokens are
+    token_ids[image_ranges[i].offset : offset + length], its media stored under
+    image_hashes[i] (NewRequestData.mm_inputs, in prompt order; both empty for text)."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids",
                  "num_computed_tokens", "sampling", "generator", "reply_channel",
-                 "finish_reason", "grammar")
+                 "finish_reason", "grammar", "image_ranges", "image_hashes", "images_end", "failure")
 
     def __init__(self, new: worker_pb2.NewRequestData, device: torch.device):
         if not new.token_ids:
@@ -31,6 +34,16 @@ class RequestState:
         self.sampling: worker_pb2.SamplingParams = new.sampling
         self.reply_channel: str = new.reply_channel
         self.finish_reason: str | None = None
+        # The images of the prompt (the scheduler re-sends them with every NewRequestData).
+        self.image_ranges: tuple[PlaceholderRange, ...] = tuple(
+            PlaceholderRange(offset=m.offset, length=m.length) for m in new.mm_inputs)
+        self.image_hashes: tuple[str, ...] = tuple(m.content_hash for m in new.mm_inputs)
+        # the position after the last image's soft tokens (0 for text): a chunk from at or
+        # past it holds no image
+        self.images_end: int = max((r.offset + r.length for r in self.image_ranges), default=0)
+        # Why the request cannot run here (set when it is added: images this worker cannot
+        # take); the runner fails it with this message the next time it is scheduled.
+        self.failure: str | None = None
         # The structured-output matcher (worker_svc/grammar.py), set by the runner when
         # sampling.grammar is; None for unconstrained requests.
         self.grammar = None

@@ -4,7 +4,9 @@ It owns the transport only: the gRPC server (Describe / Step / Steps / Health, a
 standard `grpc.health.v1.Health` service: SERVING from registration until SIGTERM),
 publishing each step's TokenEvents to Redis (one PUBLISH per reply channel per step,
 pipelined: worker_svc/event_publisher.py), the registration heartbeat that lets
-schedulers discover it, and /metrics (each step's duration, requests and tokens:
+schedulers discover it, the media store the runner reads images from (the same Redis:
+worker_svc/media_source.py), and /metrics (each step's duration, requests and tokens; for
+a vision model also the images encoded, encoder-cache hits and encoding time:
 proto/metrics.py) when a metrics port is given. All compute is ModelRunner's.
 
 Steps come one at a time (Step) or on the scheduler's stream (Steps) and run one at a time,
@@ -39,11 +41,12 @@ from proto import worker_pb2, worker_pb2_grpc
 from proto.grpc_options import GRPC_OPTIONS
 from proto.keys import RedisKeys
 from proto.messages import TokenEvent, WorkerRegistration, stream_encoder
-from proto.metrics import StepCollector, StepRecorder, serve_metrics
+from proto.metrics import EncoderRecorder, StepCollector, StepRecorder, serve_metrics
 from proto.outage_log import OutageLog
 from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
 from worker_svc.event_publisher import EventPublisher
+from worker_svc.media_source import RedisMediaSource
 from worker_svc.model_runner import ModelRunner, StepConsistencyError, StepOutput
 from worker_svc.step_gap import StepGap
 
@@ -99,6 +102,8 @@ class ModelWorkerServicer(worker_pb2_grpc.WorkerServicer):
                                          "publishing again")
         self._fence_token = 0  # the highest scheduler token seen (compute thread only)
         self.steps = StepRecorder()
+        # images encoded and encoder-cache hits: a model that embeds images only
+        self.encoder = EncoderRecorder() if runner.vision is not None else None
 
     def Describe(self, request, context):
         return self._runner.describe()
@@ -160,6 +165,9 @@ class ModelWorkerServicer(worker_pb2_grpc.WorkerServicer):
             log.exception("step %d failed", request.step_id)
             context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")
         self.steps.observe(request, output.result)
+        if output.vision is not None and self.encoder is not None:
+            v = output.vision
+            self.encoder.observe(v.items_encoded, v.cache_hits, v.seconds)
         return output.result
 
     def _run(self, request: worker_pb2.StepRequest) -> tuple[StepOutput, Future | None]:
@@ -280,7 +288,8 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
           stop: threading.Event | None = None) -> None:
     """Load the model, start gRPC, register; run until SIGTERM/SIGINT (or `stop` is set)."""
     compute = ComputeThread("step")
-    runner = compute.setup(ModelRunner, config.runner, worker_id=config.worker_id)
+    media = RedisMediaSource.from_url(config.redis_url, config.key_prefix)
+    runner = compute.setup(ModelRunner, config.runner, worker_id=config.worker_id, media=media)
     info = runner.describe()
     client = redis.Redis.from_url(config.redis_url)
     server = grpc.server(
@@ -293,7 +302,8 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
     health_pb2_grpc.add_HealthServicer_to_server(probes, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     server.start()
-    metrics = serve_metrics(StepCollector(config.worker_id, servicer.steps), config.host, config.metrics_port)
+    metrics = serve_metrics(StepCollector(config.worker_id, servicer.steps, servicer.encoder),
+                            config.host, config.metrics_port)
     # Bound to every interface (a container): advertise our own address on its network.
     advertise = config.advertise_host or (
         socket.gethostbyname(socket.gethostname()) if config.host == "0.0.0.0" else config.host)
@@ -324,6 +334,7 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
     servicer.close()
     if metrics is not None:
         metrics.close()
+    media.close()
     client.close()
 
 

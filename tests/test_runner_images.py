@@ -1,0 +1,488 @@
+"""Image requests through ModelRunner on the tiny `gemma3-vision` checkpoint, fp32, against
+transformers' Gemma3ForConditionalGeneration on the processor's inputs (pixel_values and
+token_type_ids, so transformers applies its bidirectional image mask): greedy tokens equal
+`generate()`, and every sampled token's and prompt token's logprobs equal its logits
+(the tiny model soon repeats one token, so the logprobs are what tells runs apart). Also:
+continuous batching with chunked prefill, a prompt past the 48-token sliding window and a
+preemption; a video frame (rgb8) equal to the same pixels as a PNG; spans that matter; a
+request whose media cannot be had fails alone; the Redis media source; the metrics; the
+worker service reading media from its own Redis."""
+
+import contextlib
+import io
+import json
+import shutil
+import socket
+import threading
+import urllib.request
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import msgspec
+import numpy as np
+import pytest
+import redis
+import torch
+from PIL import Image
+from prometheus_client import CollectorRegistry, generate_latest
+from runner_helpers import FakeMediaSource, MiniScheduler, make_runner, mm_inputs
+
+from proto import worker_pb2, worker_pb2_grpc
+from proto.keys import RedisKeys
+from proto.messages import MediaItem, events_decoder, registration_decoder
+from proto.metrics import EncoderRecorder, StepCollector, StepRecorder
+from worker_svc import batch as batch_module
+from worker_svc import server
+from worker_svc.batch import build_flat_batch
+from worker_svc.config import RunnerConfig
+from worker_svc.make_model import make_model
+from worker_svc.media_source import MISSING, MediaUnavailableError, RedisMediaSource
+from worker_svc.model_runner import NO_TOKEN
+from worker_svc.request_state import RequestState
+
+IMAGE = 7  # the tiny tokenizer's <image_soft_token>
+TOL = 2e-4  # logprobs, fp32
+
+
+@pytest.fixture(scope="module")
+def vision_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("tiny-gemma3-vision"), preset="tiny", arch="gemma3-vision")
+
+
+@pytest.fixture(scope="module")
+def hf_vlm(vision_dir):
+    from transformers import Gemma3ForConditionalGeneration
+
+    return Gemma3ForConditionalGeneration.from_pretrained(vision_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def processor(vision_dir):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(vision_dir)
+
+
+# ---- images, prompts, the reference -----------------------------------------------------
+
+def picture(seed: int, width: int, height: int, mode: str = "RGB") -> Image.Image:
+    rs = np.random.RandomState(seed)
+    rgb = Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8))
+    if mode == "RGBA":
+        rgba = rgb.convert("RGBA")
+        rgba.putalpha(Image.fromarray(rs.randint(0, 256, (height, width), dtype=np.uint8)))
+        return rgba
+    if mode == "P":
+        return rgb.quantize(colors=16)
+    return rgb.convert(mode)
+
+
+def file_bytes(image: Image.Image, fmt: str) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=fmt, **({"quality": 80} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+@dataclass
+class Stored:
+    """An image as the gateway stores it, and as transformers' processor gets it (the same
+    file decoded by PIL)."""
+
+    item: MediaItem
+    decoded: Image.Image
+
+
+def stored(image: Image.Image, fmt: str) -> Stored:
+    data = file_bytes(image, fmt)
+    return Stored(MediaItem("encoded", image.width, image.height, data, f"image/{fmt.lower()}"),
+                  Image.open(io.BytesIO(data)))
+
+
+def frame(image: Image.Image) -> Stored:
+    rgb = image.convert("RGB")
+    return Stored(MediaItem("rgb8", rgb.width, rgb.height, rgb.tobytes()), rgb)
+
+
+def random_text(processor, seed: int, num_parts: int, lengths=(3, 30)) -> list[str]:
+    rs = np.random.RandomState(seed)
+    return [processor.tokenizer.decode(rs.randint(9, 1536, rs.randint(*lengths)).tolist())
+            for _ in range(num_parts)]
+
+
+def prompt_text(processor, seed: int, num_images: int, lengths=(3, 30)) -> str:
+    """<bos>, random text with a <start_of_image> between its parts (the processor expands each)."""
+    return "<bos>" + "<start_of_image>".join(random_text(processor, seed, num_images + 1, lengths))
+
+
+@dataclass
+class Case:
+    ids: list[int]
+    inputs: dict  # the processor's tensors
+    hashes: list[str]
+
+
+def make_case(processor, media: FakeMediaSource, text: str, images: list[Stored]) -> Case:
+    inputs = processor(text=text, images=[s.decoded for s in images] or None, add_special_tokens=False,
+                       return_tensors="pt")
+    hashes = [media.put(s.item) for s in images]
+    return Case(inputs["input_ids"][0].tolist(), dict(inputs), hashes)
+
+
+@dataclass
+class Reference:
+    tokens: list[int]
+    steps: list[torch.Tensor]  # log_softmax of each generated position's logits [vocab]
+    prompt: torch.Tensor  # log_softmax of the prompt's logits [n, vocab]
+
+
+def reference(hf_vlm, case: Case, max_new_tokens: int, causal: bool = False) -> Reference:
+    """transformers on the processor's inputs; `causal`: without token_type_ids (no image mask)."""
+    kwargs = {k: v for k, v in case.inputs.items() if not (causal and k == "token_type_ids")}
+    with torch.no_grad():
+        out = hf_vlm.generate(**kwargs, do_sample=False, max_new_tokens=max_new_tokens,
+                              output_logits=True, return_dict_in_generate=True)
+        prompt = hf_vlm(**kwargs).logits[0].log_softmax(-1)
+    return Reference(out.sequences[0, len(case.ids):].tolist(),
+                     [step[0].float().log_softmax(-1) for step in out.logits], prompt)
+
+
+def prompt_error(sched: MiniScheduler, rid: str, ids: list[int], ref: Reference) -> float:
+    """The largest gap between the runner's prompt logprobs and the reference's."""
+    got = sched.prompt_logprobs[rid]
+    assert sorted(got) == list(range(1, len(ids)))
+    return max(abs(lp.logprob - ref.prompt[p - 1, ids[p]].item()) for p, lp in got.items())
+
+
+def assert_matches(sched: MiniScheduler, rid: str, case: Case, ref: Reference) -> None:
+    assert sched.reqs[rid]["done"] in ("stop", "length"), sched.errors.get(rid)
+    assert sched.outputs(rid) == ref.tokens
+    got = sched.logprobs[rid]
+    assert len(got) == len(ref.tokens)
+    for lp, token, want in zip(got, ref.tokens, ref.steps):
+        assert abs(lp.logprob - want[token].item()) < TOL
+        assert max(abs(v - want[i].item()) for i, v in zip(lp.top_ids, lp.top_logprobs)) < TOL
+    if sched.prompt_logprobs[rid]:
+        assert prompt_error(sched, rid, case.ids, ref) < TOL
+
+
+LOGPROBS = {"logprobs": 3, "prompt_logprobs": 1}
+
+
+# ---- generations equal transformers' ------------------------------------------------------
+
+CASES = {
+    "one_png": [("RGB", 91, 37, "PNG")],
+    "jpeg_and_rgba": [("RGB", 120, 45, "JPEG"), ("RGBA", 33, 70, "PNG")],
+    "several_mixed": [("RGB", 13, 200, "PNG"), ("L", 56, 56, "PNG"), ("RGBA", 64, 48, "PNG"),
+                      ("RGB", 1, 1, "PNG"), ("P", 17, 9, "GIF"), ("RGB", 301, 77, "JPEG")],
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_with_images_equals_generate(name, vision_dir, hf_vlm, processor):
+    media = FakeMediaSource()
+    images = [stored(picture(i, w, h, mode), fmt) for i, (mode, w, h, fmt) in enumerate(CASES[name])]
+    if name == "jpeg_and_rgba":  # built by the checkpoint's chat template
+        content = [{"type": "image"}, {"type": "text", "text": " ".join(random_text(processor, 3, 2))},
+                   {"type": "image"}, {"type": "text", "text": "and?"}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+    else:
+        text = prompt_text(processor, len(images), len(images))
+    case = make_case(processor, media, text, images)
+    ref = reference(hf_vlm, case, 10)
+    runner = make_runner(vision_dir, block_size=8, num_blocks=64, media=media)
+    sched = MiniScheduler(runner, block_size=8, num_blocks=64, token_budget=256)
+    sched.add("r0", case.ids, 10, mm_inputs(case.ids, IMAGE, case.hashes), **LOGPROBS)
+    sched.run()
+    assert_matches(sched, "r0", case, ref)
+    (first, *_) = [o.vision for o in sched.outputs_seen if o.vision is not None]
+    assert (first.items_encoded, first.cache_hits) == (len(set(case.hashes)), 0)
+
+
+def test_continuous_batching_chunks_window_and_preemption(vision_dir, hf_vlm, processor):
+    """Four requests at once under a 20-token budget (chunks end at image starts): one past
+    the 48-token sliding window with three images, one image request preempted by
+    recompute and resumed, a text request, and one repeating another's image."""
+    media = FakeMediaSource()
+    shared = stored(picture(20, 70, 50), "PNG")
+    requests = {
+        "pre": (prompt_text(processor, 24, 1, (5, 15)), [stored(picture(25, 64, 64, "RGBA"), "PNG")]),
+        "long": (prompt_text(processor, 21, 3, (10, 30)),
+                 [shared, stored(picture(22, 40, 90), "JPEG"), stored(picture(23, 33, 33, "L"), "PNG")]),
+        "txt": (prompt_text(processor, 26, 0, (15, 25)), []),
+        "rep": (prompt_text(processor, 27, 2, (4, 12)), [stored(picture(28, 100, 20), "PNG"), shared]),
+    }
+    cases = {rid: make_case(processor, media, text, images) for rid, (text, images) in requests.items()}
+    assert len(cases["long"].ids) > 2 * 48
+    runner = make_runner(vision_dir, block_size=8, num_blocks=96, media=media)
+    sched = MiniScheduler(runner, block_size=8, num_blocks=96, token_budget=20)
+    for rid, case in cases.items():
+        sched.add(rid, case.ids, 12, mm_inputs(case.ids, IMAGE, case.hashes), **LOGPROBS)
+    preempted_at = None
+    for step in range(200):
+        if preempted_at is None and len(sched.outputs("pre")) == 2:  # recomputed with its outputs
+            sched.preempt("pre")
+            preempted_at = step
+        if preempted_at is not None and step == preempted_at + 3:
+            sched.resume("pre")
+        if sched.done():
+            break
+        sched.step()
+    assert preempted_at is not None
+    offsets = {rid: {m.offset for m in sched.reqs[rid]["mm_inputs"]} for rid in cases}
+    cut_at_image = [rid for step in sched.chunks for rid, (first, n) in step.items()
+                    if first + n in offsets[rid] and n < 20]  # the budget left more
+    assert cut_at_image, "no chunk was cut short at an image"
+    assert any(len(step) > 1 and any(sched.reqs[rid]["mm_inputs"] for rid in step) for step in sched.chunks)
+    for rid, case in cases.items():
+        assert_matches(sched, rid, case, reference(hf_vlm, case, 12))
+    stats = [o.vision for o in sched.outputs_seen if o.vision is not None]
+    assert len(stats) > 3  # the images came in several steps
+    # each distinct image encoded once, however often it came (shared; "pre" after its preemption)
+    assert sum(s.items_encoded for s in stats) == 5
+    assert sum(s.cache_hits for s in stats) >= 2
+
+
+def test_a_video_frame_equals_the_same_pixels_as_png(vision_dir, hf_vlm, processor):
+    media = FakeMediaSource()
+    pixels = picture(30, 45, 29)
+    text = prompt_text(processor, 31, 1)
+    as_png = make_case(processor, media, text, [stored(pixels, "PNG")])
+    as_frame = make_case(processor, media, text, [frame(pixels)])
+    assert as_png.ids == as_frame.ids and as_png.hashes != as_frame.hashes
+    runner = make_runner(vision_dir, block_size=8, num_blocks=64, media=media)
+    sched = MiniScheduler(runner, block_size=8, num_blocks=64, token_budget=256)
+    sched.add("png", as_png.ids, 8, mm_inputs(as_png.ids, IMAGE, as_png.hashes), **LOGPROBS)
+    sched.add("frm", as_frame.ids, 8, mm_inputs(as_frame.ids, IMAGE, as_frame.hashes), **LOGPROBS)
+    sched.run()
+    assert sched.outputs("png") == sched.outputs("frm")
+    assert sched.logprobs["png"] == sched.logprobs["frm"]  # the same bits
+    assert sched.prompt_logprobs["png"] == sched.prompt_logprobs["frm"]
+    assert_matches(sched, "frm", as_frame, reference(hf_vlm, as_png, 8))
+
+
+def test_image_tokens_see_each_other_both_ways(vision_dir, hf_vlm, processor, monkeypatch):
+    """The runner's prompt logprobs equal transformers' with its image mask, and differ from
+    a causal run's; without the batch's spans the runner gives the causal run's."""
+    media = FakeMediaSource()
+    images = [stored(picture(40, 80, 60), "PNG"), stored(picture(41, 30, 90), "PNG")]
+    case = make_case(processor, media, prompt_text(processor, 42, 2), images)
+    bidir, causal = reference(hf_vlm, case, 4), reference(hf_vlm, case, 4, causal=True)
+
+    def run() -> MiniScheduler:
+        runner = make_runner(vision_dir, block_size=8, num_blocks=64, media=media)
+        sched = MiniScheduler(runner, block_size=8, num_blocks=64, token_budget=256)
+        sched.add("r0", case.ids, 4, mm_inputs(case.ids, IMAGE, case.hashes), **LOGPROBS)
+        sched.run()
+        return sched
+
+    sched = run()
+    assert prompt_error(sched, "r0", case.ids, bidir) < TOL
+    assert prompt_error(sched, "r0", case.ids, causal) > 0.05
+    monkeypatch.setattr(batch_module, "_bidir_spans", lambda *args: None)
+    unmasked = run()
+    assert prompt_error(unmasked, "r0", case.ids, causal) < TOL
+    assert prompt_error(unmasked, "r0", case.ids, bidir) > 0.05
+
+
+# ---- the flat batch's spans ---------------------------------------------------------------
+
+def _state(tokens: list[int], ranges: list[tuple[int, int]], computed: int = 0) -> RequestState:
+    return RequestState(worker_pb2.NewRequestData(
+        request_id="x", token_ids=tokens, num_prompt_tokens=len(tokens), block_ids=list(range(8)),
+        num_computed_tokens=computed,
+        mm_inputs=[worker_pb2.MultiModalInput(content_hash=f"h{i}", offset=o, length=n)
+                   for i, (o, n) in enumerate(ranges)]), torch.device("cpu"))
+
+
+def test_bidir_spans_of_a_step():
+    plans = []
+
+    def plan(*args, bidir_spans=None):
+        plans.append(bidir_spans)
+        return None
+
+    text = _state(list(range(20)), [])
+    images = _state(list(range(30)), [(3, 4), (10, 4), (20, 4)], computed=12)  # starts inside image 1
+    batch = build_flat_batch([(text, 5), (images, 12)], 4, plan, torch.device("cpu"), windows=(None, 8))
+    spans = batch.attn.bidir_spans.tolist()
+    assert spans[:5] == [[0, 0]] * 5
+    assert spans[5:7] == [[10, 14]] * 2  # positions 12, 13
+    assert spans[7:13] == [[0, 0]] * 6 and spans[13:17] == [[20, 24]] * 4
+    assert [(s.image, s.start, s.end, s.row) for _, s in batch.images] == [(1, 2, 4, 5), (2, 0, 4, 13)]
+    assert len(plans) == 2 and all(p is batch.attn.bidir_spans for p in plans)
+    plans.clear()
+    none = build_flat_batch([(text, 5), (_state(list(range(30)), [(3, 4)], computed=8), 4)], 4, plan,
+                            torch.device("cpu"), windows=(None, 8))
+    assert none.attn.bidir_spans is None and none.images == () and plans == [None, None]
+    with pytest.raises(ValueError, match="ends inside image 1"):
+        build_flat_batch([(text, 5), (_state(list(range(30)), [(3, 4), (10, 4)]), 12)], 4, plan,
+                         torch.device("cpu"))
+
+
+# ---- what cannot run fails alone ------------------------------------------------------------
+
+def test_media_that_cannot_be_had_fails_that_request_only(vision_dir, hf_vlm, processor):
+    media = FakeMediaSource()
+    text = prompt_text(processor, 50, 1)
+    good = make_case(processor, media, text, [stored(picture(51, 40, 40), "PNG")])
+    runner = make_runner(vision_dir, block_size=8, num_blocks=96, media=media)
+    sched = MiniScheduler(runner, block_size=8, num_blocks=96, token_budget=512)
+    bad_items = {
+        "missing": "ab" * 32,  # expired, or never stored
+        "garbage": media.put(MediaItem("encoded", 10, 10, b"not an image", "image/png")),
+        "short": media.put(MediaItem("rgb8", 4, 4, b"\0" * 10)),
+    }
+    sched.add("ok", good.ids, 6, mm_inputs(good.ids, IMAGE, good.hashes), **LOGPROBS)
+    for rid, digest in bad_items.items():
+        sched.add(rid, good.ids, 6, mm_inputs(good.ids, IMAGE, [digest]))
+    sched.add("txt", processor.tokenizer(random_text(processor, 52, 1)[0])["input_ids"], 6)
+    result = sched.step()
+    failed = {s.request_id: s for s in result.sampled if s.finish_reason == "error"}
+    assert set(failed) == set(bad_items) and {s.token_id for s in failed.values()} == {NO_TOKEN}
+    sched.run()
+    assert_matches(sched, "ok", good, reference(hf_vlm, good, 6))
+    assert sched.reqs["txt"]["done"] in ("stop", "length")
+    assert sched.errors["missing"] == f"image 0 (content hash {'ab' * 32}): {MISSING}"
+    assert sched.errors["garbage"].startswith(f"image 0 (content hash {bad_items['garbage']}): cannot be decoded")
+    assert "rgb8 frame of 4x4 holds 48 bytes, not 10" in sched.errors["short"]
+    assert {rid: r["done"] for rid, r in sched.reqs.items() if rid in bad_items} == dict.fromkeys(bad_items, "error")
+    assert runner.num_unfinished == 0
+
+
+def test_images_a_worker_cannot_take_fail_with_a_reason(vision_dir, processor, tiny_model_dir):
+    media = FakeMediaSource()
+    case = make_case(processor, media, prompt_text(processor, 60, 1), [stored(picture(61, 20, 20), "PNG")])
+    (run,) = mm_inputs(case.ids, IMAGE, case.hashes)
+
+    def errors(runner, inputs) -> dict:
+        sched = MiniScheduler(runner, block_size=8, num_blocks=64, token_budget=512)
+        sched.add("img", case.ids, 4, inputs)
+        sched.add("txt", case.ids[:3], 4)
+        sched.run()
+        assert sched.reqs["txt"]["done"] in ("stop", "length")
+        return sched.errors
+
+    no_media = make_runner(vision_dir, block_size=8, num_blocks=64)  # the in-process engine's
+    assert no_media.vision is None
+    assert errors(no_media, [run]) == {"img": "this worker reads no media store, so it serves text only"}
+    runner = make_runner(vision_dir, block_size=8, num_blocks=64, media=media)
+    short = worker_pb2.MultiModalInput(content_hash=run.content_hash, offset=run.offset, length=3)
+    assert "3 soft tokens, the model's images have 4" in errors(runner, [short])["img"]
+    moved = worker_pb2.MultiModalInput(content_hash=run.content_hash, offset=run.offset - 1, length=4)
+    assert "not all of them are the image token 7" in errors(runner, [moved])["img"]
+    text_model = make_runner(tiny_model_dir, block_size=8, num_blocks=64, media=media)
+    assert "takes no images" in errors(text_model, [run])["img"]
+
+
+def test_a_pan_and_scan_checkpoint_is_refused(vision_dir, tmp_path):
+    copy = tmp_path / "pan"
+    shutil.copytree(vision_dir, copy)
+    config = json.loads((copy / "processor_config.json").read_text())
+    config["image_processor"]["do_pan_and_scan"] = True
+    (copy / "processor_config.json").write_text(json.dumps(config))
+    make_runner(copy, block_size=8, num_blocks=16)  # text only: no encoder, nothing to refuse
+    with pytest.raises(ValueError, match="do_pan_and_scan on"):
+        make_runner(copy, block_size=8, num_blocks=16, media=FakeMediaSource())
+
+
+# ---- the Redis media source, the metrics -----------------------------------------------------
+
+def test_redis_media_source_reads_the_gateways_items(redis_url):
+    keys = RedisKeys("test-media-source")
+    client = redis.Redis.from_url(redis_url)
+    items = {"a" * 64: MediaItem("encoded", 2, 2, b"png bytes", "image/png"),
+             "b" * 64: MediaItem("rgb8", 1, 1, b"\1\2\3")}
+    for digest, item in items.items():
+        client.set(keys.media(digest), msgspec.msgpack.encode(item), px=60_000)
+    client.set(keys.media("c" * 64), b"\xc1 not msgpack")
+    source = RedisMediaSource.from_url(redis_url, keys.prefix)
+    try:
+        assert source.fetch(list(items)) == items
+        assert source.fetch([]) == {}
+        with pytest.raises(MediaUnavailableError) as caught:
+            source.fetch(["a" * 64, "d" * 64, "c" * 64])
+        assert caught.value.found == {"a" * 64: items["a" * 64]}
+        assert caught.value.reasons["d" * 64] == MISSING
+        assert caught.value.reasons["c" * 64].startswith("the stored value is not a MediaItem")
+        assert "d" * 64 in str(caught.value)
+    finally:
+        source.close()
+        client.delete(*[keys.media(h) for h in (*items, "c" * 64)])
+        client.close()
+    unreachable = RedisMediaSource.from_url("redis://127.0.0.1:1/0", "x", timeout_s=0.5)
+    with pytest.raises(MediaUnavailableError, match="the media store is unreachable"):
+        unreachable.fetch(["a" * 64])
+
+
+def test_worker_metrics_count_encoded_images_and_cache_hits():
+    encoder = EncoderRecorder()
+    encoder.observe(3, 0, 0.02)
+    encoder.observe(0, 2, 0.0)  # every image from the cache: no encoding time observed
+    encoder.observe(1, 1, 0.5)
+    registry = CollectorRegistry()
+    registry.register(StepCollector("w", StepRecorder(), encoder))
+    text = generate_latest(registry).decode()
+    assert 'pagedserve:mm_items_encoded_total{worker="w"} 4.0' in text
+    assert 'pagedserve:encoder_cache_hits_total{worker="w"} 3.0' in text
+    assert 'pagedserve:encoder_seconds_count{worker="w"} 2.0' in text
+    assert 'pagedserve:encoder_seconds_sum{worker="w"} 0.52' in text
+    plain = CollectorRegistry()
+    plain.register(StepCollector("w", StepRecorder()))  # a text model's worker
+    assert "encoder" not in generate_latest(plain).decode()
+
+
+def test_the_worker_service_reads_media_from_its_redis(vision_dir, processor, redis_url):
+    """serve(): the runner gets a RedisMediaSource on the service's Redis and key prefix;
+    an image request is served, one whose media expired fails alone, /metrics counts."""
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    prefix = f"images-{uuid.uuid4().hex[:8]}"
+    config = server.WorkerServiceConfig(runner=RunnerConfig(model=str(vision_dir), num_blocks=64),
+                                        port=0, redis_url=redis_url, key_prefix=prefix,
+                                        metrics_port=metrics_port)
+    client = redis.Redis.from_url(redis_url)
+    media = FakeMediaSource()
+    case = make_case(processor, media, prompt_text(processor, 70, 1), [stored(picture(71, 30, 40), "PNG")])
+    (digest,) = case.hashes
+    client.set(RedisKeys(prefix).media(digest), msgspec.msgpack.encode(media.items[digest]), px=60_000)
+    ready, stop = threading.Event(), threading.Event()
+    serving = threading.Thread(target=server.serve, args=(config, ready, stop), daemon=True)
+    serving.start()
+    subscription = client.pubsub()
+    try:
+        assert ready.wait(timeout=60)
+        address = registration_decoder.decode(client.get(RedisKeys(prefix).worker(config.worker_id))).address
+        subscription.subscribe("out:images")
+        step = worker_pb2.StepRequest(step_id=1)
+        for rid, h in (("ok", digest), ("gone", "ef" * 32)):
+            first = 0 if rid == "ok" else 20
+            step.new_requests.add(request_id=rid, token_ids=case.ids, num_prompt_tokens=len(case.ids),
+                                  block_ids=list(range(first, first + len(case.ids) // 16 + 1)),
+                                  sampling=worker_pb2.SamplingParams(max_tokens=1), reply_channel="out:images",
+                                  mm_inputs=mm_inputs(case.ids, IMAGE, [h]))
+            step.num_scheduled_tokens[rid] = len(case.ids)
+        with grpc.insecure_channel(address) as channel:
+            result = worker_pb2_grpc.WorkerStub(channel).Step(step, timeout=60)
+        sampled = {s.request_id: s for s in result.sampled}
+        assert {rid: s.finish_reason for rid, s in sampled.items()} == {"ok": "length", "gone": "error"}
+        events = {}
+        while len(events) < 2:
+            message = subscription.get_message(timeout=10)
+            assert message is not None
+            if message["type"] == "message":
+                events.update({e.request_id: e for e in events_decoder.decode(message["data"])})
+        assert events["ok"].token_ids == [sampled["ok"].token_id] and events["ok"].finish_reason == "length"
+        assert events["gone"].error == f"image 0 (content hash {'ef' * 32}): {MISSING}"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert f'pagedserve:mm_items_encoded_total{{worker="{config.worker_id}"}} 1.0' in text
+        assert f'pagedserve:encoder_seconds_count{{worker="{config.worker_id}"}} 1.0' in text
+    finally:
+        subscription.close()
+        client.delete(RedisKeys(prefix).media(digest))
+        client.close()
+        stop.set()
+        serving.join(timeout=30)
