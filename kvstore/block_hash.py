@@ -7,9 +7,15 @@ it is full. Its hash chains on its parent's:
     h(i) = digest(h(i-1), tokens of block i, extra keys)
 
 so equal hashes mean (up to collisions) equal whole prefixes, and a new request finds its
-cached prefix by walking its own hashes from block 0 until the first miss. `extra_keys` is a
-tuple of whatever else the K/V depend on besides the tokens (a LoRA id, a multimodal input's
-hash); every block of a request carries the same extra keys.
+cached prefix by walking its own hashes from block 0 until the first miss.
+
+Extra keys are per block: a tuple of whatever else block i's K/V depend on besides its
+tokens and its parent (e.g. the images whose soft tokens lie in it). A request's extra keys
+are a `BlockExtraKeys` -- block index -> that block's tuple, a block not in it having `()`
+-- so a text-only request passes an empty mapping (or None) and hashes exactly as before,
+and a block holding no image keeps `()`: a text prefix shared by requests with different
+images still hits, while every block after an image chains on the image's key.
+`span_block_keys` builds one from token ranges.
 
 Why blake2b and not Python's `hash()`: the digest is the same in every process and every
 run (str hashing changes with PYTHONHASHSEED), so a router in another process, a log or a
@@ -19,13 +25,15 @@ a cached block also stores a `BlockKey` that every hit compares exactly (see Blo
 """
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from hashlib import blake2b
 from typing import NamedTuple
 
 ROOT = b""  # the parent hash of a sequence's first block
 
-HashFn = Callable[[bytes, Sequence[int], tuple], bytes]
+HashFn = Callable[[bytes, Sequence[int], tuple], bytes]  # (parent, block's tokens, block's extra keys)
+# Block index -> the extra keys of that block of a sequence; a block not in it has ().
+BlockExtraKeys = Mapping[int, tuple]
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
@@ -35,6 +43,18 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple = ()) 
     if extra_keys:
         h.update(repr(extra_keys).encode())
     return h.digest()
+
+
+def span_block_keys(spans: Iterable[tuple[int, int, Hashable]], block_size: int) -> dict[int, tuple]:
+    """The BlockExtraKeys of a sequence whose positions `start <= p < end` depend on `key`,
+    for each (start, end, key) of `spans` (non-empty ranges, in order): each key goes to
+    every block its range overlaps, in the order given. O(blocks the spans touch)."""
+    keys: dict[int, list] = {}
+    for start, end, key in spans:
+        assert 0 <= start < end, f"empty or negative span [{start}, {end})"
+        for i in range(start // block_size, (end - 1) // block_size + 1):
+            keys.setdefault(i, []).append(key)
+    return {i: tuple(k) for i, k in keys.items()}
 
 
 class BlockKey(NamedTuple):
@@ -49,5 +69,5 @@ class BlockKey(NamedTuple):
 
     parent_serial: int
     token_ids: tuple[int, ...]
-    extra_keys: tuple = ()
+    extra_keys: tuple = ()  # this block's own (BlockExtraKeys)
 

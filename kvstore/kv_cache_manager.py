@@ -6,17 +6,21 @@ position p lives in slot `table[p // block_size].block_id * block_size + p % blo
 The scheduler sends these ids to the worker; only the worker holds the memory.
 
 Prefix caching (on unless `enable_prefix_caching=False`), in three calls:
-1. `find_cached_prefix(token_ids, hashes)` -- before admitting a request: the longest run
-   of cached blocks holding a prefix of its tokens, each hit verified (BlockKey), capped
-   so its last token is computed again (the worker needs its logits). No side effects.
+1. `find_cached_prefix(token_ids, hashes, extra_keys)` -- before admitting a request: the
+   longest run of cached blocks holding a prefix of its tokens, each hit verified
+   (BlockKey), capped so its last token is computed again (the worker needs its logits).
+   No side effects.
 2. `allocate_slots(request_id, num_tokens, cached)` -- those blocks start the new table
    (ref_cnt += 1, out of the free queue), fresh blocks follow.
-3. `cache_full_blocks(request_id, token_ids, hashes, num_computed_tokens)` -- after a step
-   computed them: the table's blocks that are now full and computed enter the cache. A
-   block whose content is already cached under another block stays out (the cached one
-   serves later hits); the request's chain continues through the cached one.
+3. `cache_full_blocks(request_id, token_ids, hashes, num_computed_tokens, extra_keys)` --
+   after a step computed them: the table's blocks that are now full and computed enter
+   the cache. A block whose content is already cached under another block stays out (the
+   cached one serves later hits); the request's chain continues through the cached one.
 The caller keeps each request's hash list (`hashes`, extended here as needed) for as long
 as the request stays on this worker, so a preempted request does not hash again.
+`extra_keys` (kvstore/block_hash.py, BlockExtraKeys: block index -> that block's extra
+keys, e.g. the images it holds) must be the same in every call for one request; None (or
+empty) means () for every block, the text-only case, which costs nothing extra.
 
 Invariants (checked by `check_integrity`):
 - every block's ref_cnt equals the number of block tables holding it;
@@ -57,7 +61,7 @@ Invariants (checked by `check_integrity`), in addition to those above:
 from collections import Counter
 from collections.abc import Sequence
 
-from kvstore.block_hash import ROOT, BlockKey, HashFn, hash_block
+from kvstore.block_hash import ROOT, BlockExtraKeys, BlockKey, HashFn, hash_block
 from kvstore.block_pool import BlockPool, KVBlock
 from kvstore.swap_pool import CpuBlockPool
 
@@ -110,28 +114,30 @@ class KVCacheManager:
         """Blocks a table needs to hold num_tokens tokens."""
         return cdiv(num_tokens, self.block_size)
 
-    def _block_hash(self, hashes: list[bytes], i: int, tokens: Sequence[int],
-                    extra_keys: tuple) -> bytes:
-        """hashes[i], computed and appended if the list stops at i (tokens: block i's)."""
+    def _block_hash(self, hashes: list[bytes], i: int, tokens: Sequence[int], keys: tuple) -> bytes:
+        """hashes[i], computed and appended if the list stops at i (tokens, keys: block i's)."""
         if i == len(hashes):
-            hashes.append(self.hash_fn(hashes[i - 1] if i else ROOT, tokens, extra_keys))
+            hashes.append(self.hash_fn(hashes[i - 1] if i else ROOT, tokens, keys))
         return hashes[i]
 
     def find_cached_prefix(self, token_ids: Sequence[int], hashes: list[bytes],
-                           extra_keys: tuple = ()) -> list[KVBlock]:
-        """The longest run of cached blocks holding token_ids' first blocks, at most
-        (len(token_ids) - 1) // block_size of them. Changes nothing but `hashes` (the
-        caller's list of this sequence's block hashes, extended only as far as the walk
-        goes). Every hit is verified against the block's key, never trusted on the hash."""
+                           extra_keys: BlockExtraKeys | None = None) -> list[KVBlock]:
+        """The longest run of cached blocks holding token_ids' first blocks with their
+        extra keys, at most (len(token_ids) - 1) // block_size of them. Changes nothing
+        but `hashes` (the caller's list of this sequence's block hashes, extended only as
+        far as the walk goes). Every hit is verified against the block's key (tokens and
+        extra keys), never trusted on the hash."""
         if not self.enable_prefix_caching:
             return []
         bs, cached = self.block_size, self.block_pool.cached
+        keys_of = extra_keys.get if extra_keys else None
         blocks: list[KVBlock] = []
         parent_serial = 0
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            block = cached.get(self._block_hash(hashes, i, tokens, extra_keys))
-            if block is None or block.block_key != (parent_serial, tokens, extra_keys):
+            keys = () if keys_of is None else keys_of(i, ())
+            block = cached.get(self._block_hash(hashes, i, tokens, keys))
+            if block is None or block.block_key != (parent_serial, tokens, keys):
                 break
             blocks.append(block)
             parent_serial = block.serial
@@ -177,7 +183,7 @@ class KVCacheManager:
         return [block.block_id for block in table]
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], hashes: list[bytes],
-                          num_computed_tokens: int, extra_keys: tuple = ()) -> None:
+                          num_computed_tokens: int, extra_keys: BlockExtraKeys | None = None) -> None:
         """Offer the cache the request's blocks that its first `num_computed_tokens`
         tokens (K/V computed, so tokens known) fill, and that were not offered before."""
         chain = self._chains.get(request_id)
@@ -185,10 +191,12 @@ class KVCacheManager:
         if chain is None or chain[1] == CLOSED or num_full <= chain[0]:
             return
         bs, pool, table = self.block_size, self.block_pool, self._tables[request_id]
+        keys_of = extra_keys.get if extra_keys else None
         for i in range(chain[0], num_full):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            block_hash = self._block_hash(hashes, i, tokens, extra_keys)
-            key = BlockKey(chain[1], tokens, extra_keys)
+            keys = () if keys_of is None else keys_of(i, ())
+            block_hash = self._block_hash(hashes, i, tokens, keys)
+            key = BlockKey(chain[1], tokens, keys)
             holder = pool.cached.get(block_hash)
             if holder is not None and holder.block_key == key:
                 chain[1] = holder.serial  # the same content is cached already

@@ -16,6 +16,9 @@ from typing import Literal
 import msgspec
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# SampledToken.token_id (proto/worker.proto) of a request the worker failed without computing
+# it (finish_reason "error": its media could not be had); it may come in any step.
+NO_TOKEN_ID = -1
 
 
 class Grammar(msgspec.Struct, frozen=True):

@@ -20,10 +20,11 @@ from collections.abc import Sequence
 
 from kvstore.kv_cache_manager import KVCacheManager, cdiv
 from proto import worker_pb2
-from proto.messages import FinishReason, NewRequest, TokenEvent
+from proto.messages import NO_TOKEN_ID, FinishReason, MultiModalInput, NewRequest, TokenEvent
 from proto.parallel import SEPARATOR, parent_request_id
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.fork import ForkManager, make_children
+from scheduler_svc.image_ranges import block_extra_keys, hit_blocks, image_inside, why_invalid
 from scheduler_svc.planner import StepPlanner
 from scheduler_svc.preemption import Preemptor
 from scheduler_svc.queues import RequestQueues
@@ -82,11 +83,16 @@ class BatchScheduler:
         for update()), and the last step planned ahead had room for every request."""
         return self.steps.num_in_flight == 1 and not self.queues.swapped and not self.planner.ahead_blocked
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
-        """Tokens of this sequence's prefix an admission here would find in the prefix
-        cache now (full blocks, its last token excluded); 0 with caching off. Changes
-        nothing; costs one hash and one lookup per block hit, plus one for the miss."""
-        return len(self.kv.find_cached_prefix(token_ids, [])) * self.kv.block_size
+    def cached_prefix_tokens(self, token_ids: Sequence[int], mm_inputs: Sequence[MultiModalInput] = ()) -> int:
+        """Tokens of this sequence's prefix (with the images `mm_inputs` in it) an admission
+        here would find in the prefix cache now (full blocks, its last token excluded, not
+        ending inside an image); 0 with caching off. Changes nothing; costs one hash and
+        one lookup per block hit, plus one for the miss."""
+        bs = self.kv.block_size
+        if not mm_inputs:
+            return len(self.kv.find_cached_prefix(token_ids, [])) * bs
+        hit = self.kv.find_cached_prefix(token_ids, [], block_extra_keys(mm_inputs, bs))
+        return hit_blocks(mm_inputs, len(hit), bs) * bs if hit else 0
 
     def stats(self) -> SchedulerStats:
         """Block pool and prefix cache accounting now (O(num_blocks): call it when idle or
@@ -119,7 +125,8 @@ class BatchScheduler:
         a waiting request holds no blocks; a swapped one CPU blocks for exactly its
         computed tokens and no GPU blocks; a running one's table covers exactly its
         computed tokens (cdiv(num_computed_tokens, block_size) blocks); only running and
-        swapped requests hold blocks."""
+        swapped requests hold blocks; no request's num_computed_tokens is strictly inside
+        one of its images."""
         kv, queues = self.kv, self.queues
         kv.check_integrity()
         queues.check_integrity(self.config.max_num_seqs)
@@ -133,6 +140,11 @@ class BatchScheduler:
             assert kv.table_length(rid) == cdiv(req.num_computed_tokens, kv.block_size), (
                 f"swapped {rid} holds {kv.table_length(rid)} CPU table entries for "
                 f"{req.num_computed_tokens} computed tokens")
+        for req in (*queues.running, *queues.swapped):
+            if req.num_computed_tokens < req.images_end:
+                image = image_inside(req.mm_inputs, req.num_computed_tokens)
+                assert image is None, (
+                    f"{req.request_id} has {req.num_computed_tokens} tokens computed: inside {image}")
         for req in queues.running:
             num_blocks = kv.table_length(req.request_id)
             assert num_blocks == cdiv(req.num_computed_tokens, kv.block_size), (
@@ -167,7 +179,10 @@ class BatchScheduler:
             state.finish_reason = "error"
             return TokenEvent(request_id=state.request_id, index=state.num_output_tokens,
                               finish_reason="error", error=error, rejected=True)
-        if state.n > 1 and state.num_prompt_tokens == 1:  # nothing to share: n requests now
+        if state.n > 1 and (state.num_prompt_tokens == 1  # nothing to share: n requests now
+                            # an image holds the fork point (the parent stops one short of its
+                            # prompt): the image must be computed whole, so each child does
+                            or image_inside(state.mm_inputs, state.num_prompt_tokens - 1) is not None):
             for child in make_children(state):
                 self.add_state(child)
             return None
@@ -187,6 +202,14 @@ class BatchScheduler:
             return f"request {rid} has max_tokens {max_tokens}; it must be >= 1"
         if not 1 <= req.n <= self.config.max_num_seqs:
             return f"request {rid} has n {req.n}; it must be in [1, max_num_seqs {self.config.max_num_seqs}]"
+        if (invalid := why_invalid(req.mm_inputs, num_prompt)) is not None:
+            return f"request {rid}: {invalid}"
+        budget = self.config.max_num_batched_tokens
+        for i, image in enumerate(req.mm_inputs):
+            if image.length > budget:
+                return (f"request {rid}: image {i} has {image.length} soft tokens, more than "
+                        f"max_num_batched_tokens {budget} (--max-num-batched-tokens): an image "
+                        f"is computed in one step, never split across prefill chunks")
         if num_prompt + max_tokens > self.max_model_len:
             return (f"request {rid} needs {num_prompt} prompt + {max_tokens} max_tokens = "
                     f"{num_prompt + max_tokens} tokens, "
@@ -257,7 +280,9 @@ class BatchScheduler:
 
         Offers every block the step filled to the prefix cache, appends each sampled
         token; a non-empty finish_reason finishes the request (the worker applied the stop
-        rule), freeing its blocks; a parent of n > 1 that computed its prompt but the last
+        rule), freeing its blocks; a request the worker failed without computing it
+        (token NO_TOKEN_ID, "error": its media could not be had) finishes with "error",
+        its blocks neither filled nor cached; a parent of n > 1 that computed its prompt but the last
         token forks. Tokens of requests aborted while the step was in flight are ignored,
         as is a request a step before finished (the worker samples nothing for it).
         Returns the requests finished here, in step order. Raises ValueError, changing
@@ -267,10 +292,15 @@ class BatchScheduler:
         finished = []
         for scheduled, token in self.steps.take_result(step, result):
             req, computed = scheduled.request, scheduled.num_computed_tokens
+            if token is not None and token.token_id == NO_TOKEN_ID:  # failed, nothing computed
+                self._finish(req, "error")
+                finished.append(req)
+                continue
             if token is not None:
                 self.queues.append(req, token.token_id)
             if caching and computed % bs < scheduled.num_new_tokens:  # the step filled a block
-                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.block_hashes, computed)
+                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.block_hashes, computed,
+                                          req.block_extra_keys(bs))
             if token is None:
                 if req.n > 1 and computed == req.num_prompt_tokens - 1:
                     self._fork(req)

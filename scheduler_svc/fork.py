@@ -26,7 +26,8 @@ from scheduler_svc.request import SchedulerRequest
 
 
 def make_children(parent: SchedulerRequest) -> list[SchedulerRequest]:
-    """The parent's n children, each where the parent is (tokens, computed tokens, hashes)."""
+    """The parent's n children, each where the parent is (tokens, computed tokens, hashes,
+    the images of the prompt they share)."""
     seed = parent.sampling.seed
     return [SchedulerRequest(
         request_id=child_request_id(parent.request_id, i), token_ids=list(parent.token_ids),
@@ -35,7 +36,8 @@ def make_children(parent: SchedulerRequest) -> list[SchedulerRequest]:
                   else msgspec.structs.replace(parent.sampling, seed=child_seed(seed, i))),
         reply_channel=parent.reply_channel, arrival_time=parent.arrival_time,
         priority=parent.priority, num_computed_tokens=parent.num_computed_tokens,
-        block_hashes=list(parent.block_hashes), parent_id=parent.request_id) for i in range(parent.n)]
+        block_hashes=list(parent.block_hashes), parent_id=parent.request_id,
+        mm_inputs=parent.mm_inputs) for i in range(parent.n)]
 
 
 class ForkManager:

@@ -20,6 +20,29 @@ and a step computes as many as the token budget and `max_num_seqs` allow:
    (prompt + outputs, so a preempted request finds its own blocks again if they were not
    evicted): those blocks are shared, and only the rest is computed.
 
+Images (Gemma 3: the soft tokens of one image attend to each other both ways) are never
+split across prefill chunks, as vLLM does for Gemma 3. The rule, applied to every chunk
+above after the threshold and budget caps (`fit_images`): a chunk that would end strictly
+inside an image's range ends at that image's start instead; when that leaves nothing (the
+image starts at num_computed_tokens), the chunk is the whole image if the budget left holds
+it (long_prefill_token_threshold never splits an image), and otherwise the request computes
+nothing this step: a running one is passed over (the requests after it still run), a
+swapped or waiting head stops resuming / admitting as a head that does not fit does. So
+num_computed_tokens is never strictly inside an image (BatchScheduler.check_integrity), and
+a prefix-cache hit that would end inside one is cut back to the last block boundary at or
+before its start (image_ranges.hit_blocks).
+Why never split rather than an exact split: the first chunk's image tokens attend to the
+later chunks' ones, so an exact split would need the later half's K/V before the first
+half's attention -- computing the image twice, or holding its queries across steps. One
+step per image (at most max_num_batched_tokens tokens) needs neither.
+No starvation: an image longer than max_num_batched_tokens is refused on arrival
+(BatchScheduler.add_request), so every image fits a step's whole budget. Only requests
+ahead of a waiting image in (priority, arrival) order are planned before it, and nothing
+behind a swapped or waiting head is resumed or admitted meanwhile; those ahead finish their
+prefills, then take one token a step until they finish, so the budget left to the image
+grows until it fits -- at the latest when it is the first request with work in a step (as
+for any request, a stream of higher-priority arrivals can delay it).
+
 Planned ahead (a step in flight: async scheduling), the step assumes every request the
 step in flight samples for gets its token (`num_pending`), and never preempts, swaps or
 forks: a running request that cannot grow without a preemption ends the step there
@@ -32,6 +55,7 @@ from dataclasses import dataclass, field
 from kvstore.kv_cache_manager import KVCacheManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.fork import ForkManager
+from scheduler_svc.image_ranges import hit_blocks, image_inside
 from scheduler_svc.preemption import Preemptor
 from scheduler_svc.queues import RequestQueues
 from scheduler_svc.request import SchedulerRequest
@@ -113,6 +137,11 @@ class StepPlanner:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
+            if req.num_computed_tokens < req.images_end:  # a prefill chunk that may reach an image
+                num_new = fit_images(req, req.num_computed_tokens, num_new, budget)
+                if num_new == 0:
+                    i += 1  # its next image does not fit the budget left: a later step
+                    continue
             while True:
                 # A forked child about to write into its shared, partly filled last block
                 # gets its own copy first.
@@ -146,6 +175,8 @@ class StepPlanner:
         while swapped and budget > 0 and num_seqs + swapped[0].n <= max_seqs:
             req = swapped[0]
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            if num_new == 0:
+                break  # its next image does not fit the budget left; later ones wait too
             pairs = self._kv.swap_in(req.request_id, req.num_computed_tokens + num_new)
             if pairs is None:
                 break  # resumes in order: later ones wait too
@@ -165,11 +196,16 @@ class StepPlanner:
         while waiting and budget > 0 and num_seqs + waiting[0].n <= max_seqs:
             req = waiting[0]
             lookup = kv.enable_prefix_caching and req.uses_prefix_cache
-            cached = kv.find_cached_prefix(req.token_ids, req.block_hashes) if lookup else []
+            cached = kv.find_cached_prefix(req.token_ids, req.block_hashes,
+                                           req.block_extra_keys(kv.block_size)) if lookup else []
             if req.n > 1:  # a parent computes at least one token before it forks
                 cached = cached[:(req.num_prompt_tokens - 2) // kv.block_size]
+            if cached and req.mm_inputs:  # a hit never ends inside an image
+                cached = cached[:hit_blocks(req.mm_inputs, len(cached), kv.block_size)]
             num_cached = len(cached) * kv.block_size
             num_new = self._num_new_tokens(req, num_cached, budget)
+            if num_new == 0:
+                break  # its next image does not fit the budget left (no overtaking)
             if kv.allocate_slots(req.request_id, num_cached + num_new, cached) is None:
                 break  # later arrivals do not overtake the head of the queue
             self._queues.admit_head(num_cached)
@@ -182,9 +218,28 @@ class StepPlanner:
 
     def _num_new_tokens(self, req: SchedulerRequest, num_computed: int, budget: int) -> int:
         """Tokens a request with `num_computed` tokens computed computes this step: all it
-        lacks, capped by the per-request threshold and by the budget left."""
+        lacks, capped by the per-request threshold and by the budget left, then fitted to
+        its images (`fit_images`; 0: its next image does not fit)."""
         num_new = req.target_tokens - num_computed
         assert num_new > 0, f"request {req.request_id} has nothing to compute"
         if self._config.long_prefill_token_threshold:
             num_new = min(num_new, self._config.long_prefill_token_threshold)
-        return min(num_new, budget)
+        num_new = min(num_new, budget)
+        if num_computed < req.images_end:
+            num_new = fit_images(req, num_computed, num_new, budget)
+        return num_new
+
+
+def fit_images(req: SchedulerRequest, start: int, num_new: int, budget: int) -> int:
+    """The chunk `start .. start + num_new` (capped already; `start` not inside an image)
+    fitted to the request's images: ended at the start of the image it would end inside,
+    or when that image starts the chunk, the whole image if `budget` holds it, else 0."""
+    image = image_inside(req.mm_inputs, start + num_new)
+    if image is None:
+        return num_new
+    if image.offset > start:
+        return image.offset - start
+    assert image.offset == start, f"request {req.request_id}: chunk starts inside an image at {start}"
+    assert start + image.length <= req.target_tokens, (
+        f"request {req.request_id}: image at {start} reaches past its {req.target_tokens} tokens to compute")
+    return image.length if image.length <= budget else 0

@@ -9,6 +9,10 @@ a swapped request keeps num_computed_tokens (its K/V sit in the worker's CPU blo
 
 Which queue a request is in, and so its status, and its tokens are RequestQueues' to
 change (scheduler_svc/queues.py); a step advances its computed tokens (`advance`).
+
+A request may carry images (`mm_inputs`: ranges of soft tokens in its prompt, in order,
+scheduler_svc/image_ranges.py): its num_computed_tokens is never strictly inside one (the
+planner computes an image in one step), and they are part of its blocks' prefix-cache keys.
 """
 
 import enum
@@ -16,9 +20,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kvstore.block_hash import BlockExtraKeys
 from proto import worker_pb2
-from proto.messages import FinishReason, NewRequest, SamplingParams
+from proto.messages import FinishReason, MultiModalInput, NewRequest, SamplingParams
 from proto.parallel import request_seed
+from scheduler_svc.image_ranges import block_extra_keys, images_end
 
 
 class RequestStatus(enum.Enum):
@@ -32,7 +38,8 @@ class RequestStatus(enum.Enum):
 class SchedulerRequest:
     """Invariants: 0 <= num_computed_tokens <= len(token_ids) + num_pending; the last
     token (with num_pending, the last token in flight) has no K/V until a step computes
-    it; num_prompt_tokens <= len(token_ids)."""
+    it; num_prompt_tokens <= len(token_ids); num_computed_tokens is never strictly inside
+    an image of mm_inputs."""
 
     request_id: str
     token_ids: list[int]  # prompt, then every output token so far
@@ -57,6 +64,16 @@ class SchedulerRequest:
     # steps planned ahead, a step computes the token the step before it samples, which
     # the worker has and the scheduler does not yet.
     num_pending: int = 0
+    # Images of the prompt (NewRequest.mm_inputs; a child's are its parent's): well-formed
+    # ranges in prompt order (image_ranges.why_invalid), never changed.
+    mm_inputs: tuple[MultiModalInput, ...] = ()
+    # images_end(mm_inputs): a chunk starting here or later reaches no image (0: none).
+    images_end: int = field(default=0, init=False, repr=False)
+    # (block size, block_extra_keys(mm_inputs, block size)), made on first use.
+    _block_keys: tuple[int, BlockExtraKeys] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.images_end = images_end(self.mm_inputs)
 
     @classmethod
     def from_new_request(cls, req: NewRequest) -> "SchedulerRequest":
@@ -74,6 +91,7 @@ class SchedulerRequest:
             arrival_time=req.arrival_time,
             priority=req.priority,
             n=req.n,
+            mm_inputs=tuple(req.mm_inputs),
         )
 
     @property
@@ -112,6 +130,16 @@ class SchedulerRequest:
         """False for a request asking for prompt logprobs: they need the logits of every
         prompt token, so it takes nothing from the prefix cache (proto/worker.proto)."""
         return self.sampling.prompt_logprobs is None
+
+    def block_extra_keys(self, block_size: int) -> BlockExtraKeys | None:
+        """Its blocks' prefix-cache extra keys on that block size (the images each block
+        holds, scheduler_svc/image_ranges.py); None for a request without images."""
+        if not self.mm_inputs:
+            return None
+        memo = self._block_keys
+        if memo is None or memo[0] != block_size:
+            memo = self._block_keys = (block_size, block_extra_keys(self.mm_inputs, block_size))
+        return memo[1]
 
     def samples_its_last_token(self) -> bool:
         """True when the tokens in flight for it reach its max_tokens: the step in flight

@@ -8,7 +8,8 @@ work a worker would have after taking the request, as a fraction of its KV capac
 
   load_tokens(w)  tokens of every request already there (prompt + outputs so far);
   hit_tokens(w)   tokens of the request's prefix w has in its prefix cache now
-                  (BatchScheduler.cached_prefix_tokens): those are not computed again;
+                  (BatchScheduler.cached_prefix_tokens, with the request's images in the
+                  block keys, as admission looks them up): those are not computed again;
   capacity(w)     tokens w's KV blocks hold (num_blocks * block_size).
 
 The lowest cost wins; ties go to the lower load, then to the first worker given. With no
@@ -22,24 +23,27 @@ turns prefix awareness off; a larger one favours hits harder.
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from proto.messages import MultiModalInput
 from scheduler_svc.batching import BatchScheduler
 
 T = TypeVar("T")
 
 
-def route_cost(scheduler: BatchScheduler, token_ids: Sequence[int], prefix_weight: float = 1.0) -> float:
-    """cost(w) above for one worker's scheduler."""
-    hit = scheduler.cached_prefix_tokens(token_ids) if prefix_weight else 0
+def route_cost(scheduler: BatchScheduler, token_ids: Sequence[int], prefix_weight: float = 1.0,
+               mm_inputs: Sequence[MultiModalInput] = ()) -> float:
+    """cost(w) above for one worker's scheduler (`mm_inputs`: the images in token_ids)."""
+    hit = scheduler.cached_prefix_tokens(token_ids, mm_inputs) if prefix_weight else 0
     capacity = scheduler.kv.num_blocks * scheduler.kv.block_size
     return (scheduler.load_tokens + prefix_weight * (len(token_ids) - hit)) / capacity
 
 
 def pick_worker(candidates: Sequence[T], token_ids: Sequence[int],
-                scheduler_of: Callable[[T], BatchScheduler], prefix_weight: float = 1.0) -> T:
+                scheduler_of: Callable[[T], BatchScheduler], prefix_weight: float = 1.0,
+                mm_inputs: Sequence[MultiModalInput] = ()) -> T:
     """The candidate of lowest cost (see the module docstring); `candidates` non-empty."""
     def key(c: T) -> tuple[float, float]:
         scheduler = scheduler_of(c)
-        return route_cost(scheduler, token_ids, prefix_weight), scheduler.load
+        return route_cost(scheduler, token_ids, prefix_weight, mm_inputs), scheduler.load
     if len(candidates) == 1:
         return candidates[0]
     return min(candidates, key=key)

@@ -321,7 +321,7 @@ class SchedulerService:
             self.ledger.park(item)
             return
         tokens = item.prompt_token_ids if isinstance(item, NewRequest) else item.token_ids
-        handle = pick_worker(live, tokens, lambda h: h.scheduler)
+        handle = pick_worker(live, tokens, lambda h: h.scheduler, mm_inputs=item.mm_inputs)
         add = handle.scheduler.add_request if isinstance(item, NewRequest) else handle.scheduler.add_state
         error = add(item)
         if error is not None:  # it can never fit on that worker: tell the client, drop it

@@ -1,9 +1,11 @@
 """The step message out of a scheduler, and the worker's result back in.
 
-The step carries admitted requests in full (prompt + outputs so far, block table) and
-running ones as diffs (the block ids allocated this step). num_computed_tokens advances
-when the step is built: the worker computes exactly what was planned, and a request the
-step catches up counts one token in flight (num_pending) until its result comes back.
+The step carries admitted requests in full (prompt + outputs so far, block table, and the
+prompt's images every time one is sent in full: new, a forked child, re-sent after a
+preemption by recompute or on another worker) and running ones as diffs (the block ids
+allocated this step). num_computed_tokens advances when the step is built: the worker
+computes exactly what was planned, and a request the step catches up counts one token in
+flight (num_pending) until its result comes back.
 
 Steps planned ahead (async scheduling): the step after the one in flight carries
 `after_step_id`, and computes the token the step before samples, which only the worker
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from proto import worker_pb2
+from proto.messages import NO_TOKEN_ID
+from scheduler_svc.image_ranges import to_pb_mm_inputs
 from scheduler_svc.planner import StepPlan
 from scheduler_svc.queues import RequestQueues
 from scheduler_svc.request import RequestStatus, SchedulerRequest, to_pb_sampling
@@ -103,10 +107,12 @@ class StepBuilder:
             samples = req.advance(num_new)
             requests.append(_new_record(ScheduledRequest, (req, num_new, req.num_computed_tokens, samples)))
         for req, num_new, block_ids in plan.new:
-            step.new_requests.add(
+            new = step.new_requests.add(
                 request_id=req.request_id, token_ids=req.token_ids, num_prompt_tokens=req.num_prompt_tokens,
                 block_ids=block_ids, num_computed_tokens=req.num_computed_tokens,
                 sampling=to_pb_sampling(req.sampling), reply_channel=req.reply_channel)
+            if req.mm_inputs:
+                new.mm_inputs.extend(to_pb_mm_inputs(req.mm_inputs))
             scheduled[req.request_id] = num_new
             samples = req.advance(num_new)
             requests.append(_new_record(ScheduledRequest, (req, num_new, req.num_computed_tokens, samples)))
@@ -138,8 +144,11 @@ class StepBuilder:
             if req.status is not _RUNNING:
                 continue
             tokens = sampled.get(req.request_id, ())
-            # The worker samples exactly when the step catches a request up.
-            if scheduled.samples != bool(tokens):
+            # The worker samples exactly when the step catches a request up -- or fails the
+            # request in any step it is scheduled in (NO_TOKEN_ID, "error": its media could
+            # not be had), computing nothing for it.
+            failed = len(tokens) == 1 and tokens[0].token_id == NO_TOKEN_ID and tokens[0].finish_reason == "error"
+            if scheduled.samples != bool(tokens) and not failed:
                 raise ValueError(
                     f"step {step.step_id}: request {req.request_id} "
                     f"{'needs' if scheduled.samples else 'must not get'} a sampled token "

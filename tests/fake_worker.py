@@ -19,6 +19,13 @@ With `sliding_window=W` it models a model whose every layer sees the last W keys
 request reads (and so holds) only the blocks its next query's window reaches; entries
 before them are holes the scheduler gave back (their ids are stale or HOLE_BLOCK_ID).
 
+Images (NewRequestData.mm_inputs): the "K/V" of an image's soft token depends on the
+image's content hash too (the checksum takes it in), as a real model's does on the image's
+embeddings, and so does the sampled token; a step whose chunk of a request starts or ends
+strictly inside an image fails (the worker computes an image in one step). So a request
+sent in full without its images (a child, one re-sent after preemption), or a prefix hit
+serving another image's K/V, reads K/V that do not match.
+
 It asserts that every step is consistent with the contract in proto/worker.proto, and that
 no step writes into a block another live request holds (shared blocks are read-only). A
 step planned ahead (after_step_id) must follow that step, and only such a step may list
@@ -42,6 +49,7 @@ class _WorkerRequest:
     finished_in: int = 0  # the step that finished it
     first_read: int = 0  # the first position the current step's queries read
     swapped: list | None = None  # while swapped out: its blocks' slot entries, in table order
+    mm_inputs: tuple[tuple[str, int, int], ...] = ()  # (content_hash, offset, length) per image
 
 
 class FakeWorker:
@@ -100,9 +108,16 @@ class FakeWorker:
             self.requests.pop(request_id, None)
         for new in step.new_requests:
             assert new.request_id not in self.requests, f"{new.request_id} sent in full twice"
+            mm_inputs = tuple((m.content_hash, m.offset, m.length) for m in new.mm_inputs)
+            for _, offset, length in mm_inputs:
+                assert 0 <= offset and offset + length <= new.num_prompt_tokens, (
+                    f"{new.request_id}: image [{offset}, {offset + length}) outside its prompt")
+                assert not offset < new.num_computed_tokens < offset + length, (
+                    f"{new.request_id}: sent with {new.num_computed_tokens} tokens computed, inside "
+                    f"image [{offset}, {offset + length})")
             self.requests[new.request_id] = _WorkerRequest(
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                new.num_computed_tokens, new.sampling)
+                new.num_computed_tokens, new.sampling, mm_inputs=mm_inputs)
         for cached in step.cached_requests:
             req = self.requests.get(cached.request_id)
             assert req is not None, f"diff for unknown request {cached.request_id}"
@@ -157,7 +172,12 @@ class FakeWorker:
             assert num_new > 0, f"{request_id} scheduled for {num_new} tokens"
             end = req.num_computed_tokens + num_new
             assert end <= len(req.token_ids), f"{request_id} scheduled past its last token"
-            sums = _prefix_checksums(req.token_ids)
+            for _, offset, length in req.mm_inputs:
+                assert not (offset < req.num_computed_tokens < offset + length
+                            or offset < end < offset + length), (
+                    f"step {step_id}: {request_id}'s chunk [{req.num_computed_tokens}, {end}) "
+                    f"splits image [{offset}, {offset + length})")
+            sums = _prefix_checksums(req.token_ids, req.mm_inputs)
             req.first_read = self._first_needed(req)  # what this step's first query sees
             for pos in range(req.num_computed_tokens, end):
                 slot = self._slot(request_id, req, pos)
@@ -176,7 +196,8 @@ class FakeWorker:
             context = self._read_context(request_id, req)  # what attention reads
             if req.num_computed_tokens < len(req.token_ids):
                 continue  # a partial prefill samples nothing
-            token = zlib.crc32(repr(context).encode()) % self.vocab_size
+            seen = (context, req.mm_inputs) if req.mm_inputs else context
+            token = zlib.crc32(repr(seen).encode()) % self.vocab_size
             req.token_ids.append(token)
             reason = self._finish_reason(req, token)
             req.finished = bool(reason)
@@ -208,7 +229,7 @@ class FakeWorker:
         return [[cache.get(b * bs + o) for o in range(bs)] for b in block_ids]
 
     def _read_context(self, request_id: str, req: _WorkerRequest) -> list[int]:
-        sums = _prefix_checksums(req.token_ids)
+        sums = _prefix_checksums(req.token_ids, req.mm_inputs)
         for pos in range(req.first_read, req.num_computed_tokens):
             entry = self.cache.get(self._slot(request_id, req, pos))
             assert entry == (pos, sums[pos]), (
@@ -236,10 +257,15 @@ class FakeWorker:
         return holders
 
 
-def _prefix_checksums(token_ids: list[int]) -> list[int]:
-    """sums[p]: a checksum of token_ids[:p + 1] -- what K/V at position p depend on."""
+def _prefix_checksums(token_ids: list[int], mm_inputs: tuple[tuple[str, int, int], ...] = ()) -> list[int]:
+    """sums[p]: a checksum of token_ids[:p + 1] and of the images among them -- what K/V at
+    position p depend on."""
+    image_at = {pos: content_hash.encode() for content_hash, offset, length in mm_inputs
+                for pos in range(offset, offset + length)}
     sums, crc = [], 0
-    for token in token_ids:
+    for pos, token in enumerate(token_ids):
         crc = zlib.crc32(token.to_bytes(4, "little"), crc)
+        if image_at and pos in image_at:
+            crc = zlib.crc32(image_at[pos], crc)
         sums.append(crc)
     return sums

@@ -1,6 +1,7 @@
 """Automatic prefix caching in the kvstore: exact block ids, eviction order, LRU, hit
-verification, sharing, hits after preemption, and random operation sequences checked
-against the K/V every slot holds. The scheduler on top: test_prefix_cache_scheduler.py."""
+verification, sharing, hits after preemption, per-block extra keys (images), and random
+operation sequences checked against the K/V every slot holds. The scheduler on top:
+test_prefix_cache_scheduler.py (and test_scheduler_images.py for images)."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -16,14 +17,14 @@ def free_order(kv: KVCacheManager) -> list[int]:
 
 
 def run(kv: KVCacheManager, rid: str, tokens: list[int], hashes: list[bytes] | None = None,
-        computed: int | None = None) -> list[int]:
+        computed: int | None = None, extra_keys: dict[int, tuple] | None = None) -> list[int]:
     """Admit a request with its cached prefix, 'compute' it up to `computed` tokens (all
     but the last by default), offer its full blocks to the cache; its block ids."""
     hashes = [] if hashes is None else hashes
     computed = len(tokens) - 1 if computed is None else computed
-    cached = kv.find_cached_prefix(tokens, hashes)
+    cached = kv.find_cached_prefix(tokens, hashes, extra_keys)
     assert kv.allocate_slots(rid, computed, cached) is not None
-    kv.cache_full_blocks(rid, tokens, hashes, computed)
+    kv.cache_full_blocks(rid, tokens, hashes, computed, extra_keys)
     kv.check_integrity()
     return kv.block_ids(rid)
 
@@ -118,6 +119,25 @@ def test_equal_content_cached_once_and_chains_continue_through_it():
     kv.check_integrity()
 
 
+def test_per_block_extra_keys_key_only_their_block_and_chain_on():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    image_a, image_b = {1: ("A",)}, {1: ("B",)}  # block 1 holds an image; 0 and 2 text
+    assert run(kv, "a", P + [1], computed=12, extra_keys=image_a) == [0, 1, 2]
+    assert kv.block_pool.blocks[1].block_key.extra_keys == ("A",)
+    assert kv.block_pool.blocks[0].block_key.extra_keys == kv.block_pool.blocks[2].block_key.extra_keys == ()
+    hit = lambda keys: [b.block_id for b in kv.find_cached_prefix(P + [1], [], keys)]
+    assert hit(image_a) == [0, 1, 2]  # the same image: all of it
+    assert hit(image_b) == [0]  # another image: the text before it, not the text after
+    assert hit(None) == hit({}) == [0]  # text only: block 1's keys are ()
+    assert hit({2: ("A",)}) == [0]  # the key belongs to its block, not to the request
+    # The same walk verifies keys, not only hashes: a hash function ignoring them finds the
+    # block, the key check refuses it.
+    blind = KVCacheManager(num_blocks=8, block_size=BS, hash_fn=lambda p, t, e: hash_block(p, t))
+    run(blind, "a", P + [1], computed=12, extra_keys=image_a)
+    assert [b.block_id for b in blind.find_cached_prefix(P + [1], [], image_b)] == [0]
+    kv.check_integrity()
+
+
 def colliding_hash(parent: bytes, tokens, extra_keys) -> bytes:
     """Ignores the parent: the same tokens collide at every position and after any prefix."""
     return hash_block(b"", tokens, extra_keys)
@@ -175,13 +195,16 @@ def test_prefix_caching_off():
 
 NUM_BLOCKS = 12
 PREFIXES = [[], P[:4], P[:8], P, [7, 7, 7, 7, 8, 8], [0] * 4, P[:4] + [0] * 4]
+# Per-block extra keys (images in blocks 1, or 0 and 1) over the same tokens: K/V differ.
+EXTRA_KEYS = [None, None, {1: ("A",)}, {1: ("B",)}, {0: ("A",), 1: ("A", "B")}]
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Random admit (with prefix hits) / compute and decode / finish / preempt / resume /
-    evict. Every slot remembers the prefix its K/V were computed from, so the invariants
-    prove that no hit serves wrong K/V and nothing overwrites a live request's K/V,
-    whatever the hash function does."""
+    evict. Every slot remembers the prefix its K/V were computed from (tokens, and the
+    extra keys of its block and the blocks before), so the invariants prove that no hit
+    serves wrong K/V and nothing overwrites a live request's K/V, whatever the hash
+    function does."""
 
     hash_fn = staticmethod(hash_block)
     window: int | None = None  # a sliding window: blocks behind it are given back as requests advance
@@ -199,16 +222,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for pos in range(req["computed"], upto):
             block_id = table[pos // BS]
             assert self.kv.block_pool.blocks[block_id].ref_cnt == 1, "write into a shared block"
-            self.slots[(block_id, pos % BS)] = tuple(req["tokens"][:pos + 1])
+            self.slots[(block_id, pos % BS)] = _kv_of(req, pos)
         req["computed"] = upto
-        self.kv.cache_full_blocks(rid, req["tokens"], req["hashes"], upto)
+        self.kv.cache_full_blocks(rid, req["tokens"], req["hashes"], upto, req["keys"])
 
     def _admit(self, rid: str, req: dict, chunk: int) -> None:
         tokens, before = req["tokens"], free_order(self.kv)
-        cached = self.kv.find_cached_prefix(tokens, req["hashes"])
+        cached = self.kv.find_cached_prefix(tokens, req["hashes"], req["keys"])
         assert len(cached) <= (len(tokens) - 1) // BS and free_order(self.kv) == before
         for pos in range(len(cached) * BS):  # the hit holds exactly this prefix's K/V
-            assert self.slots[(cached[pos // BS].block_id, pos % BS)] == tuple(tokens[:pos + 1])
+            assert self.slots[(cached[pos // BS].block_id, pos % BS)] == _kv_of(req, pos)
         upto = min(len(tokens), len(cached) * BS + chunk)
         ids = self.kv.allocate_slots(rid, upto, cached)
         if ids is None:
@@ -224,10 +247,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self._compute(rid, req, upto)
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 2), max_size=9),
-          chunk=st.integers(1, 16))
-    def admit(self, prefix, suffix, chunk):
+          chunk=st.integers(1, 16), keys=st.sampled_from(EXTRA_KEYS))
+    def admit(self, prefix, suffix, chunk, keys):
         rid, self.next_id = f"r{self.next_id}", self.next_id + 1
-        self._admit(rid, dict(tokens=prefix + suffix or [0], computed=0, hashes=[]), chunk)
+        self._admit(rid, dict(tokens=prefix + suffix or [0], computed=0, hashes=[], keys=keys), chunk)
 
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 99), chunk=st.integers(1, 8), token=st.integers(0, 2))
@@ -286,10 +309,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             holes = len(table) - self.kv.num_blocks_held(rid)  # blocks given back: behind the window
             assert holes * BS <= first, (rid, holes, req["computed"])
             for pos in range(first, req["computed"]):
-                assert self.slots[(table[pos // BS], pos % BS)] == tuple(req["tokens"][:pos + 1])
+                assert self.slots[(table[pos // BS], pos % BS)] == _kv_of(req, pos)
         for block in self.kv.block_pool.cached.values():  # a cached block holds its key's tokens
-            held = tuple(self.slots[(block.block_id, off)][-1] for off in range(BS))
+            held = tuple(self.slots[(block.block_id, off)][0][-1] for off in range(BS))
             assert held == block.block_key.token_ids
+            assert self.slots[(block.block_id, 0)][1][-1] == block.block_key.extra_keys
+
+
+def _kv_of(req: dict, pos: int) -> tuple[tuple[int, ...], tuple[tuple, ...]]:
+    """What the K/V at `pos` of a request of the machine depend on: its tokens up to there
+    and the extra keys of every block up to its own."""
+    keys = req["keys"] or {}
+    return tuple(req["tokens"][:pos + 1]), tuple(keys.get(i, ()) for i in range(pos // BS + 1))
 
 
 class CollidingPrefixCacheMachine(PrefixCacheMachine):

@@ -38,7 +38,7 @@ from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
 from worker_svc.make_model import make_model
 from worker_svc.media_source import MISSING, MediaUnavailableError, RedisMediaSource
-from worker_svc.model_runner import NO_TOKEN
+from proto.messages import NO_TOKEN_ID as NO_TOKEN
 from worker_svc.request_state import RequestState
 
 IMAGE = 7  # the tiny tokenizer's <image_soft_token>

@@ -27,7 +27,7 @@ A request that cannot run here -- images on a worker without a vision encoder or
 source, placeholder ranges that are not the model's, an image expired from the media store
 or undecodable -- fails alone, in the step it is scheduled in, without being computed: an
 error TokenEvent to its reply channel, and a SampledToken with finish_reason "error" and
-token_id NO_TOKEN (there is none; it may come in a step that samples nothing for the
+token_id NO_TOKEN_ID (there is none; it may come in a step that samples nothing for the
 request). The step and the other requests go on.
 """
 
@@ -42,7 +42,7 @@ from kernels.backend import get_attention_backend
 from kvstore.cache_tensors import KVCacheTensors, num_blocks_for_memory, resolve_kv_cache_dtype, swap_blocks
 from proto import worker_pb2
 from proto.model_source import resolve_model
-from proto.messages import Logprobs, TokenEvent
+from proto.messages import NO_TOKEN_ID, Logprobs, TokenEvent
 from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
 from worker_svc.grammar import GrammarCompiler
@@ -59,7 +59,6 @@ from worker_svc.vision_step import ImageEmbedder, VisionStepStats, place_step_im
 
 log = logging.getLogger(__name__)
 
-NO_TOKEN = -1  # SampledToken.token_id of a request failed without being computed
 
 
 class StepConsistencyError(RuntimeError):
@@ -281,7 +280,7 @@ class ModelRunner:
         SampledToken without a token, so the scheduler finishes it too."""
         log.warning("request %s failed: %s", state.request_id, message)
         state.finish_reason = "error"
-        result.sampled.add(request_id=state.request_id, token_id=NO_TOKEN, finish_reason="error")
+        result.sampled.add(request_id=state.request_id, token_id=NO_TOKEN_ID, finish_reason="error")
         events.setdefault(state.reply_channel, []).append(TokenEvent(
             request_id=state.request_id, index=state.num_output_tokens, finish_reason="error",
             error=message))
