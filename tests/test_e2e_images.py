@@ -1,0 +1,232 @@
+"""Gemma 3 with images through the whole stack (official openai client → gateway → Redis →
+scheduler → gRPC → worker) on the tiny `gemma3-vision` checkpoint, fp32, against
+`Gemma3ForConditionalGeneration.generate()` on the processor's inputs (its
+`token_type_ids`, so transformers applies the bidirectional image mask):
+
+- 18 concurrent greedy chats with 1, 2 and 8 images (PNG, JPEG, RGBA, grayscale, palette,
+  odd sizes and aspect ratios), most longer than the 48-token sliding window, with chunked
+  prefill (a 64-token budget) and a KV pool small enough to preempt, token for token;
+- a repeated image is a prefix-cache hit and answers the same; a different image behind the
+  same placeholder tokens is not;
+- a streamed answer; a short video equal to its sampled frames sent as images with the same
+  "Frame at MM:SS.ss:" texts; the Responses API's input_image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import av
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from tests.stack_helpers import running_stack, wait_until_idle, worker_stats
+
+pytestmark = pytest.mark.e2e
+
+NUM_BLOCKS = 48  # 768 token slots for 18 requests needing ~2,000: forces preemption
+TOKEN_BUDGET = 64
+
+
+@pytest.fixture(scope="module")
+def vision(redis_url, tmp_path_factory):
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from worker_svc.make_model import make_model
+
+    model_dir = make_model(tmp_path_factory.mktemp("tiny-gemma3-vision"), preset="tiny", arch="gemma3-vision")
+    with running_stack(model_dir, redis_url, tmp_path_factory.mktemp("run-vision"),
+                       worker_args=("--num-blocks", str(NUM_BLOCKS)),
+                       scheduler_args=("--max-num-batched-tokens", str(TOKEN_BUDGET),
+                                       "--stats-interval", "0.05")) as stack:
+        yield (stack, Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval(),
+               AutoProcessor.from_pretrained(model_dir))
+
+
+def picture(seed: int, width: int, height: int, mode: str) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    rgb = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    if mode == "RGBA":
+        alpha = Image.fromarray(rng.integers(0, 256, (height, width), dtype=np.uint8))
+        return Image.merge("RGBA", (*rgb.split(), alpha))
+    if mode == "P":
+        return rgb.quantize(16)
+    return rgb.convert(mode)
+
+
+def file_bytes(image: Image.Image, fmt: str) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=fmt, **({"quality": 85} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+KINDS = [("RGB", "PNG"), ("RGB", "JPEG"), ("RGBA", "PNG"), ("L", "PNG"), ("P", "PNG"), ("L", "JPEG")]
+SIZES = [(91, 37), (56, 56), (13, 200), (640, 480), (300, 301), (1, 1), (77, 5), (120, 90)]
+
+
+def media(seed: int) -> tuple[bytes, str]:
+    mode, fmt = KINDS[seed % len(KINDS)]
+    w, h = SIZES[seed % len(SIZES)]
+    return file_bytes(picture(seed, w, h, mode), fmt), f"image/{fmt.lower()}"
+
+
+def chat_case(seed: int, num_images: int, words: int) -> tuple[list[dict], list[dict], list[Image.Image]]:
+    """(the API's messages, the processor's messages, the images as the processor gets them:
+    decoded from the very bytes the API sends)."""
+    rng = np.random.default_rng(1000 + seed)
+    vocab = ["robot", "camera", "frame", "left", "right", "arm", "red", "box", "moves", "still", "what", "where"]
+    api, hf, images = [], [], []
+    for i in range(num_images):
+        text = " ".join(rng.choice(vocab, size=int(rng.integers(1, words + 1))))
+        data, mime = media(seed * 10 + i)
+        api += [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": data_url(data, mime)}}]
+        hf += [{"type": "text", "text": text}, {"type": "image"}]
+        images.append(Image.open(io.BytesIO(data)))
+    tail = " ".join(rng.choice(vocab, size=words))
+    api.append({"type": "text", "text": tail})
+    hf.append({"type": "text", "text": tail})
+    return [{"role": "user", "content": api}], [{"role": "user", "content": hf}], images
+
+
+def hf_greedy(hf, processor, messages: list[dict], images: list[Image.Image], max_tokens: int) -> list[int]:
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt")
+    assert "token_type_ids" in inputs  # transformers' bidirectional image mask is on
+    with torch.no_grad():
+        out = hf.generate(**inputs, do_sample=False, max_new_tokens=max_tokens)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def chat_ids(stack, messages: list[dict], max_tokens: int, **kwargs) -> list[int]:
+    async def one():
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300) as c:
+            resp = await c.chat.completions.create(model=stack.served_model_name, messages=messages,
+                                                   max_tokens=max_tokens, temperature=0,
+                                                   extra_body={"return_token_ids": True, **kwargs})
+            return resp.choices[0].token_ids
+    return asyncio.run(one())
+
+
+def test_concurrent_chats_with_images_equal_transformers(vision):
+    stack, hf, processor = vision
+    cases = [chat_case(seed, num_images=(1, 2, 8)[seed % 3], words=(3, 12)[seed % 2]) for seed in range(18)]
+    max_tokens = [8 + seed % 13 for seed in range(18)]
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300) as c:
+            return await asyncio.gather(*(
+                c.chat.completions.create(model=stack.served_model_name, messages=api, max_tokens=m,
+                                          temperature=0, extra_body={"return_token_ids": True})
+                for (api, _, _), m in zip(cases, max_tokens)))
+
+    answers = asyncio.run(all_of_them())
+    long_prompts = 0
+    for seed, ((_, messages, images), m, answer) in enumerate(zip(cases, max_tokens, answers)):
+        expected = hf_greedy(hf, processor, messages, images, m)
+        assert answer.choices[0].token_ids == expected, seed
+        long_prompts += answer.usage.prompt_tokens > 48
+    assert long_prompts >= 12  # most prompts outgrow the sliding window
+    (stats,) = wait_until_idle(stack).values()
+    assert stats.integrity_error is None and stats.num_free_blocks == stats.num_blocks
+    assert stats.num_preemptions >= 1, "the pool was meant to be small enough to preempt"
+
+
+def test_a_repeated_image_hits_the_prefix_cache_and_a_different_one_does_not(vision):
+    stack, hf, processor = vision
+    api, messages, images = chat_case(100, num_images=2, words=20)
+    (before,) = worker_stats(stack).values()
+    first = chat_ids(stack, api, 12)
+    again = chat_ids(stack, api, 12)
+    (after,) = wait_until_idle(stack).values()
+    assert first == again == hf_greedy(hf, processor, messages, images, 12)
+    assert after.prefix_cache_hits > before.prefix_cache_hits
+    # the same words around another second image: the blocks up to that image hit, not past it
+    other_api, other_messages, other_images = chat_case(100, num_images=2, words=20)
+    data, mime = media(7)
+    other_api[0]["content"][3]["image_url"]["url"] = data_url(data, mime)
+    other_images[1] = Image.open(io.BytesIO(data))
+    assert chat_ids(stack, other_api, 12) == hf_greedy(hf, processor, other_messages, other_images, 12)
+
+
+def test_a_streamed_answer_equals_transformers(vision):
+    stack, hf, processor = vision
+    api, messages, images = chat_case(200, num_images=2, words=6)
+
+    async def streamed():
+        ids = []
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300) as c:
+            stream = await c.chat.completions.create(model=stack.served_model_name, messages=api, max_tokens=15,
+                                                     temperature=0, stream=True,
+                                                     extra_body={"return_token_ids": True})
+            async for chunk in stream:
+                if chunk.choices:
+                    ids.extend(chunk.choices[0].token_ids or [])
+        return ids
+
+    assert asyncio.run(streamed()) == hf_greedy(hf, processor, messages, images, 15)
+
+
+def mp4(frames: int = 12, rate: int = 6, size: tuple[int, int] = (64, 48)) -> bytes:
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as video:
+        stream = video.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for i in range(frames):
+            image = picture(300 + i, *size, "RGB")
+            for packet in stream.encode(av.VideoFrame.from_image(image)):
+                video.mux(packet)
+        for packet in stream.encode():
+            video.mux(packet)
+    return out.getvalue()
+
+
+def test_a_video_answers_as_its_frames_sent_as_images(vision):
+    from gateway.media.options import VideoSampling
+    from gateway.media.video import decode_video
+    from gateway.mm_prompt import frame_label
+
+    stack, hf, processor = vision
+    video = mp4()
+    sampling = {"video": {"num_frames": 4}}
+    as_video = [{"role": "user", "content": [
+        {"type": "text", "text": "What moves?"},
+        {"type": "video_url", "video_url": {"url": data_url(video, "video/mp4")}}]}]
+    frames = decode_video(video, sampling=VideoSampling(num_frames=4), max_pixels=2**25, max_frames=9000,
+                          param="").frames
+    as_images, hf_content, images = [{"type": "text", "text": "What moves?"}], [{"type": "text", "text": "What moves?"}], []
+    for f in frames:
+        image = Image.frombytes("RGB", (f.width, f.height), f.rgb)
+        png = file_bytes(image, "PNG")
+        as_images += [{"type": "text", "text": frame_label(f.timestamp_s)},
+                      {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}]
+        hf_content += [{"type": "text", "text": frame_label(f.timestamp_s)}, {"type": "image"}]
+        images.append(Image.open(io.BytesIO(png)))
+    expected = hf_greedy(hf, processor, [{"role": "user", "content": hf_content}], images, 12)
+    assert chat_ids(stack, as_video, 12, media_io_kwargs=sampling) == expected
+    assert chat_ids(stack, [{"role": "user", "content": as_images}], 12) == expected
+
+
+def test_responses_input_image(vision):
+    stack, hf, processor = vision
+    data, mime = media(3)
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+    response = client.responses.create(model=stack.served_model_name, max_output_tokens=10, temperature=0,
+                                       input=[{"role": "user", "content": [
+                                           {"type": "input_text", "text": "Describe"},
+                                           {"type": "input_image", "image_url": data_url(data, mime)}]}])
+    chat = client.chat.completions.create(model=stack.served_model_name, max_tokens=10, temperature=0,
+                                          messages=[{"role": "user", "content": [
+                                              {"type": "text", "text": "Describe"},
+                                              {"type": "image_url", "image_url": {"url": data_url(data, mime)}}]}])
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
