@@ -212,6 +212,6 @@ def chunked_prefill_logits(runner: ModelRunner, prompt: list[int], chunks: list[
         with torch.inference_mode():
             got.append(runner.model(batch.input_ids, batch.positions, batch.attn,
                                     (runner.kv_cache.k_caches, runner.kv_cache.v_caches),
-                                    torch.arange(n)))
+                                    torch.arange(n, device=runner.device)))
         state.num_computed_tokens += n
     return torch.cat(got)

@@ -11,11 +11,7 @@ with a tolerance scaled to the logits, and their argmax must agree almost everyw
 
 import pytest
 import torch
-from runner_helpers import MiniScheduler, make_runner, prompts
-
-from proto import worker_pb2
-from worker_svc.batch import build_flat_batch
-from worker_svc.request_state import RequestState
+from runner_helpers import MiniScheduler, chunked_prefill_logits, make_runner, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
@@ -33,22 +29,6 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()
-
-
-def prefill_logits(runner, prompt: list[int], chunks: list[int], block_ids: list[int]) -> torch.Tensor:
-    """Every prompt row's logits, chunk by chunk through the paged cache on the runner's device."""
-    state = RequestState(worker_pb2.NewRequestData(
-        request_id="x", token_ids=prompt, num_prompt_tokens=len(prompt), block_ids=block_ids), runner.device)
-    got = []
-    for n in chunks:
-        batch = build_flat_batch([(state, n)], runner.config.block_size, runner.backend.plan,
-                                 runner.device, runner.model.windows)
-        with torch.inference_mode():
-            got.append(runner.model(batch.input_ids, batch.positions, batch.attn,
-                                    (runner.kv_cache.k_caches, runner.kv_cache.v_caches),
-                                    torch.arange(n, device=runner.device)))
-        state.num_computed_tokens += n
-    return torch.cat(got)
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -78,7 +58,7 @@ def test_bf16_prefill_logits_close_to_transformers(family_model_dir, arch):
     prompt = prompts(3, [90])[0]
     with torch.no_grad():
         expected = hf_model(model_dir, torch.bfloat16)(torch.tensor([prompt], device="cuda")).logits[0].float()
-    got = prefill_logits(runner, prompt, [50, 1, 39], [30, 2, 17, 5, 9, 0, 11]).float()
+    got = chunked_prefill_logits(runner, prompt, [50, 1, 39], [30, 2, 17, 5, 9, 0, 11]).float()
     scale = expected.abs().max().item()
     assert (got - expected).abs().max().item() < 0.05 * scale, arch
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.95, arch

@@ -18,13 +18,13 @@ import asyncio
 import base64
 import io
 
-import av
 import numpy as np
 import openai
 import pytest
 import torch
 from PIL import Image
 
+from tests.media_helpers import make_video
 from tests.stack_helpers import running_stack, wait_until_idle, worker_stats
 
 pytestmark = pytest.mark.e2e
@@ -175,28 +175,13 @@ def test_a_streamed_answer_equals_transformers(vision):
     assert asyncio.run(streamed()) == hf_greedy(hf, processor, messages, images, 15)
 
 
-def mp4(frames: int = 12, rate: int = 6, size: tuple[int, int] = (64, 48)) -> bytes:
-    out = io.BytesIO()
-    with av.open(out, "w", format="mp4") as video:
-        stream = video.add_stream("mpeg4", rate=rate)
-        stream.width, stream.height = size
-        stream.pix_fmt = "yuv420p"
-        for i in range(frames):
-            image = picture(300 + i, *size, "RGB")
-            for packet in stream.encode(av.VideoFrame.from_image(image)):
-                video.mux(packet)
-        for packet in stream.encode():
-            video.mux(packet)
-    return out.getvalue()
-
-
 def test_a_video_answers_as_its_frames_sent_as_images(vision):
     from gateway.media.options import VideoSampling
     from gateway.media.video import decode_video
     from gateway.mm_prompt import frame_label
 
     stack, hf, processor = vision
-    video = mp4()
+    video = make_video(frames=12, rate=6)
     sampling = {"video": {"num_frames": 4}}
     as_video = [{"role": "user", "content": [
         {"type": "text", "text": "What moves?"},

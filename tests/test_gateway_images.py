@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import io
 
-import av
 import pytest
 import redis
 from PIL import Image
@@ -22,6 +21,7 @@ from gateway.media.video import decode_video
 from gateway.mm_prompt import frame_label
 from gateway.app import create_app
 from gateway_helpers import MODEL, FakeWorker, gateway_client, make_config, register_worker, token_events
+from media_helpers import make_video
 from proto.keys import RedisKeys
 from proto.messages import NewRequest, stream_encoder
 
@@ -58,21 +58,6 @@ MIMES = ["image/png", "image/jpeg", "image/png", "image/png", "image/png", "imag
 
 def image_part(i: int) -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(IMAGES[i], MIMES[i]), "detail": "low"}}
-
-
-def make_video(frames: int = 20, rate: int = 10, size: tuple[int, int] = (64, 48)) -> bytes:
-    out = io.BytesIO()
-    with av.open(out, "w", format="mp4") as video:
-        stream = video.add_stream("mpeg4", rate=rate)
-        stream.width, stream.height = size
-        stream.pix_fmt = "yuv420p"
-        for i in range(frames):
-            frame = av.VideoFrame.from_image(Image.new("RGB", size, ((i * 12) % 256, 128, 255 - (i * 12) % 256)))
-            for packet in stream.encode(frame):
-                video.mux(packet)
-        for packet in stream.encode():
-            video.mux(packet)
-    return out.getvalue()
 
 
 MP4 = make_video()

@@ -18,32 +18,12 @@ from gateway.media.loader import LoadedVideo, MediaLoader, MediaPart, MediaSetti
 from gateway.media.options import VideoSampling, parse_limits
 from gateway.media.store import MediaStore, content_hash
 from gateway.media.video import decode_video
+from media_helpers import color, make_video
 from proto.keys import RedisKeys
 
 PARAM = "messages[0].content[0].video_url.url"
 SIZE = (64, 48)
 RATE = 10
-
-
-def color(i: int) -> tuple[int, int, int]:
-    """Frame i's colour: far enough from its neighbours' to survive lossy codecs."""
-    return (i * 12) % 256, 128, 255 - (i * 12) % 256
-
-
-def make_video(container: str = "mp4", codec: str = "mpeg4", frames: int = 20, rate: int = RATE,
-               size: tuple[int, int] = SIZE) -> bytes:
-    out = io.BytesIO()
-    with av.open(out, "w", format=container) as video:
-        stream = video.add_stream(codec, rate=rate)
-        stream.width, stream.height = size
-        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
-        for i in range(frames):
-            frame = av.VideoFrame.from_image(Image.new("RGB", size, color(i)))
-            for packet in stream.encode(frame):
-                video.mux(packet)
-        for packet in stream.encode():
-            video.mux(packet)
-    return out.getvalue()
 
 
 MP4 = make_video()
