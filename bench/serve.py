@@ -11,6 +11,11 @@ and total token throughput; goodput (requests/s meeting every --slo). Prompts go
 ids by default; `--prompt-mode text` decodes them with --tokenizer first (for servers that
 take only text). `--ignore-eos` makes output lengths exact on servers that support it.
 
+`--images-per-request N` (N > 0) sends chat completions instead: each request a short text
+and N synthetic camera frames (JPEG, --image-width x --image-height, every frame distinct,
+bench/workloads.py's ImageSpec) as `image_url` parts with `data:` URLs, and --output-mean
+as every request's max_tokens; the report adds images per second (bench/images.py).
+
 The client is plain HTTP (httpx) reading the server-sent events itself, as vLLM's serving
 benchmark does with aiohttp: the official `openai` client spends ~5 ms of CPU per request
 before it sends anything and parses every chunk into pydantic models, which on a 2-core
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import random
 import statistics
@@ -37,7 +43,8 @@ import uvloop
 from tqdm import tqdm
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from workloads import KINDS, WorkloadSpec, make_workload  # noqa: E402  (bench/ is not a package)
+from workloads import (KINDS, ImageRequest, ImageSpec, WorkloadSpec, make_image_workload,  # noqa: E402
+                       make_workload)  # (bench/ is not a package)
 
 
 @dataclass
@@ -52,17 +59,29 @@ class RequestResult:
     error: str | None = None
 
 
+def image_messages(request: ImageRequest) -> list[dict]:
+    """One user message: the text, then every frame as an `image_url` part with a data: URL."""
+    parts = [{"type": "text", "text": request.text}]
+    parts += [{"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(b).decode()}}
+              for b in request.images]
+    return [{"role": "user", "content": parts}]
+
+
 async def one(client: httpx.AsyncClient, args, prompt, num_prompt_tokens: int, max_tokens: int) -> RequestResult:
+    """One streamed request: a completion of `prompt` (ids or text), or with
+    --images-per-request a chat completion whose `prompt` is its messages."""
     result = RequestResult(prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, started_at=time.time())
-    body = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    chat = args.images_per_request > 0
+    body = {"model": args.model, ("messages" if chat else "prompt"): prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
     if args.token_ids:  # a chunk per token even before it makes visible text (vLLM's extension)
         body["return_token_ids"] = True
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "completions", content=msgspec.json.encode(body),
+        path = "chat/completions" if chat else "completions"
+        async with client.stream("POST", path, content=msgspec.json.encode(body),
                                  headers={"Authorization": f"Bearer {args.api_key}",
                                           "Content-Type": "application/json"}) as response:
             if response.status_code != 200:
@@ -74,7 +93,8 @@ async def one(client: httpx.AsyncClient, args, prompt, num_prompt_tokens: int, m
                 if chunk.get("error"):
                     raise RuntimeError(f"error event: {chunk['error']}")
                 choice = chunk["choices"][0] if chunk.get("choices") else None
-                if choice is not None and (choice.get("text") or choice.get("token_ids")):
+                if choice is not None and (choice.get("text") or choice.get("token_ids")
+                                           or (choice.get("delta") or {}).get("content")):
                     if result.ttft_s == 0.0:
                         result.ttft_s = now - start
                     else:
@@ -143,12 +163,19 @@ def meets(r: RequestResult, slos: dict[str, float]) -> bool:
 
 
 async def run(args) -> dict:
-    spec = WorkloadSpec(kind=args.dataset, num_requests=args.num_requests, input_mean=args.input_mean,
-                        output_mean=args.output_mean, spread=args.spread, max_model_len=args.max_model_len,
-                        token_high=args.vocab_high, seed=args.seed)
-    workload = make_workload(spec, args.tokenizer)
-    prompts: list = [ids for ids, _ in workload]
-    if args.prompt_mode == "text":
+    if args.images_per_request > 0:  # chat requests with camera frames; prompt lengths come from usage
+        image_requests = make_image_workload(ImageSpec(
+            num_requests=args.num_requests, images_per_request=args.images_per_request, width=args.image_width,
+            height=args.image_height, quality=args.image_quality, output_tokens=args.output_mean, seed=args.seed))
+        workload = [([], r.max_tokens) for r in image_requests]
+        prompts: list = [image_messages(r) for r in image_requests]
+    else:
+        spec = WorkloadSpec(kind=args.dataset, num_requests=args.num_requests, input_mean=args.input_mean,
+                            output_mean=args.output_mean, spread=args.spread, max_model_len=args.max_model_len,
+                            token_high=args.vocab_high, seed=args.seed)
+        workload = make_workload(spec, args.tokenizer)
+        prompts = [ids for ids, _ in workload]
+    if args.prompt_mode == "text" and args.images_per_request == 0:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
@@ -189,6 +216,8 @@ async def run(args) -> dict:
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
         "total_output_tokens": out_tokens,
+        **({"images_per_request": args.images_per_request, "image_throughput": len(ok) * args.images_per_request
+            / duration, "image_size": [args.image_width, args.image_height]} if args.images_per_request else {}),
         "client_cpu_s": client_cpu,  # this process's CPU over the run: it shares the machine
         "goodput": (sum(meets(r, slos) for r in ok) / duration) if slos else None, "slos": slos,
         "ttft_s": percentiles([r.ttft_s for r in ok]), "tpot_s": percentiles(tpot),
@@ -205,6 +234,8 @@ def report(result: dict) -> str:
              f"{result['dataset']}, concurrency {result['concurrency']}, {result['duration_s']:.1f}s — "
              f"{result['output_throughput']:.1f} output tok/s, {result['total_token_throughput']:.1f} total tok/s, "
              f"{result['request_throughput']:.2f} req/s"
+             + (f", {result['image_throughput']:.2f} images/s ({result['images_per_request']} a request)"
+                if result.get("images_per_request") else "")
              + (f", goodput {result['goodput']:.2f} req/s" if result["goodput"] is not None else "")]
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_latency_s"):
         if result[name]:
@@ -235,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ask for return_token_ids, so TTFT is the first token, not the first visible text")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--slo", action="append", default=[], help="goodput SLO, e.g. ttft:500 or tpot:100 (ms)")
+    p.add_argument("--images-per-request", type=int, default=0,
+                   help="N > 0: chat completions, each a short text and N synthetic JPEG camera frames")
+    p.add_argument("--image-width", type=int, default=640, help="of each frame (--images-per-request)")
+    p.add_argument("--image-height", type=int, default=480, help="of each frame (--images-per-request)")
+    p.add_argument("--image-quality", type=int, default=85, help="JPEG quality of each frame")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--per-request", action="store_true",

@@ -81,3 +81,73 @@ def _draw(spec: WorkloadSpec) -> list[tuple[list[int], int]]:
     else:
         raise ValueError(f"unknown workload kind {spec.kind!r}; one of {', '.join(KINDS)}")
     return out
+
+
+# ---- image requests (chat with camera frames) ------------------------------------------------
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """Chat requests of a short text and `images_per_request` synthetic camera frames each
+    (JPEG, width x height), every frame distinct, the same bytes for every contender."""
+
+    num_requests: int = 16
+    images_per_request: int = 1
+    width: int = 640
+    height: int = 480
+    quality: int = 85  # JPEG quality, as a camera pipeline might encode
+    output_tokens: int = 32  # max_tokens of every request
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    text: str  # the user's words, before the images
+    images: tuple[bytes, ...]  # JPEG files
+    max_tokens: int
+
+
+QUESTIONS = ("What does the robot see in front of it?", "Is the gripper holding anything?",
+             "Where is the red box on the table?", "Describe the scene in one sentence.",
+             "Has anything moved since the last frame?", "How many objects are on the table?",
+             "Is the path ahead clear?", "What color is the nearest object?")
+
+
+def camera_frame(seed: int, width: int, height: int, quality: int = 85) -> bytes:
+    """A deterministic JPEG that compresses like a camera frame, not like noise: a lit
+    background (wall above a floor), a few boxes and discs in front of it, sensor noise.
+    640x480 at quality 85 comes to ~26 KB (uniform noise of that size: ~230 KB)."""
+    import io
+
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    horizon = int(height * rng.uniform(0.35, 0.65))
+    rows = np.arange(height, dtype=np.float32)[:, None, None]
+    wall, floor = rng.uniform(60, 220, 3), rng.uniform(30, 160, 3)
+    shade = np.where(rows < horizon, wall * (0.75 + 0.25 * rows / max(horizon, 1)),
+                     floor * (0.6 + 0.4 * (rows - horizon) / max(height - horizon, 1)))
+    pixels = np.broadcast_to(shade, (height, width, 3)).copy()
+    image = Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(int(rng.integers(3, 7))):
+        w, h = (int(rng.uniform(0.08, 0.3) * d) + 1 for d in (width, height))
+        x, y = int(rng.integers(0, max(width - w, 1))), int(rng.integers(0, max(height - h, 1)))
+        color = tuple(int(c) for c in rng.integers(0, 256, 3))
+        (draw.rectangle if rng.random() < 0.6 else draw.ellipse)([x, y, x + w, y + h], fill=color)
+    noisy = np.asarray(image, dtype=np.float32) + 3.0 * rng.standard_normal((height, width, 3), dtype=np.float32)
+    out = io.BytesIO()
+    Image.fromarray(noisy.clip(0, 255).astype(np.uint8)).save(out, format="JPEG", quality=quality)
+    return out.getvalue()
+
+
+def make_image_workload(spec: ImageSpec) -> list[ImageRequest]:
+    """The requests of `spec`: request i asks QUESTIONS[i % 8] (with its number, so no two
+    prompts share more than the chat template's first tokens) about its own frames."""
+    out = []
+    for i in range(spec.num_requests):
+        frames = tuple(camera_frame(spec.seed * 1_000_003 + i * 1_009 + k, spec.width, spec.height, spec.quality)
+                       for k in range(spec.images_per_request))
+        text = f"Request {i}: {QUESTIONS[i % len(QUESTIONS)]}"
+        out.append(ImageRequest(text=text, images=frames, max_tokens=spec.output_tokens))
+    return out

@@ -60,7 +60,6 @@ from worker_svc.vision_step import ImageEmbedder, VisionStepStats, place_step_im
 log = logging.getLogger(__name__)
 
 
-
 class StepConsistencyError(RuntimeError):
     """The scheduler's view of a request disagrees with the worker's."""
 
