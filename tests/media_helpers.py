@@ -1,9 +1,11 @@
-"""Media the tests make: video files encoded with PyAV, one solid colour a frame (far enough
-from its neighbours' to survive lossy codecs), for the gateway's and the stack's tests."""
+"""Media the tests make: images of random pixels in any mode, saved as files; video files
+encoded with PyAV, one solid colour a frame (far enough from its neighbours' to survive lossy
+codecs); for the gateway's, the worker's and the stack's tests."""
 
 import io
 
 import av
+import numpy as np
 from PIL import Image
 
 
@@ -25,4 +27,24 @@ def make_video(container: str = "mp4", codec: str = "mpeg4", frames: int = 20, r
                 video.mux(packet)
         for packet in stream.encode():
             video.mux(packet)
+    return out.getvalue()
+
+
+def picture(seed: int, width: int, height: int, mode: str = "RGB") -> Image.Image:
+    """Random pixels in `mode` (RGB, RGBA with random alpha, L, P with 16 colours ...)."""
+    rs = np.random.RandomState(seed)
+    rgb = Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8))
+    if mode == "RGBA":
+        rgba = rgb.convert("RGBA")
+        rgba.putalpha(Image.fromarray(rs.randint(0, 256, (height, width), dtype=np.uint8)))
+        return rgba
+    if mode == "P":
+        return rgb.quantize(colors=16)
+    return rgb.convert(mode)
+
+
+def file_bytes(image: Image.Image, fmt: str) -> bytes:
+    """The image saved as a `fmt` file (JPEG at quality 80)."""
+    out = io.BytesIO()
+    image.save(out, format=fmt, **({"quality": 80} if fmt == "JPEG" else {}))
     return out.getvalue()

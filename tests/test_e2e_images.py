@@ -24,7 +24,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.media_helpers import make_video
+from tests.media_helpers import file_bytes, make_video, picture
 from tests.stack_helpers import running_stack, wait_until_idle, worker_stats
 
 pytestmark = pytest.mark.e2e
@@ -46,23 +46,6 @@ def vision(redis_url, tmp_path_factory):
                                        "--stats-interval", "0.05")) as stack:
         yield (stack, Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval(),
                AutoProcessor.from_pretrained(model_dir))
-
-
-def picture(seed: int, width: int, height: int, mode: str) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    rgb = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-    if mode == "RGBA":
-        alpha = Image.fromarray(rng.integers(0, 256, (height, width), dtype=np.uint8))
-        return Image.merge("RGBA", (*rgb.split(), alpha))
-    if mode == "P":
-        return rgb.quantize(16)
-    return rgb.convert(mode)
-
-
-def file_bytes(image: Image.Image, fmt: str) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format=fmt, **({"quality": 85} if fmt == "JPEG" else {}))
-    return out.getvalue()
 
 
 def data_url(data: bytes, mime: str) -> str:

@@ -42,3 +42,39 @@ def test_encoder_on_cuda_matches_transformers(vision_dir, dtype):
     scale = expected.abs().max().item()
     tol = 1e-5 if dtype == torch.float32 else 0.03
     assert (got - expected).abs().max().item() <= tol * scale
+
+
+def test_images_through_the_runner_on_cuda_equal_generate(vision_dir):
+    """The whole image path of a worker on CUDA (Triton kernels with bidir_spans, the encoder,
+    the placement), fp32: greedy tokens of two requests with 1 and 3 images, chunked at image
+    starts, equal transformers' generate() on the processor's inputs on the same device."""
+    from media_helpers import file_bytes, picture
+    from runner_helpers import FakeMediaSource, MiniScheduler, make_runner, mm_inputs
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from proto.messages import MediaItem
+
+    processor = AutoProcessor.from_pretrained(vision_dir)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(vision_dir, dtype=torch.float32).cuda().eval()
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
+    media = FakeMediaSource()
+    runner = make_runner(vision_dir, block_size=16, num_blocks=64, device="cuda", dtype="float32", media=media)
+    assert runner.backend.name == "triton" and runner.vision is not None
+    sched = MiniScheduler(runner, block_size=16, num_blocks=64, token_budget=24)
+    expected = {}
+    for rid, sizes in (("a", [(91, 37)]), ("b", [(56, 56), (13, 200), (640, 480)])):
+        files = [file_bytes(picture(len(rid) * 10 + i, w, h, ("RGB", "RGBA", "L")[i % 3]), "PNG")
+                 for i, (w, h) in enumerate(sizes)]
+        content = [part for f in files for part in ({"type": "text", "text": "look at"}, {"type": "image"})]
+        text = processor.apply_chat_template([{"role": "user", "content": content + [{"type": "text", "text": "now?"}]}],
+                                             tokenize=False, add_generation_prompt=True)
+        images = [Image.open(__import__("io").BytesIO(f)) for f in files]
+        inputs = processor(text=text, images=images, add_special_tokens=False, return_tensors="pt").to("cuda")
+        with torch.no_grad():
+            out = hf.generate(**inputs, do_sample=False, max_new_tokens=12)
+        ids = inputs["input_ids"][0].tolist()
+        expected[rid] = out[0, len(ids):].tolist()
+        hashes = [media.put(MediaItem("encoded", im.width, im.height, f, "image/png")) for im, f in zip(images, files)]
+        sched.add(rid, ids, 12, mm_inputs(ids, image_id, hashes))
+    sched.run()
+    assert {rid: sched.outputs(rid) for rid in expected} == expected

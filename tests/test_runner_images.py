@@ -26,6 +26,7 @@ import redis
 import torch
 from PIL import Image
 from prometheus_client import CollectorRegistry, generate_latest
+from media_helpers import file_bytes, picture
 from runner_helpers import FakeMediaSource, MiniScheduler, make_runner, mm_inputs
 
 from proto import worker_pb2, worker_pb2_grpc
@@ -65,24 +66,6 @@ def processor(vision_dir):
 
 
 # ---- images, prompts, the reference -----------------------------------------------------
-
-def picture(seed: int, width: int, height: int, mode: str = "RGB") -> Image.Image:
-    rs = np.random.RandomState(seed)
-    rgb = Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8))
-    if mode == "RGBA":
-        rgba = rgb.convert("RGBA")
-        rgba.putalpha(Image.fromarray(rs.randint(0, 256, (height, width), dtype=np.uint8)))
-        return rgba
-    if mode == "P":
-        return rgb.quantize(colors=16)
-    return rgb.convert(mode)
-
-
-def file_bytes(image: Image.Image, fmt: str) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format=fmt, **({"quality": 80} if fmt == "JPEG" else {}))
-    return out.getvalue()
-
 
 @dataclass
 class Stored:

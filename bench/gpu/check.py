@@ -12,8 +12,9 @@ box inside one overall budget (`--budget-s`, 480 s), carrying on past a step tha
   install   the bundle's wheels and Redis; every service's modules import
   tests     the GPU-marked tests (`pytest -m gpu`): Triton kernels against the torch
             references in fp16/bf16, the CUDA worker against transformers
-  vision    the GPU-marked Gemma 3 vision tests (tests/*vision*.py): the vision encoder
-            against transformers on CUDA
+  vision    the GPU-marked Gemma 3 vision tests (tests/*vision*.py): the vision encoder,
+            and images through the runner (Triton with bidirectional image spans), against
+            transformers on CUDA
   kernels   bench/kernels.py --quick: decode attention bandwidth against a measured device
             copy, paged against contiguous SDPA, prefill TFLOP/s
   serving   bench/gpu/serving.py: the `1b` preset in bf16, made there from the carried
