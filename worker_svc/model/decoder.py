@@ -34,6 +34,7 @@ from kernels.backend import AttentionBackend
 from worker_svc.batch import AttentionMetadata
 from worker_svc.model.config import DecoderConfig
 from worker_svc.model.layers import GatedMLP, RotaryEmbedding, rms_norm
+from worker_svc.model.stacked_weights import StackedWeights
 from worker_svc.model.weight_names import MULTIMODAL_ARCHITECTURES, TEXT, split_name
 
 
@@ -167,17 +168,15 @@ class DecoderForCausalLM(nn.Module):
         else:
             inter = self.cfg.intermediate_size
             bounds = [(0, inter), (inter, 2 * inter)][index]
-        return param.data[bounds[0] : bounds[1]]
+        return param[bounds[0] : bounds[1]]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the parameters; raise if any parameter (or slice of
         a stacked one) is left unfilled or a tensor has nowhere to go."""
-        params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
-        expected = set()
-        for name in params:
-            parts = [i for s, _, i in self.STACKED if f".{s}." in name]
-            expected.update([f"{name}#{i}" for i in parts] if parts else [name])
+        # a tied lm_head appears once, as embed_tokens
+        loader = StackedWeights(dict(self.named_parameters()), self.STACKED, self._stacked_slice,
+                                owner=self.cfg.architecture)
         multimodal = self.cfg.architecture in MULTIMODAL_ARCHITECTURES
         for name, tensor in weights:
             part, local = split_name(name)
@@ -193,23 +192,7 @@ class DecoderForCausalLM(nn.Module):
                 continue  # tied: the embedding is the head
             if not name.startswith(("model.", "lm_head.")):
                 name = "model." + name  # a bare <Family>Model checkpoint
-            key, target = name, None
-            for stacked, original, index in self.STACKED:
-                if f".{original}." in name:
-                    name = name.replace(f".{original}.", f".{stacked}.")
-                    key = f"{name}#{index}"
-                    if name in params:
-                        target = self._stacked_slice(params[name], stacked, index)
-                    break
-            else:
-                target = params[name].data if name in params else None
-            if target is None:
-                raise KeyError(f"checkpoint tensor {name!r} matches no parameter of "
-                               f"{self.cfg.architecture}")
-            if target.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                                 f"model expects {tuple(target.shape)}")
-            target.copy_(tensor)
-            expected.discard(key)
+            loader.copy(name, tensor)
+        expected = loader.unfilled
         if expected:
             raise ValueError(f"checkpoint lacks {len(expected)} tensors, e.g. {sorted(expected)[:4]}")

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.model.layers import ACTIVATIONS
+from worker_svc.model.stacked_weights import StackedWeights
 
 # SiglipVisionConfig's defaults in transformers (those read here)
 DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
@@ -165,29 +166,12 @@ class SiglipVisionTower(nn.Module):
         strips the checkpoint's prefix), into the parameters; q/k/v into qkv_proj's slices.
         Returns the keys still unfilled (a parameter's name, `name#i` for a slice); raises
         on a tensor with no place or of the wrong shape."""
-        params = dict(self.named_parameters())
-        expected = set()
-        for name in params:
-            expected.update([f"{name}#{i}" for i in range(3)] if ".qkv_proj." in name else [name])
         d = self.cfg.hidden_size
+        loader = StackedWeights(dict(self.named_parameters()), self.STACKED,
+                                lambda param, _, index: param[index * d:(index + 1) * d],
+                                owner="the vision tower")
         for name, tensor in weights:
             if self.cfg.use_head and name.startswith("head."):
                 continue  # SigLIP's pooling head: Gemma 3 reads the patch features, not it
-            key, target = name, None
-            for stacked, original, index in self.STACKED:
-                if f".{original}." in name:
-                    name = name.replace(f".{original}.", f".{stacked}.")
-                    key = f"{name}#{index}"
-                    if name in params:
-                        target = params[name].data[index * d:(index + 1) * d]
-                    break
-            else:
-                target = params[name].data if name in params else None
-            if target is None:
-                raise KeyError(f"vision tower tensor {name!r} matches no parameter")
-            if target.shape != tensor.shape:
-                raise ValueError(f"vision tower {name}: checkpoint shape {tuple(tensor.shape)}, "
-                                 f"model expects {tuple(target.shape)}")
-            target.copy_(tensor)
-            expected.discard(key)
-        return expected
+            loader.copy(name, tensor)
+        return loader.unfilled
