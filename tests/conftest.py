@@ -122,6 +122,30 @@ def family_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vision_dir(family_model_dir) -> Path:
+    """The `tiny` gemma3-vision checkpoint (Gemma3ForConditionalGeneration with its
+    processor), made once per session."""
+    return family_model_dir("gemma3-vision")
+
+
+@pytest.fixture(scope="session")
+def processor(vision_dir):
+    """The vision checkpoint's AutoProcessor: the reference for prompts and pixel values."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(vision_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_vlm(vision_dir):
+    """The vision checkpoint in transformers, fp32: the reference for outputs with images."""
+    import torch
+    from transformers import Gemma3ForConditionalGeneration
+
+    return Gemma3ForConditionalGeneration.from_pretrained(vision_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_model_dir):
     """The tiny checkpoint in transformers, the reference for model outputs."""
     import torch

@@ -34,18 +34,12 @@ TOKEN_BUDGET = 64
 
 
 @pytest.fixture(scope="module")
-def vision(redis_url, tmp_path_factory):
-    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
-
-    from worker_svc.make_model import make_model
-
-    model_dir = make_model(tmp_path_factory.mktemp("tiny-gemma3-vision"), preset="tiny", arch="gemma3-vision")
-    with running_stack(model_dir, redis_url, tmp_path_factory.mktemp("run-vision"),
+def vision(vision_dir, processor, hf_vlm, redis_url, tmp_path_factory):
+    with running_stack(vision_dir, redis_url, tmp_path_factory.mktemp("run-vision"),
                        worker_args=("--num-blocks", str(NUM_BLOCKS)),
                        scheduler_args=("--max-num-batched-tokens", str(TOKEN_BUDGET),
                                        "--stats-interval", "0.05")) as stack:
-        yield (stack, Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval(),
-               AutoProcessor.from_pretrained(model_dir))
+        yield stack, hf_vlm, processor
 
 
 def data_url(data: bytes, mime: str) -> str:

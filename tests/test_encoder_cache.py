@@ -13,7 +13,6 @@ from runner_helpers import FakeMediaSource, MiniScheduler, make_runner, mm_input
 
 from proto.messages import MediaItem
 from worker_svc.encoder_cache import EncoderCache
-from worker_svc.make_model import make_model
 
 IMAGE, BOI, EOI, MM_TOKENS = 7, 6, 8, 4  # the tiny tokenizer's image tokens; soft tokens per image
 EMBED_BYTES = MM_TOKENS * 64 * 4  # one image's embeddings: [4, 64] fp32
@@ -58,11 +57,6 @@ def test_oversized_entries_and_replacements():
 
 
 # ---- through the runner ---------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def vision_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("tiny-gemma3-vision"), preset="tiny", arch="gemma3-vision")
-
 
 def png(seed: int, width: int, height: int) -> MediaItem:
     rs = np.random.RandomState(seed)

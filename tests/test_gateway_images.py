@@ -66,20 +66,6 @@ MP4 = make_video()
 # ---- fixtures ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vision_dir(tmp_path_factory):
-    from worker_svc.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("tiny-gemma3-vision"), preset="tiny", arch="gemma3-vision")
-
-
-@pytest.fixture(scope="module")
-def processor(vision_dir):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(vision_dir)
-
-
 @pytest.fixture
 def config(vision_dir, redis_url):
     config = make_config(vision_dir, redis_url, request_timeout_s=5.0)

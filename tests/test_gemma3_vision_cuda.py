@@ -8,16 +8,10 @@ import pytest
 import torch
 from PIL import Image
 
-from worker_svc.make_model import make_model
 from worker_svc.model.gemma3_vision import load_vision_encoder
 from worker_svc.model.registry import load_vision_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(scope="module")
-def vision_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("tiny-gemma3-vision"), preset="tiny", arch="gemma3-vision")
 
 
 def pixels(vision_dir) -> torch.Tensor:

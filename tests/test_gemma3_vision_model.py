@@ -35,25 +35,6 @@ MM_TOKENS, IMAGE_SIZE = 4, 56
 
 
 @pytest.fixture(scope="session")
-def vision_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("tiny-gemma3-vision"), preset="tiny", arch="gemma3-vision")
-
-
-@pytest.fixture(scope="session")
-def hf_vlm(vision_dir):
-    from transformers import Gemma3ForConditionalGeneration
-
-    return Gemma3ForConditionalGeneration.from_pretrained(vision_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="session")
-def processor(vision_dir):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(vision_dir)
-
-
-@pytest.fixture(scope="session")
 def encoder(vision_dir):
     return load_vision_encoder(vision_dir, load_vision_config(vision_dir), torch.float32, "cpu")
 

@@ -37,32 +37,12 @@ from worker_svc import batch as batch_module
 from worker_svc import server
 from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
-from worker_svc.make_model import make_model
 from worker_svc.media_source import MISSING, MediaUnavailableError, RedisMediaSource
 from proto.messages import NO_TOKEN_ID as NO_TOKEN
 from worker_svc.request_state import RequestState
 
 IMAGE = 7  # the tiny tokenizer's <image_soft_token>
 TOL = 2e-4  # logprobs, fp32
-
-
-@pytest.fixture(scope="module")
-def vision_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("tiny-gemma3-vision"), preset="tiny", arch="gemma3-vision")
-
-
-@pytest.fixture(scope="module")
-def hf_vlm(vision_dir):
-    from transformers import Gemma3ForConditionalGeneration
-
-    return Gemma3ForConditionalGeneration.from_pretrained(vision_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def processor(vision_dir):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(vision_dir)
 
 
 # ---- images, prompts, the reference -----------------------------------------------------
