@@ -12,7 +12,7 @@ import torch
 
 from kernels import cpu_attention, torch_attention
 from kernels.reference import paged_attention_reference
-from tests.test_cpu_kernel import X86
+from tests.test_cpu_kernel import portable_kernels
 from tests.test_kernels import FP32, make_case
 
 # Per request: (seq_len, q_len, images), images as [s, e) absolute positions in the request.
@@ -89,9 +89,7 @@ def backend(request) -> cpu_attention.CpuKernels | None:
         return None
     if request.param == "cpu":
         return cpu_attention.CpuKernels()
-    if not X86:
-        pytest.skip("the portable build is the native one on this CPU")
-    return cpu_attention.CpuKernels(cpu_attention.compile_library(extra_flags=("-mno-avx512f",)))
+    return portable_kernels()
 
 
 def run_backend(kernels: cpu_attention.CpuKernels | None, batch, scale, spans, **options):

@@ -29,6 +29,11 @@ def kernels(request):
     them), and built without AVX-512, so that the portable loops are tested on this CPU too."""
     if request.param == "native":
         return cpu_attention.CpuKernels()
+    return portable_kernels()
+
+
+def portable_kernels() -> cpu_attention.CpuKernels:
+    """The kernel built without AVX-512 (its portable loops); skips where that is the native build."""
     if not X86:
         pytest.skip("the portable build is the native one on this CPU")
     return cpu_attention.CpuKernels(cpu_attention.compile_library(extra_flags=("-mno-avx512f",)))
