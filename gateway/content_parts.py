@@ -20,28 +20,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 from pydantic_core import InitErrorDetails
 
-
-class _Part(BaseModel):
-    """protocol.RequestPart's settings (that module imports this one): strict types, unknown
-    keys kept and reported as ignored."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
+from gateway.request_part import RequestPart
 
 
-class TextPart(_Part):
+class TextPart(RequestPart):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Part):
+class ImageURL(RequestPart):
     url: str
     detail: Literal["auto", "low", "high"] | None = None  # accepted, ignored (as vLLM)
 
 
-class ImageURLPart(_Part):
+class ImageURLPart(RequestPart):
     type: Literal["image_url"]
     image_url: ImageURL
     uuid: str | None = None
@@ -55,11 +50,11 @@ class ImageURLPart(_Part):
         return self.image_url.url
 
 
-class VideoURL(_Part):
+class VideoURL(RequestPart):
     url: str
 
 
-class VideoURLPart(_Part):
+class VideoURLPart(RequestPart):
     type: Literal["video_url"]
     video_url: VideoURL
     uuid: str | None = None
@@ -75,7 +70,7 @@ class VideoURLPart(_Part):
 
 MediaContentPart = ImageURLPart | VideoURLPart
 ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
-_PART_MODELS: dict[str, type[_Part]] = {"text": TextPart, "image_url": ImageURLPart, "video_url": VideoURLPart}
+_PART_MODELS: dict[str, type[RequestPart]] = {"text": TextPart, "image_url": ImageURLPart, "video_url": VideoURLPart}
 
 
 def normalize_content(value: Any) -> Any:
@@ -85,7 +80,7 @@ def normalize_content(value: Any) -> Any:
         return value
     if not isinstance(value, list):
         raise ValueError("must be a string or a list of content parts")
-    parts: list[_Part] = []
+    parts: list[RequestPart] = []
     for i, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
         model = _PART_MODELS.get(kind) if isinstance(kind, str) else None

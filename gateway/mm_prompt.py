@@ -35,7 +35,8 @@ from gateway.errors import OpenAIError, invalid
 from gateway.image_tokens import ImageTokens
 from gateway.media.loader import LoadedMedia, MediaLoader, MediaPart
 from gateway.media.options import VideoSampling
-from gateway.protocol import ChatCompletionRequest, ChatMessage
+from gateway.chat_message import ChatMessage
+from gateway.protocol import ChatCompletionRequest
 from gateway.tokenizer import PromptTokenizer
 from proto.messages import MultiModalInput
 

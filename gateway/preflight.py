@@ -25,7 +25,8 @@ from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, from_validation_errors, invalid
 from gateway.generation import TextOptions
 from gateway.mm_prompt import MediaPrompts, media_parts
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.request_part import ignored_fields
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.structured_output import grammar_for
 from gateway.tokenizer import PromptTokenizer

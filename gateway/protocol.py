@@ -1,17 +1,18 @@
 """Pydantic models of the OpenAI request schema: /v1/completions and /v1/chat/completions.
-(Response shapes are in `gateway.response_models`.)
+(A chat message and a tool: `gateway.chat_message`; its content parts:
+`gateway.content_parts`; response shapes: `gateway.response_models`.)
 
 Requests are strict (a string is not a number). Unknown fields are accepted and ignored, as
-vLLM does (frameworks add their own extras): `ignored_fields` names them and the gateway logs
-one warning per request. Parameters OpenAI or vLLM define that change the output and that we
-do not implement are declared anyway and accepted only at their neutral value (`best_of: 1`,
-`suffix: ""`, `use_beam_search: false`, ...); anything else is a 400 naming the parameter
-and saying it is not supported. Fields whose JSON may take
-several shapes (prompt, stop, message content) are normalised by before-validators, so an
-error names the field and not a pydantic union branch; the `WithJsonSchema` annotations of
-prompt and stop publish the shapes accepted on the wire in the OpenAPI schema, and message
-content's parts (text, image_url, video_url: gateway/content_parts.py) appear there as the
-models they are.
+vLLM does (frameworks add their own extras): `gateway.request_part.ignored_fields` names
+them and the gateway logs one warning per request. Parameters OpenAI or vLLM define that
+change the output and that we do not implement are declared anyway and accepted only at
+their neutral value (`best_of: 1`, `suffix: ""`, `use_beam_search: false`, ...); anything
+else is a 400 naming the parameter and saying it is not supported. Fields whose JSON may
+take several shapes (prompt, stop, message content) are normalised by before-validators, so
+an error names the field and not a pydantic union branch; the `WithJsonSchema` annotations
+of prompt and stop publish the shapes accepted on the wire in the OpenAPI schema, and
+message content's parts (text, image_url, video_url: gateway/content_parts.py) appear there
+as the models they are.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, WithJsonSchema, field_validator,
                       model_validator)
 
-from gateway.content_parts import ContentPart, MediaContentPart, normalize_content
+from gateway.chat_message import ChatMessage, ToolDefinition
 from gateway.media.options import parse_video_sampling
+from gateway.request_part import RequestPart
 
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # OpenAI: top_logprobs <= 20 (chat), logprobs <= 5 (completions)
@@ -64,26 +66,6 @@ def _require_neutral(name: str, value: Any) -> Any:
     if value not in allowed:
         raise ValueError(f"'{name}' is not supported (got {value!r}): {why}")
     return value
-
-
-class RequestPart(BaseModel):
-    """A request part: strict types, unknown keys kept (and reported by `ignored_fields`)."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-def ignored_fields(model: BaseModel, where: str = "") -> list[str]:
-    """Every unknown key in `model` and the request parts inside it, as `a.b[0].c`."""
-    found = [f"{where}{'.' if where else ''}{key}" for key in (model.model_extra or {})]
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        path = f"{where}{'.' if where else ''}{name}"
-        if isinstance(value, BaseModel):
-            found += ignored_fields(value, path)
-        elif isinstance(value, list):
-            found += [f for i, v in enumerate(value) if isinstance(v, BaseModel)
-                      for f in ignored_fields(v, f"{path}[{i}]")]
-    return found
 
 
 def _is_int(value: Any) -> bool:
@@ -260,104 +242,6 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _neutral_completion(cls, value: Any, info) -> Any:
         return _require_neutral(info.field_name, value)
-
-
-class ChatMessage(RequestPart):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    # A string, or a list of content parts (gateway/content_parts.py): text parts only are
-    # joined with newlines into a string; with an image or a video the list stays, typed.
-    # null only for an assistant turn.
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    refusal: str | None = None  # assistant turns copied back from a response carry it
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, for the template
-    tool_call_id: str | None = None  # a tool turn answers this call
-    function_call: None = None  # deprecated; refused
-
-    @field_validator("role", mode="before")
-    @classmethod
-    def _known_role(cls, value: Any) -> Any:
-        if value == "function":
-            raise ValueError("the deprecated 'function' role is not supported: use 'tool'")
-        if isinstance(value, str) and value not in ("system", "developer", "user", "assistant", "tool"):
-            raise ValueError(f"unknown role '{value}': expected system, developer, user, assistant or tool")
-        return value
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _content(cls, value: Any) -> Any:
-        return normalize_content(value)
-
-    @field_validator("function_call", mode="before")
-    @classmethod
-    def _no_function_call(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("the deprecated 'function_call' in messages is not supported: use 'tool_calls'")
-        return value
-
-    @model_validator(mode="after")
-    def _shape_per_role(self) -> ChatMessage:
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a 'tool' message needs 'tool_call_id'")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only 'assistant' messages carry 'tool_calls'")
-        if self.content is None and not (self.role == "assistant"):
-            raise ValueError(f"a '{self.role}' message needs 'content'")
-        if self.has_media and self.role != "user":
-            raise ValueError(f"only 'user' turns may carry image_url or video_url parts; this one "
-                             f"is '{self.role}'")
-        return self
-
-    @property
-    def has_media(self) -> bool:
-        """Whether the content holds an image or a video (it is then a list of parts)."""
-        return isinstance(self.content, list)
-
-    @property
-    def media_parts(self) -> list[tuple[int, MediaContentPart]]:
-        """(index in content, part) of each image and video part, in order."""
-        if not isinstance(self.content, list):
-            return []
-        return [(j, part) for j, part in enumerate(self.content) if part.type != "text"]
-
-    def template_dict(self, content: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """The message as chat templates expect it; `developer` is OpenAI's newer `system`.
-        A call's `arguments` (JSON text on the wire) become an object, as templates (Qwen's,
-        Llama's, Mistral's) write them with `tojson`. `content`: the template's parts for a
-        message with media (gateway/mm_prompt.py makes them), which its own content is not."""
-        if content is None and self.has_media:
-            raise ValueError("a message with images or video needs its template parts")
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": content if content is not None else self.content or ""}
-        for key in ("name", "tool_call_id"):
-            if getattr(self, key) is not None:
-                message[key] = getattr(self, key)
-        if self.tool_calls is not None:
-            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
-        return message
-
-
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
-
-
-class FunctionDefinition(RequestPart):
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDefinition(RequestPart):
-    type: Literal["function"]
-    function: FunctionDefinition
 
 
 class ResponseFormat(RequestPart):

@@ -28,7 +28,8 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from gateway.errors import OpenAIError, invalid
-from gateway.protocol import INT32_MAX, RequestPart
+from gateway.protocol import INT32_MAX
+from gateway.request_part import RequestPart
 
 
 class ResponsesRequest(RequestPart):

@@ -12,7 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from gateway.protocol import INT32_MAX, ChatMessage, ToolDefinition, RequestPart
+from gateway.chat_message import ChatMessage, ToolDefinition
+from gateway.protocol import INT32_MAX
+from gateway.request_part import RequestPart
 
 
 class TokenizeCompletionRequest(RequestPart):
