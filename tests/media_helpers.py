@@ -1,12 +1,18 @@
 """Media the tests make: images of random pixels in any mode, saved as files; video files
 encoded with PyAV, one solid colour a frame (far enough from its neighbours' to survive lossy
-codecs); for the gateway's, the worker's and the stack's tests."""
+codecs); data: URLs of them; and `refused`, the check of the gateway's 400 for bad media.
+For the gateway's, the worker's and the stack's tests."""
 
+import base64
 import io
 
 import av
 import numpy as np
 from PIL import Image
+
+from gateway.errors import OpenAIError
+
+PARAM = "messages[0].content[1].image_url.url"  # where refused() expects the error by default
 
 
 def color(i: int) -> tuple[int, int, int]:
@@ -48,3 +54,25 @@ def file_bytes(image: Image.Image, fmt: str) -> bytes:
     out = io.BytesIO()
     image.save(out, format=fmt, **({"quality": 80} if fmt == "JPEG" else {}))
     return out.getvalue()
+
+
+def png(size=(32, 24), color=(200, 30, 40)) -> bytes:
+    """A small one-colour PNG file."""
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def refused(exc_info, code: str, *words: str, param: str = PARAM) -> None:
+    """The raised error is the gateway's 400 with this code, param and words in its message."""
+    error = exc_info.value
+    assert isinstance(error, OpenAIError)
+    assert error.status == 400 and error.type == "invalid_request_error"
+    assert error.code == code, error.message
+    assert error.param == param
+    for word in words:
+        assert word in error.message, error.message

@@ -15,7 +15,6 @@ scheduler → gRPC → worker) on the tiny `gemma3-vision` checkpoint, fp32, aga
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 
 import numpy as np
@@ -24,7 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.media_helpers import file_bytes, make_video, picture
+from tests.media_helpers import data_url, file_bytes, make_video, picture
 from tests.stack_helpers import running_stack, wait_until_idle, worker_stats
 
 pytestmark = pytest.mark.e2e
@@ -40,10 +39,6 @@ def vision(vision_dir, processor, hf_vlm, redis_url, tmp_path_factory):
                        scheduler_args=("--max-num-batched-tokens", str(TOKEN_BUDGET),
                                        "--stats-interval", "0.05")) as stack:
         yield stack, hf_vlm, processor
-
-
-def data_url(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 KINDS = [("RGB", "PNG"), ("RGB", "JPEG"), ("RGBA", "PNG"), ("L", "PNG"), ("P", "PNG"), ("L", "JPEG")]

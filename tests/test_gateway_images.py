@@ -7,7 +7,6 @@ their timestamps, and every bad input is a 400 before anything is queued."""
 
 from __future__ import annotations
 
-import base64
 import io
 
 import pytest
@@ -21,7 +20,7 @@ from gateway.media.video import decode_video
 from gateway.mm_prompt import frame_label
 from gateway.app import create_app
 from gateway_helpers import MODEL, FakeWorker, gateway_client, make_config, register_worker, token_events
-from media_helpers import make_video
+from media_helpers import data_url, make_video
 from proto.keys import RedisKeys
 from proto.messages import NewRequest, stream_encoder
 
@@ -38,10 +37,6 @@ def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
     out = io.BytesIO()
     image.save(out, fmt)
     return out.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 # PNG, JPEG, RGBA, grayscale, palette; odd sizes and aspect ratios

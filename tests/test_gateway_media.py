@@ -1,18 +1,14 @@
-"""The gateway's media layer (gateway/media/): the flags, fetching (data:, a real local HTTP
-server, local files), image checks with PIL, the Redis store, and the loader's limits.
-Every refusal is a 400 with OpenAI's error fields, naming the content part."""
+"""The gateway's media layer (gateway/media/): the flags, image checks with PIL, the Redis
+store, and the loader's limits (fetching: tests/test_media_fetch.py). Every refusal is a 400
+with OpenAI's error fields, naming the content part."""
 
 import argparse
 import asyncio
-import base64
 import hashlib
 import io
 import struct
-import threading
-import time
 import uuid
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import redis
@@ -22,7 +18,7 @@ from PIL import Image
 from compose.launcher import free_port
 from gateway.config import GatewayConfig, add_cli_args, config_from_args
 from gateway.errors import OpenAIError
-from gateway.media.fetch import FetchPolicy, MediaFetcher
+from gateway.media.fetch import FetchPolicy
 from gateway.media.images import check_image
 from gateway.media.loader import LoadedImage, MediaLoader, MediaPart, MediaSettings
 from gateway.media.options import VideoSampling, parse_limits, parse_video_sampling
@@ -30,22 +26,13 @@ from gateway.media.store import MediaStore, content_hash, read_media_item
 from proto.env_flags import EnvFlags
 from proto.keys import RedisKeys
 from proto.messages import MediaItem
-
-PARAM = "messages[0].content[1].image_url.url"
-
+from media_helpers import PARAM, data_url, png, refused
+from media_server import MediaHandler, media_server
 
 def encode(image: Image.Image, fmt: str, **save) -> bytes:
     out = io.BytesIO()
     image.save(out, fmt, **save)
     return out.getvalue()
-
-
-def png(size=(32, 24), color=(200, 30, 40)) -> bytes:
-    return encode(Image.new("RGB", size, color), "PNG")
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 def png_header(width: int, height: int) -> bytes:
@@ -54,16 +41,6 @@ def png_header(width: int, height: int) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
             + chunk(b"IEND", b""))
-
-
-def refused(exc_info, code: str, *words: str, param: str = PARAM) -> None:
-    error = exc_info.value
-    assert isinstance(error, OpenAIError)
-    assert error.status == 400 and error.type == "invalid_request_error"
-    assert error.code == code, error.message
-    assert error.param == param
-    for word in words:
-        assert word in error.message, error.message
 
 
 # ---- flags ---------------------------------------------------------------------------------
@@ -115,183 +92,6 @@ def test_bad_media_flags_fail_at_startup(capsys, flag, value, words):
 def test_limits_keep_defaults_for_kinds_left_out():
     assert parse_limits('{"image": 3}') == {"image": 3, "video": 1}
     assert parse_video_sampling('{"video": {"fps": 2}}') == VideoSampling(num_frames=32, fps=2.0)
-
-
-# ---- data: URLs ----------------------------------------------------------------------------
-
-
-def fetch(url: str, kind: str = "image", policy: FetchPolicy = FetchPolicy()):
-    async def run():
-        fetcher = MediaFetcher(policy)
-        try:
-            return await fetcher.fetch(url, kind, PARAM)
-        finally:
-            await fetcher.aclose()
-    return asyncio.run(run())
-
-
-def test_data_url_decodes_and_tolerates_line_breaks():
-    data = png()
-    wrapped = base64.encodebytes(data).decode()  # 76-column lines
-    fetched = fetch(f"data:image/png;base64,{wrapped}")
-    assert fetched.data == data and fetched.mime == "image/png"
-    assert fetch(data_url(data, "application/octet-stream")).data == data
-
-
-@pytest.mark.parametrize("url, code, words", [
-    ("data:image/png;base64,not*base64!", "invalid_base64", ["not valid base64"]),
-    ("data:image/png;base64,iVBORw0KGgo", "invalid_base64", ["not valid base64"]),  # bad padding
-    ("data:image/png,rawdata", "invalid_base64", ["must be base64"]),
-    ("data:text/plain;base64,aGVsbG8=", "invalid_media_type", ["'text/plain'", "image/*"]),
-    ("data:video/mp4;base64,aGVsbG8=", "invalid_media_type", ["'video/mp4'"]),
-    ("data:image/png;base64", "invalid_media_url", ["no ','"]),
-    ("ftp://example.com/a.png", "invalid_media_url", ["unsupported scheme 'ftp'"]),
-    ("", "invalid_media_url", ["empty"]),
-])
-def test_bad_data_urls(url, code, words):
-    with pytest.raises(OpenAIError) as exc_info:
-        fetch(url)
-    refused(exc_info, code, *words)
-
-
-def test_data_url_over_the_byte_cap():
-    with pytest.raises(OpenAIError) as exc_info:
-        fetch(data_url(b"x" * 3000), policy=FetchPolicy(max_bytes=1000))
-    refused(exc_info, "media_too_large", "limit is 1000 bytes")
-
-
-# ---- http(s):// against a real local server --------------------------------------------
-
-
-class _Handler(BaseHTTPRequestHandler):
-    image = png()
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def _send(self, body: bytes, status: int = 200, length: int | None = None, **headers) -> None:
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body) if length is None else length))
-        for name, value in headers.items():
-            self.send_header(name.replace("_", "-"), value)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        port = self.server.server_address[1]
-        path = self.path
-        if path == "/ok.png":
-            self._send(self.image, content_type="image/png")
-        elif path == "/missing.png":
-            self._send(b"nope", status=404)
-        elif path == "/redirect":
-            self._send(b"", status=302, location="/ok.png")
-        elif path == "/redirect-elsewhere":
-            self._send(b"", status=302, location=f"http://localhost:{port}/ok.png")
-        elif path == "/redirect-file":
-            self._send(b"", status=302, location="file:///etc/passwd")
-        elif path == "/loop":
-            self._send(b"", status=302, location="/loop")
-        elif path == "/declared-big":
-            self._send(b"x" * 10, length=10**9)
-        elif path == "/streamed-big":  # no Content-Length: counted while it arrives
-            self.send_response(200)
-            self.send_header("Connection", "close")
-            self.end_headers()
-            for _ in range(50):
-                self.wfile.write(b"x" * 1000)
-        elif path == "/slow":  # headers at once, then a drip that never ends in time
-            self.send_response(200)
-            self.send_header("Content-Length", "100")
-            self.end_headers()
-            for _ in range(20):
-                self.wfile.write(b"x")
-                self.wfile.flush()
-                time.sleep(0.1)
-        else:
-            self._send(b"?", status=500)
-
-
-@pytest.fixture(scope="module")
-def http_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
-def test_http_fetch_and_redirect(http_server):
-    fetched = fetch(f"{http_server}/ok.png")
-    assert fetched.data == _Handler.image and fetched.mime == "image/png"
-    assert fetch(f"{http_server}/redirect").data == _Handler.image
-    policy = FetchPolicy(allowed_domains=("127.0.0.1",))
-    assert fetch(f"{http_server}/redirect", policy=policy).data == _Handler.image
-
-
-@pytest.mark.parametrize("path, policy, code, words", [
-    ("/missing.png", FetchPolicy(), "media_fetch_failed", ["HTTP 404"]),
-    ("/loop", FetchPolicy(), "media_fetch_failed", ["more than 5 redirects"]),
-    ("/redirect-file", FetchPolicy(), "media_fetch_failed", ["non-http(s)"]),
-    ("/declared-big", FetchPolicy(max_bytes=10_000), "media_too_large", ["1000000000 bytes"]),
-    ("/streamed-big", FetchPolicy(max_bytes=10_000), "media_too_large", ["limit is 10000 bytes"]),
-    ("/slow", FetchPolicy(timeout_s=0.3), "media_fetch_failed", ["no answer within 0.3 s"]),
-    ("/ok.png", FetchPolicy(allowed_domains=("media.example",)), "media_domain_not_allowed",
-     ["'127.0.0.1' is not allowed", "media.example"]),
-    # every hop is checked: allowed at first, redirected to a host that is not
-    ("/redirect-elsewhere", FetchPolicy(allowed_domains=("127.0.0.1",)), "media_domain_not_allowed",
-     ["'localhost'"]),
-])
-def test_http_refusals(http_server, path, policy, code, words):
-    started = time.monotonic()
-    with pytest.raises(OpenAIError) as exc_info:
-        fetch(f"{http_server}{path}", policy=policy)
-    refused(exc_info, code, *words)
-    assert time.monotonic() - started < 1.5  # the slow server is cut off at its deadline
-
-
-def test_connection_refused():
-    with pytest.raises(OpenAIError) as exc_info:
-        fetch(f"http://127.0.0.1:{free_port()}/a.png")
-    refused(exc_info, "media_fetch_failed", "could not connect")
-
-
-# ---- local files -------------------------------------------------------------------------
-
-
-def test_local_files_only_below_the_allowed_folder(tmp_path):
-    root = tmp_path / "media"
-    (root / "sub").mkdir(parents=True)
-    (root / "sub" / "a.png").write_bytes(png())
-    (tmp_path / "secret.png").write_bytes(png())
-    (root / "escape.png").symlink_to(tmp_path / "secret.png")
-    policy = FetchPolicy(allowed_local_path=str(root))
-
-    assert fetch(f"file://{root}/sub/a.png", policy=policy).data == png()
-    assert fetch(str(root / "sub" / "a.png"), policy=policy).data == png()
-    assert fetch("sub/a.png", policy=policy).data == png()  # relative: below the folder
-    for url in (f"file://{tmp_path}/secret.png", f"{root}/../secret.png", str(root / "escape.png"),
-                "../secret.png"):
-        with pytest.raises(OpenAIError) as exc_info:
-            fetch(url, policy=policy)
-        refused(exc_info, "local_media_not_allowed", "outside the folder")
-    with pytest.raises(OpenAIError) as exc_info:
-        fetch(f"file://{root}/sub/a.png")  # no folder allowed
-    refused(exc_info, "local_media_not_allowed", "--allowed-local-media-path")
-    with pytest.raises(OpenAIError) as exc_info:
-        fetch(f"file://{root}/nothing.png", policy=policy)
-    refused(exc_info, "media_fetch_failed", "does not exist")
-    with pytest.raises(OpenAIError) as exc_info:
-        fetch(f"file://{root}/sub", policy=policy)
-    refused(exc_info, "media_fetch_failed", "cannot be read")
-    with pytest.raises(OpenAIError) as exc_info:
-        fetch(f"file://{root}/sub/a.png", policy=FetchPolicy(allowed_local_path=str(root), max_bytes=10))
-    refused(exc_info, "media_too_large")
-    with pytest.raises(OpenAIError) as exc_info:
-        fetch(f"file://otherhost{root}/sub/a.png", policy=policy)
-    refused(exc_info, "invalid_media_url", "'otherhost'")
 
 
 # ---- images --------------------------------------------------------------------------------
@@ -425,6 +225,12 @@ def part(url: str, i: int = 0, kind: str = "image") -> MediaPart:
     return MediaPart(kind, url, f"messages[0].content[{i}].{kind}_url.url")
 
 
+@pytest.fixture(scope="module")
+def http_server():
+    with media_server() as url:
+        yield url
+
+
 @pytest.mark.anyio
 async def test_loader_loads_in_order_and_dedupes(redis_url, http_server, tmp_path):
     client = aioredis.Redis.from_url(redis_url)
@@ -434,14 +240,14 @@ async def test_loader_loads_in_order_and_dedupes(redis_url, http_server, tmp_pat
     loader = MediaLoader(settings, MediaStore(client, keys, ttl_s=60))
     try:
         parts = [part(data_url(IMAGES["jpeg"][0], "image/jpeg"), 0), part(f"{http_server}/ok.png", 1),
-                 part("c.png", 2), MediaPart("image", data_url(_Handler.image), "input[0].content[3].image_url",
+                 part("c.png", 2), MediaPart("image", data_url(MediaHandler.image), "input[0].content[3].image_url",
                                              uuid="client-id")]
         loaded = await loader.load(parts)
         assert [type(x) for x in loaded] == [LoadedImage] * 4
         assert [x.param for x in loaded] == [p.param for p in parts]
         assert [(x.width, x.height, x.mime) for x in loaded] == [
             (40, 30, "image/jpeg"), (32, 24, "image/png"), (17, 9, "image/png"), (32, 24, "image/png")]
-        assert loaded[1].content_hash == loaded[3].content_hash == hashlib.sha256(_Handler.image).hexdigest()
+        assert loaded[1].content_hash == loaded[3].content_hash == hashlib.sha256(MediaHandler.image).hexdigest()
         assert loaded[3].uuid == "client-id"
         stored = await loader.store.get(loaded[2].content_hash)
         assert stored.data == IMAGES["png-rgba"][0] and stored.kind == "encoded"
