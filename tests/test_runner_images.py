@@ -5,92 +5,31 @@ token_type_ids, so transformers applies its bidirectional image mask): greedy to
 (the tiny model soon repeats one token, so the logprobs are what tells runs apart). Also:
 continuous batching with chunked prefill, a prompt past the 48-token sliding window and a
 preemption; a video frame (rgb8) equal to the same pixels as a PNG; spans that matter; a
-request whose media cannot be had fails alone; the Redis media source; the metrics; the
-worker service reading media from its own Redis."""
+request whose media cannot be had fails alone (the media over Redis and the metrics:
+test_worker_media.py)."""
 
-import contextlib
-import io
 import json
 import shutil
-import socket
-import threading
-import urllib.request
-import uuid
 from dataclasses import dataclass
 
-import grpc
-import msgspec
-import numpy as np
 import pytest
-import redis
 import torch
-from PIL import Image
-from prometheus_client import CollectorRegistry, generate_latest
-from media_helpers import file_bytes, picture
+from image_cases import IMAGE, Case, frame, make_case, prompt_text, random_text, stored
+from media_helpers import picture
 from runner_helpers import FakeMediaSource, MiniScheduler, make_runner, mm_inputs
 
-from proto import worker_pb2, worker_pb2_grpc
-from proto.keys import RedisKeys
-from proto.messages import MediaItem, events_decoder, registration_decoder
-from proto.metrics import EncoderRecorder, StepCollector, StepRecorder
-from worker_svc import batch as batch_module
-from worker_svc import server
-from worker_svc.batch import build_flat_batch
-from worker_svc.config import RunnerConfig
-from worker_svc.media_source import MISSING, MediaUnavailableError, RedisMediaSource
+from proto import worker_pb2
 from proto.messages import NO_TOKEN_ID as NO_TOKEN
+from proto.messages import MediaItem
+from worker_svc import batch as batch_module
+from worker_svc.batch import build_flat_batch
+from worker_svc.media_source import MISSING
 from worker_svc.request_state import RequestState
 
-IMAGE = 7  # the tiny tokenizer's <image_soft_token>
 TOL = 2e-4  # logprobs, fp32
 
 
 # ---- images, prompts, the reference -----------------------------------------------------
-
-@dataclass
-class Stored:
-    """An image as the gateway stores it, and as transformers' processor gets it (the same
-    file decoded by PIL)."""
-
-    item: MediaItem
-    decoded: Image.Image
-
-
-def stored(image: Image.Image, fmt: str) -> Stored:
-    data = file_bytes(image, fmt)
-    return Stored(MediaItem("encoded", image.width, image.height, data, f"image/{fmt.lower()}"),
-                  Image.open(io.BytesIO(data)))
-
-
-def frame(image: Image.Image) -> Stored:
-    rgb = image.convert("RGB")
-    return Stored(MediaItem("rgb8", rgb.width, rgb.height, rgb.tobytes()), rgb)
-
-
-def random_text(processor, seed: int, num_parts: int, lengths=(3, 30)) -> list[str]:
-    rs = np.random.RandomState(seed)
-    return [processor.tokenizer.decode(rs.randint(9, 1536, rs.randint(*lengths)).tolist())
-            for _ in range(num_parts)]
-
-
-def prompt_text(processor, seed: int, num_images: int, lengths=(3, 30)) -> str:
-    """<bos>, random text with a <start_of_image> between its parts (the processor expands each)."""
-    return "<bos>" + "<start_of_image>".join(random_text(processor, seed, num_images + 1, lengths))
-
-
-@dataclass
-class Case:
-    ids: list[int]
-    inputs: dict  # the processor's tensors
-    hashes: list[str]
-
-
-def make_case(processor, media: FakeMediaSource, text: str, images: list[Stored]) -> Case:
-    inputs = processor(text=text, images=[s.decoded for s in images] or None, add_special_tokens=False,
-                       return_tensors="pt")
-    hashes = [media.put(s.item) for s in images]
-    return Case(inputs["input_ids"][0].tolist(), dict(inputs), hashes)
-
 
 @dataclass
 class Reference:
@@ -351,101 +290,3 @@ def test_a_pan_and_scan_checkpoint_is_refused(vision_dir, tmp_path):
         make_runner(copy, block_size=8, num_blocks=16, media=FakeMediaSource())
 
 
-# ---- the Redis media source, the metrics -----------------------------------------------------
-
-def test_redis_media_source_reads_the_gateways_items(redis_url):
-    keys = RedisKeys("test-media-source")
-    client = redis.Redis.from_url(redis_url)
-    items = {"a" * 64: MediaItem("encoded", 2, 2, b"png bytes", "image/png"),
-             "b" * 64: MediaItem("rgb8", 1, 1, b"\1\2\3")}
-    for digest, item in items.items():
-        client.set(keys.media(digest), msgspec.msgpack.encode(item), px=60_000)
-    client.set(keys.media("c" * 64), b"\xc1 not msgpack")
-    source = RedisMediaSource.from_url(redis_url, keys.prefix)
-    try:
-        assert source.fetch(list(items)) == items
-        assert source.fetch([]) == {}
-        with pytest.raises(MediaUnavailableError) as caught:
-            source.fetch(["a" * 64, "d" * 64, "c" * 64])
-        assert caught.value.found == {"a" * 64: items["a" * 64]}
-        assert caught.value.reasons["d" * 64] == MISSING
-        assert caught.value.reasons["c" * 64].startswith("the stored value is not a MediaItem")
-        assert "d" * 64 in str(caught.value)
-    finally:
-        source.close()
-        client.delete(*[keys.media(h) for h in (*items, "c" * 64)])
-        client.close()
-    unreachable = RedisMediaSource.from_url("redis://127.0.0.1:1/0", "x", timeout_s=0.5)
-    with pytest.raises(MediaUnavailableError, match="the media store is unreachable"):
-        unreachable.fetch(["a" * 64])
-
-
-def test_worker_metrics_count_encoded_images_and_cache_hits():
-    encoder = EncoderRecorder()
-    encoder.observe(3, 0, 0.02)
-    encoder.observe(0, 2, 0.0)  # every image from the cache: no encoding time observed
-    encoder.observe(1, 1, 0.5)
-    registry = CollectorRegistry()
-    registry.register(StepCollector("w", StepRecorder(), encoder))
-    text = generate_latest(registry).decode()
-    assert 'pagedserve:mm_items_encoded_total{worker="w"} 4.0' in text
-    assert 'pagedserve:encoder_cache_hits_total{worker="w"} 3.0' in text
-    assert 'pagedserve:encoder_seconds_count{worker="w"} 2.0' in text
-    assert 'pagedserve:encoder_seconds_sum{worker="w"} 0.52' in text
-    plain = CollectorRegistry()
-    plain.register(StepCollector("w", StepRecorder()))  # a text model's worker
-    assert "encoder" not in generate_latest(plain).decode()
-
-
-def test_the_worker_service_reads_media_from_its_redis(vision_dir, processor, redis_url):
-    """serve(): the runner gets a RedisMediaSource on the service's Redis and key prefix;
-    an image request is served, one whose media expired fails alone, /metrics counts."""
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        metrics_port = s.getsockname()[1]
-    prefix = f"images-{uuid.uuid4().hex[:8]}"
-    config = server.WorkerServiceConfig(runner=RunnerConfig(model=str(vision_dir), num_blocks=64),
-                                        port=0, redis_url=redis_url, key_prefix=prefix,
-                                        metrics_port=metrics_port)
-    client = redis.Redis.from_url(redis_url)
-    media = FakeMediaSource()
-    case = make_case(processor, media, prompt_text(processor, 70, 1), [stored(picture(71, 30, 40), "PNG")])
-    (digest,) = case.hashes
-    client.set(RedisKeys(prefix).media(digest), msgspec.msgpack.encode(media.items[digest]), px=60_000)
-    ready, stop = threading.Event(), threading.Event()
-    serving = threading.Thread(target=server.serve, args=(config, ready, stop), daemon=True)
-    serving.start()
-    subscription = client.pubsub()
-    try:
-        assert ready.wait(timeout=60)
-        address = registration_decoder.decode(client.get(RedisKeys(prefix).worker(config.worker_id))).address
-        subscription.subscribe("out:images")
-        step = worker_pb2.StepRequest(step_id=1)
-        for rid, h in (("ok", digest), ("gone", "ef" * 32)):
-            first = 0 if rid == "ok" else 20
-            step.new_requests.add(request_id=rid, token_ids=case.ids, num_prompt_tokens=len(case.ids),
-                                  block_ids=list(range(first, first + len(case.ids) // 16 + 1)),
-                                  sampling=worker_pb2.SamplingParams(max_tokens=1), reply_channel="out:images",
-                                  mm_inputs=mm_inputs(case.ids, IMAGE, [h]))
-            step.num_scheduled_tokens[rid] = len(case.ids)
-        with grpc.insecure_channel(address) as channel:
-            result = worker_pb2_grpc.WorkerStub(channel).Step(step, timeout=60)
-        sampled = {s.request_id: s for s in result.sampled}
-        assert {rid: s.finish_reason for rid, s in sampled.items()} == {"ok": "length", "gone": "error"}
-        events = {}
-        while len(events) < 2:
-            message = subscription.get_message(timeout=10)
-            assert message is not None
-            if message["type"] == "message":
-                events.update({e.request_id: e for e in events_decoder.decode(message["data"])})
-        assert events["ok"].token_ids == [sampled["ok"].token_id] and events["ok"].finish_reason == "length"
-        assert events["gone"].error == f"image 0 (content hash {'ef' * 32}): {MISSING}"
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-        assert f'pagedserve:mm_items_encoded_total{{worker="{config.worker_id}"}} 1.0' in text
-        assert f'pagedserve:encoder_seconds_count{{worker="{config.worker_id}"}} 1.0' in text
-    finally:
-        subscription.close()
-        client.delete(RedisKeys(prefix).media(digest))
-        client.close()
-        stop.set()
-        serving.join(timeout=30)
