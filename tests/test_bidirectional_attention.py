@@ -3,7 +3,7 @@ the reference's mask against the one transformers builds, and the torch and cpu 
 (the C kernel's short requests included) against the reference on batches where images sit
 at the start, middle and end of prefill chunks, behind cached context, across a prefix-cache
 hit, beside decodes; with GQA, soft caps, and windows shorter and longer than an image.
-The Triton kernel's cases are in tests/test_triton_kernels.py (same layouts)."""
+The Triton kernel's cases are in tests/test_triton_bidirectional.py (same layouts)."""
 
 import random
 

@@ -16,164 +16,31 @@ Every output buffer is NaN before the call, so an element the kernel fails to wr
 the comparison, and every cache slot no request owns is NaN, so a kernel that reads past a
 request's context (or a block-table padding entry) turns its output NaN.
 
-Gemma 3's bidirectional image spans (`bidir_spans`) run on the layouts of
-tests/test_bidirectional_attention.py on the CPU, and on images of 256 tokens (Gemma 3's
-`mm_tokens_per_image`) in contexts of thousands on CUDA.
+Gemma 3's bidirectional image spans: tests/test_triton_bidirectional.py. What both share
+(devices, batches, the comparison, the interpreter rerun): tests/triton_cases.py.
 """
-
-import itertools
-import math
-import os
-import subprocess
-import sys
-import time
-import zlib
-from pathlib import Path
 
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-
-from kernels import triton_attention, triton_cache  # noqa: E402  (after the importorskip)
-from kernels.backend import get_attention_backend  # noqa: E402
-from kernels.reference import (  # noqa: E402
-    copy_blocks_reference,
-    paged_attention_reference,
-    write_kv_reference,
+from tests.triton_cases import (  # noqa: F401  (device, gen: fixtures)
+    INTERPRETER,
+    NAN,
+    ON_CUDA,
+    REL_TOL,
+    SMALL_MIXES,
+    check_attention,
+    device,
+    gen,
+    llama_layout,
+    make_batch,
+    mixes,
+    rel_error,
+    run_in_interpreter,
 )
-from tests.test_bidirectional_attention import (  # noqa: E402
-    LAYOUTS,
-    image_rows,
-    probe_mask,
-    random_layout,
-    row_spans,
-    transformers_mask,
-)
-
-INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
-ON_CUDA = torch.cuda.is_available() and not INTERPRETER
-DEVICES = ([pytest.param("cpu", id="interp")] if INTERPRETER else []) + [
-    pytest.param("cuda", id="cuda", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not ON_CUDA, reason="needs CUDA (and TRITON_INTERPRET unset)")]),
-]
-REL_TOL = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-NAN = float("nan")
-
-
-@pytest.fixture(params=DEVICES)
-def device(request) -> str:
-    return request.param
-
-
-@pytest.fixture
-def gen(request, device) -> torch.Generator:
-    """A generator seeded from the test's id: fresh inputs per case, reproducible."""
-    return torch.Generator(device).manual_seed(zlib.crc32(request.node.name.encode()))
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / max |ref|; NaN anywhere in out gives inf."""
-    out, ref = out.float(), ref.float()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-# -- batches ---------------------------------------------------------------------------------
-
-# (seq_len, q_len) per request: q_len new tokens at the end of a seq_len-token context.
-SMALL_MIXES = {
-    "decode_only": [(1, 1), (17, 1), (40, 1), (64, 1), (33, 1)],
-    "prefill_only": [(5, 5), (16, 16), (37, 37), (1, 1)],  # no cached tokens at all
-    "chunked_prefill": [(48, 16), (70, 13), (33, 32), (21, 20)],  # chunks after a cached context
-    "mixed": [(50, 1), (37, 37), (90, 25), (1, 1), (16, 1), (45, 20), (7, 7)],
-}
-FULL_MIXES = {
-    "decode_only": [(n, 1) for n in (1, 17, 511, 1024, 1500, 2049, 3333, 4096)] * 4,
-    "prefill_only": [(1024, 1024), (777, 777), (1, 1), (2000, 2000)],
-    "chunked_prefill": [(2560, 512), (4100, 1000), (1031, 1030), (700, 17)],
-    "mixed": [(3000, 1), (1200, 1200), (4000, 300), (1, 1), (33, 1), (8192, 1), (513, 512)],
-}
-
-
-def mixes(device: str) -> dict:
-    return SMALL_MIXES if device == "cpu" else FULL_MIXES
-
-
-def llama_layout(device: str) -> dict:
-    """Small on the CPU; Llama-3-8B's 32 query heads over 8 KV heads of 128 on CUDA."""
-    return dict(num_heads=4, num_kv_heads=2, head_dim=32) if device == "cpu" else \
-        dict(num_heads=32, num_kv_heads=8, head_dim=128)
-
-
-def make_batch(reqs, *, gen, device, dtype=torch.float32, block_size=16, num_heads=4,
-               num_kv_heads=2, head_dim=32, shared_prefix_blocks=1):
-    """Random query and caches for `reqs` [(seq_len, q_len)]. Physical blocks are a random
-    permutation (scattered); the first `shared_prefix_blocks` of every long-enough request
-    are request 0's (repeated blocks, as a prefix-cache hit gives), and the last request
-    names one block twice. Slots that no request owns, and spare blocks the block-table
-    padding points at, are NaN."""
-    per_req = [math.ceil(s / block_size) for s, _ in reqs]
-    num_blocks = sum(per_req) + 3
-    perm = torch.randperm(num_blocks, generator=gen, device=device).tolist()
-    spare = perm.pop()  # never owned: all NaN; padding columns point at it
-    tables, used = [], 0
-    for n in per_req:
-        tables.append(perm[used:used + n])
-        used += n
-    for table in tables[1:]:
-        share = min(shared_prefix_blocks, len(table), len(tables[0]))
-        table[:share] = tables[0][:share]
-    if len(tables[-1]) >= 3:
-        tables[-1][2] = tables[-1][0]
-    width = max(per_req) + 2
-    block_tables = torch.tensor([t + [spare] * (width - len(t)) for t in tables],
-                                dtype=torch.int32, device=device)
-
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, NAN, dtype=dtype, device=device)
-    v_cache = torch.full(shape, NAN, dtype=dtype, device=device)
-    owned = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
-    for (seq_len, _), table in zip(reqs, tables):
-        t = torch.arange(seq_len, device=device)
-        ids = torch.tensor(table, device=device)
-        owned[ids[t // block_size] * block_size + t % block_size] = True
-    n = int(owned.sum())
-    for cache in (k_cache, v_cache):
-        cache.view(-1, num_kv_heads, head_dim)[owned] = torch.randn(
-            n, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
-
-    q_lens = [q for _, q in reqs]
-    query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32,
-                                   device=device)
-    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen, device=device).to(dtype)
-    seq_lens = torch.tensor([s for s, _ in reqs], dtype=torch.int32, device=device)
-    return query, k_cache, v_cache, block_tables, seq_lens, query_start_loc
-
-
-def check_attention(batch, *, scale=None, sliding_window=None, soft_cap=None, query=None,
-                    bidir_spans=None):
-    """Run the kernel into a NaN-poisoned buffer and compare with the fp32 reference.
-    `bidir_spans` go through plan_attention, as the worker passes them."""
-    q, k_cache, v_cache, block_tables, seq_lens, qsl = batch
-    query = q if query is None else query
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    out = torch.full_like(q, NAN)
-    plan = triton_attention.plan_attention(block_tables, seq_lens, qsl, k_cache.shape[1],
-                                           sliding_window, bidir_spans=bidir_spans)
-    assert (plan is None) == (bidir_spans is None)  # no spans: nothing planned, as before
-    triton_attention.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, qsl, scale,
-                                     sliding_window=sliding_window, soft_cap=soft_cap, plan=plan,
-                                     out=out)
-    ref = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(),
-                                    block_tables, seq_lens, qsl, scale,
-                                    sliding_window=sliding_window, soft_cap=soft_cap,
-                                    bidir_spans=bidir_spans)
-    err = rel_error(out, ref)
-    assert err < REL_TOL[q.dtype], f"relative error {err:.2e} (limit {REL_TOL[q.dtype]:.0e})"
-    return out
+from kernels import triton_attention, triton_cache  # noqa: E402  (triton_cases skips without triton)
+from kernels.backend import get_attention_backend
+from kernels.reference import copy_blocks_reference, paged_attention_reference, write_kv_reference
 
 
 # -- attention -------------------------------------------------------------------------------
@@ -277,136 +144,6 @@ def test_attention_rejects_bad_shapes(device):
         triton_attention.paged_attention(q, cache, cache, meta[0], meta[1], meta[2][:1], 1.0)
     with pytest.raises(ValueError, match="dtype"):
         triton_attention.paged_attention(q.double(), cache.double(), cache.double(), *meta, 1.0)
-
-
-# -- bidirectional spans (Gemma 3's images) --------------------------------------------------
-
-# The CPU layouts' names at CUDA size: (seq_len, q_len, images [s, e)) per request, images
-# of 256 tokens at the start, middle and end of chunks, behind cached context, across a
-# prefix-cache hit (an image that starts in the cached context), beside decodes.
-FULL_LAYOUTS = {
-    "two_images_one_prefill": [(1500, 1500, [(30, 286), (700, 956)])],
-    "start_middle_end_of_chunk": [(2048, 2048, [(0, 256), (1000, 1256), (1792, 2048)])],
-    "second_chunk_after_context": [(2560, 512, [(100, 356), (2200, 2456)])],
-    "prefix_hit_inside_image": [(1500, 1000, [(400, 656)]), (777, 300, [(300, 556), (560, 777)])],
-    "mixed_with_decodes": [(3000, 1, [(10, 266)]), (1200, 1200, [(0, 256), (600, 856), (944, 1200)]),
-                           (4000, 300, [(3744, 4000)]), (1, 1, []), (33, 1, []), (8192, 1, [(5, 261)]),
-                           (513, 512, [(1, 257), (258, 513)])],
-    "short_chunks": [(300, 6, [(44, 300)]), (270, 8, [(5, 261), (262, 270)]), (2000, 3, [(1740, 1999)])],
-    "text_only_beside_images": [(1024, 1024, []), (2048, 512, []), (1030, 1030, [(4, 260)]), (99, 1, [])],
-}
-assert FULL_LAYOUTS.keys() == LAYOUTS.keys()
-
-
-def image_layouts(device: str) -> dict:
-    return LAYOUTS if device == "cpu" else FULL_LAYOUTS
-
-
-def windows(device: str) -> dict:
-    """Windows shorter and longer than an image (CUDA: Gemma 3's 1024 and a fraction)."""
-    return {"short": 4, "long": 30} if device == "cpu" else {"short": 100, "long": 1024}
-
-
-def image_batch(layout, *, gen, device, **kwargs):
-    batch = make_batch([(s, q) for s, q, _ in layout], gen=gen, device=device, **kwargs)
-    return batch, row_spans(layout).to(device)
-
-
-@pytest.mark.parametrize("options", [{}, {"window": "short"}, {"window": "long", "soft_cap": 30.0}],
-                         ids=["plain", "short-window", "long-window-cap"])
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_attention_with_images(device, gen, name, options):
-    options = dict(options)
-    if "window" in options:
-        options["sliding_window"] = windows(device)[options.pop("window")]
-    batch, spans = image_batch(image_layouts(device)[name], gen=gen, device=device,
-                               **llama_layout(device))
-    check_attention(batch, scale=1.0 if "soft_cap" in options else None, bidir_spans=spans, **options)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name", ["mixed_with_decodes", "prefix_hit_inside_image"])
-def test_attention_with_images_half_precision(device, gen, name, dtype):
-    batch, spans = image_batch(image_layouts(device)[name], gen=gen, device=device, dtype=dtype,
-                               **llama_layout(device))
-    check_attention(batch, bidir_spans=spans)
-
-
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (8, 1), (7, 1)], ids=["gqa3", "gqa8", "gqa7"])
-def test_attention_with_random_images_and_gqa(device, gen, num_heads, num_kv_heads):
-    """Random images (several per request, any size up to a few key tiles) over a mixed
-    batch, with groups that fill the tile or leave rows over."""
-    reqs = mixes(device)["mixed"] + mixes(device)["chunked_prefill"]
-    layout = random_layout(zlib.crc32(str(num_heads).encode()), reqs,
-                           max_image=12 if device == "cpu" else 300)
-    scale = 1 if device == "cpu" else 4
-    batch, spans = image_batch(layout, gen=gen, device=device, num_heads=num_heads * scale,
-                               num_kv_heads=num_kv_heads * scale, head_dim=64)
-    check_attention(batch, bidir_spans=spans)
-    check_attention(batch, bidir_spans=spans, sliding_window=windows(device)["short"], soft_cap=20.0,
-                    scale=1.0)
-
-
-@pytest.mark.parametrize("window", [None, "short"])
-def test_attention_running_images_causally_is_caught(device, gen, window):
-    """With the spans dropped, exactly the image rows before each image's last differ."""
-    layout = image_layouts(device)["mixed_with_decodes"] + image_layouts(device)["short_chunks"]
-    batch, spans = image_batch(layout, gen=gen, device=device, **llama_layout(device))
-    sliding_window = None if window is None else windows(device)[window]
-    with_spans = check_attention(batch, bidir_spans=spans, sliding_window=sliding_window)
-    causal = check_attention(batch, sliding_window=sliding_window)
-    inner, text = image_rows(layout)
-    differs = ((with_spans - causal).abs().amax(dim=(1, 2)) > 1e-4).cpu()
-    assert differs[inner].all(), [r for r in inner if not differs[r]]
-    # text rows: the same keys (two compiled variants, so equal up to rounding)
-    assert rel_error(with_spans[text], causal[text]) < 1e-6
-
-
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("q_len", [32, 20, 8, 1])
-def test_attention_mask_with_images_is_transformers_gemma3_mask(device, window, q_len):
-    seq_len, images = 32, [(4, 12), (17, 27), (28, 31)]
-    spans = row_spans([(seq_len, q_len, images)]).to(device)
-
-    def attend(query, k_cache, v_cache, bt, seq_lens, qsl):
-        return triton_attention.paged_attention(query, k_cache, v_cache, bt, seq_lens, qsl, 1.0,
-                                                sliding_window=window, bidir_spans=spans)
-
-    got = probe_mask(attend, seq_len, q_len, device=device)
-    assert torch.equal(got, transformers_mask(seq_len, images, window)[seq_len - q_len:])
-
-
-def test_attention_with_images_never_reads_past_the_context(device, gen):
-    """A span that ends past seq_len (a caller's bug: the contract forbids it) reads no key
-    at or past seq_len (those slots are NaN here): the kernel clamps its key loop."""
-    layout = [(40, 20, [(30, 40)]), (17, 1, [])]
-    batch, spans = image_batch(layout, gen=gen, device=device)
-    spans[10:20, 1] = 48  # rows of positions 30..39: their image "ends" at 48 > 40
-    out = triton_attention.paged_attention(*batch, 0.2, bidir_spans=spans)
-    assert torch.isfinite(out).all()
-    fixed = spans.clone()
-    fixed[10:20, 1] = 40
-    ref = paged_attention_reference(*batch, 0.2, bidir_spans=fixed)
-    assert rel_error(out, ref) < REL_TOL[torch.float32]
-
-
-def test_attention_rejects_bad_spans(device):
-    meta = (torch.zeros(1, 1, dtype=torch.int32, device=device),
-            torch.tensor([3], dtype=torch.int32, device=device),
-            torch.tensor([0, 3], dtype=torch.int32, device=device))
-    with pytest.raises(ValueError, match="int32"):
-        triton_attention.plan_attention(*meta, 16, bidir_spans=torch.zeros(3, 3, dtype=torch.int32,
-                                                                           device=device))
-    plan = triton_attention.plan_attention(*meta, 16, bidir_spans=torch.zeros(3, 2, dtype=torch.int32,
-                                                                              device=device))
-    q = torch.zeros(3, 4, 32, device=device)
-    cache = torch.zeros(1, 16, 2, 32, device=device)
-    with pytest.raises(ValueError, match="plan"):
-        triton_attention.paged_attention(q, cache, cache, *meta, 1.0, plan=plan,
-                                         bidir_spans=plan.bidir_spans)
-    with pytest.raises(ValueError, match="rows"):
-        triton_attention.paged_attention(torch.zeros(4, 4, 32, device=device), cache, cache, *meta, 1.0,
-                                         plan=plan)
 
 
 # -- cache write and block copy --------------------------------------------------------------
@@ -528,14 +265,4 @@ def test_runner_with_triton_backend_matches_torch_backend(device, arch, family_m
 @pytest.mark.skipif(INTERPRETER, reason="this process is the interpreter run")
 def test_cases_in_triton_interpreter():
     """Every non-gpu case above, on the CPU, in a subprocess with TRITON_INTERPRET=1."""
-    repo = Path(__file__).resolve().parent.parent
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-         str(Path(__file__).relative_to(repo))],
-        cwd=repo, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-        timeout=900)
-    report = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, report
-    print(f"interpreter run: {time.monotonic() - start:.0f} s; {proc.stdout.strip().splitlines()[-1]}")
+    run_in_interpreter(__file__)

@@ -154,9 +154,16 @@ class Check:
     # -- pytest steps ----------------------------------------------------------------------------
 
     def gpu_test_files(self, vision: bool) -> list[str]:
+        """The test files with GPU-marked cases: those that mark some, or import a test
+        helper module that does (tests/triton_cases.py's devices)."""
+        tests = ROOT / "tests"
+        helpers = [p.stem for p in tests.glob("*.py")
+                   if not p.name.startswith(("test_", "conftest")) and "mark.gpu" in p.read_text()]
         files = []
-        for path in sorted((ROOT / "tests").glob("test_*.py")):
-            if "mark.gpu" in path.read_text() and ("vision" in path.name) == vision:
+        for path in sorted(tests.glob("test_*.py")):
+            text = path.read_text()
+            marked = "mark.gpu" in text or any(f"import {h}" in text or f"{h} import" in text for h in helpers)
+            if marked and ("vision" in path.name) == vision:
                 files.append(str(path.relative_to(ROOT)))
         return files
 
