@@ -10,8 +10,8 @@ Content hash (`content_hash`): sha256 hex of an encoded image's file bytes; of
 `b"rgb8:<width>x<height>:" + pixels` for a raw frame (the header keeps two frames with the
 same bytes but another shape apart). Equal content, equal hash, on every gateway.
 
-Workers read with `read_media_item` (redis-py's synchronous client, from any thread) or
-`proto.messages.media_item_decoder` on the value of `RedisKeys.media(hash)`.
+Workers read the value of `RedisKeys.media(hash)` with `proto.messages.media_item_decoder`
+(worker_svc/media_source.py, one MGET for a step's items).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import hashlib
 from dataclasses import dataclass
 
 import msgspec
-import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -86,10 +85,3 @@ class MediaStore:
         """Seconds the item has left, None when absent (for tests and diagnostics)."""
         ms = await self._client.pttl(self._keys.media(digest))
         return None if ms < 0 else ms / 1000
-
-
-def read_media_item(client: redis.Redis, keys: RedisKeys, digest: str) -> MediaItem | None:
-    """The stored item, from redis-py's synchronous client (a worker's thread); None when
-    it is absent or expired."""
-    value = client.get(keys.media(digest))
-    return None if value is None else media_item_decoder.decode(value)
