@@ -54,10 +54,7 @@ class InProcessEngine:
         self._compute = ComputeThread("engine")
         self.runner = self._compute.setup(ModelRunner, config.runner, worker_id="in-process")
         self.info = info = self.runner.describe()
-        self.scheduler = BatchScheduler(config.batching, num_blocks=info.num_blocks,
-                                        block_size=info.block_size, max_model_len=info.max_model_len,
-                                        num_cpu_blocks=info.num_cpu_blocks,
-                                        sliding_window=info.sliding_window or None)
+        self.scheduler = BatchScheduler.for_worker(config.batching, info)
         self._on_events = on_events
         self._inbox: list[NewRequest | str] = []  # NewRequest to add, str = request id to abort
         self._lock = threading.Lock()

@@ -1,5 +1,5 @@
 """The scheduler-side pool of KV cache blocks: ids, reference counts, the free queue, and
-the prefix cache (hash -> block).
+the prefix cache (hash -> block, one map per KV cache group).
 
 The pool holds no KV memory (the worker does); a block here is only an id the worker uses
 as a cache address (slot = block_id * block_size + offset) plus bookkeeping.
@@ -18,8 +18,13 @@ it takes -- that is the eviction.
 Invariants (checked by `check_integrity`):
 - used + cached + empty == num_blocks; the free queue holds exactly the ref_cnt-0 blocks;
 - every empty block in the free queue comes before every cached one;
-- a block holds a hash iff the cache maps that hash to it; a hashed block has a key and
-  a serial, and serials are distinct.
+- a block holds a hash iff its group's cache maps that hash to it; a hashed block has a
+  key and a serial, and serials are distinct across all groups.
+
+KV cache groups (kvstore/kv_cache_groups.py): every group's blocks come from this one pool,
+so memory moves freely between them; each group has its own prefix cache map
+(`cached_groups[g]`), since the same tokens have different K/V in different layers.
+`cached` is group 0's map (the only one of a model with one group).
 """
 
 from collections.abc import Iterable
@@ -31,7 +36,7 @@ from kvstore.free_queue import FreeBlockQueue, FreeListNode
 class KVBlock(FreeListNode):
     """One block of `block_size` token slots. `ref_cnt` counts the block tables holding it."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "serial")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "serial", "group")
 
     def __init__(self, block_id: int) -> None:
         super().__init__()
@@ -41,22 +46,29 @@ class KVBlock(FreeListNode):
         self.block_hash: bytes | None = None
         self.block_key: BlockKey | None = None
         self.serial = 0
+        self.group = 0  # the KV cache group whose prefix cache holds it (while hashed)
 
     def __repr__(self) -> str:
-        cached = f", hash={self.block_hash.hex()[:8]}, serial={self.serial}" if self.block_hash else ""
+        cached = (f", group={self.group}, hash={self.block_hash.hex()[:8]}, serial={self.serial}"
+                  if self.block_hash else "")
         return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached})"
 
 
 class BlockPool:
-    """`num_blocks` blocks with ids 0..num_blocks-1, all empty at first, queued in id order."""
+    """`num_blocks` blocks with ids 0..num_blocks-1, all empty at first, queued in id order,
+    shared by `num_groups` KV cache groups."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, num_groups: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[bytes, KVBlock] = {}  # the prefix cache: hash -> block
+        # the prefix cache of each group: hash -> block
+        self.cached_groups: tuple[dict[bytes, KVBlock], ...] = tuple({} for _ in range(num_groups))
+        self.cached = self.cached_groups[0]
         self._last_serial = 0
         self.num_evictions = 0  # cached blocks reused for something else, for stats
 
@@ -72,7 +84,7 @@ class BlockPool:
 
     def num_cached_free_blocks(self) -> int:
         """Blocks no request holds that still hold a hash (O(cached blocks))."""
-        return sum(1 for block in self.cached.values() if block.ref_cnt == 0)
+        return sum(1 for cached in self.cached_groups for block in cached.values() if block.ref_cnt == 0)
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take n blocks from the head of the free queue, each with ref_cnt 1, evicting
@@ -120,14 +132,16 @@ class BlockPool:
 
     # -- the prefix cache ----------------------------------------------------------------
 
-    def cache_block(self, block: KVBlock, block_hash: bytes, key: BlockKey) -> int:
-        """Register a used, full, computed block under `block_hash`; returns its new
-        serial. The hash must be free (`uncache` a block holding it first)."""
+    def cache_block(self, block: KVBlock, block_hash: bytes, key: BlockKey, group: int = 0) -> int:
+        """Register a used, full, computed block of `group` under `block_hash`; returns its
+        new serial. The hash must be free in that group (`uncache` a block holding it first)."""
         assert block.ref_cnt > 0 and block.block_hash is None, f"cannot cache {block!r}"
-        assert block_hash not in self.cached, "hash already cached"
+        cached = self.cached_groups[group]
+        assert block_hash not in cached, "hash already cached"
         self._last_serial += 1
         block.block_hash, block.block_key, block.serial = block_hash, key, self._last_serial
-        self.cached[block_hash] = block
+        block.group = group
+        cached[block_hash] = block
         return block.serial
 
     def uncache(self, block: KVBlock) -> None:
@@ -139,7 +153,7 @@ class BlockPool:
             self.free_queue.appendleft(block)
 
     def _drop_hash(self, block: KVBlock) -> None:
-        del self.cached[block.block_hash]
+        del self.cached_groups[block.group][block.block_hash]
         block.block_hash, block.block_key, block.serial = None, None, 0
 
     def check_integrity(self) -> None:
@@ -158,10 +172,14 @@ class BlockPool:
         hashed = [self.blocks[i].block_hash is not None for i in free_ids]
         assert hashed == sorted(hashed), (
             f"free queue: an empty block behind a cached one: {[self.blocks[i] for i in free_ids]}")
-        for block_hash, block in self.cached.items():
-            assert block.block_hash == block_hash, f"cache maps {block_hash.hex()} to {block!r}"
-            assert block.block_key is not None and block.serial > 0, f"{block!r} has no key"
+        num_cached = 0
+        for group, cached in enumerate(self.cached_groups):
+            for block_hash, block in cached.items():
+                assert block.block_hash == block_hash and block.group == group, (
+                    f"group {group}'s cache maps {block_hash.hex()} to {block!r}")
+                assert block.block_key is not None and block.serial > 0, f"{block!r} has no key"
+            num_cached += len(cached)
         num_hashed = sum(1 for b in self.blocks if b.block_hash is not None)
-        assert num_hashed == len(self.cached), (
-            f"{num_hashed} blocks hold a hash, the cache maps {len(self.cached)}")
-        assert len({b.serial for b in self.cached.values()}) == len(self.cached), "serials repeat"
+        assert num_hashed == num_cached, f"{num_hashed} blocks hold a hash, the caches map {num_cached}"
+        serials = {b.serial for cached in self.cached_groups for b in cached.values()}
+        assert len(serials) == num_cached, "serials repeat"

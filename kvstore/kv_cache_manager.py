@@ -5,17 +5,27 @@ A request's block table is the list of blocks holding its tokens in order: token
 position p lives in slot `table[p // block_size].block_id * block_size + p % block_size`.
 The scheduler sends these ids to the worker; only the worker holds the memory.
 
+KV cache groups (`group_windows`, kvstore/kv_cache_groups.py): a model whose layers attend
+differently (Gemma 3's sliding and global layers) has one table per group for each
+request, all of the same length and all from the one pool; a sliding group's table holds
+holes behind the window (below). One group (every model with a single kind of layer) is
+the plain case. Ids cross the API group after group: `allocate_slots` returns each group's
+new ids in turn (the same count for each), `block_ids` each group's table in turn, and
+swap and copy pairs cover every group.
+
 Prefix caching (on unless `enable_prefix_caching=False`), in three calls:
-1. `find_cached_prefix(token_ids, hashes, extra_keys)` -- before admitting a request: the
-   longest run of cached blocks holding a prefix of its tokens, each hit verified
-   (BlockKey), capped so its last token is computed again (the worker needs its logits).
-   No side effects.
-2. `allocate_slots(request_id, num_tokens, cached)` -- those blocks start the new table
+1. `find_cached_prefix(token_ids, hashes, extra_keys, fit)` -- before admitting a request:
+   the longest run of cached blocks holding a prefix of its tokens in every group
+   (kvstore/prefix_hit.py: group 0's chain, each hit verified (BlockKey); in a sliding group
+   only the blocks the window reaches), capped so its last token is computed again (the
+   worker needs its logits). No side effects.
+2. `allocate_slots(request_id, num_tokens, cached)` -- those blocks start the new tables
    (ref_cnt += 1, out of the free queue), fresh blocks follow.
 3. `cache_full_blocks(request_id, token_ids, hashes, num_computed_tokens, extra_keys)` --
-   after a step computed them: the table's blocks that are now full and computed enter
-   the cache. A block whose content is already cached under another block stays out (the
-   cached one serves later hits); the request's chain continues through the cached one.
+   after a step computed them: the tables' blocks that are now full and computed enter
+   their group's cache. A block whose content is already cached under another block stays
+   out (the cached one serves later hits); the request's chain continues through the
+   cached one.
 The caller keeps each request's hash list (`hashes`, extended here as needed) for as long
 as the request stays on this worker, so a preempted request does not hash again.
 `extra_keys` (kvstore/block_hash.py, BlockExtraKeys: block index -> that block's extra
@@ -23,51 +33,57 @@ keys, e.g. the images it holds) must be the same in every call for one request; 
 empty) means () for every block, the text-only case, which costs nothing extra.
 
 Invariants (checked by `check_integrity`):
-- every block's ref_cnt equals the number of block tables holding it;
+- every block's ref_cnt equals the number of block tables holding it, and a block is in
+  one group's tables (and cache) only;
 - free + referenced == num_blocks, and no free block is in any block table;
-- a block table is never empty (a request without blocks has no entry), holds no block
-  twice, and its chain state covers at most its blocks; the pool's own invariants hold.
+- a request's tables are never empty (a request without blocks has no entry), have equal
+  lengths, hold no block twice, and its chain state covers at most its blocks; the pool's
+  own invariants hold.
 
 Swap (preemption without recompute), over a second pool of CPU block ids
 (kvstore/swap_pool.py, no prefix caching there):
 - `swap_out(request_id)` -- the request's GPU blocks are released (as `free` does) and
-  its table moves to fresh CPU blocks; returns the (gpu, cpu) pairs the worker copies;
+  its tables move to fresh CPU blocks; returns the (gpu, cpu) pairs the worker copies;
 - `swap_in(request_id)` -- fresh GPU blocks, CPU blocks released; returns (cpu, gpu)
-  pairs. The new table is offered to the prefix cache again from its first block.
+  pairs. The new tables are offered to the prefix cache again from their first block.
 
 Copy-on-write (parallel sampling, `n > 1`):
-- `fork(parent_id, child_id)` -- the child's table is the parent's, every block's
-  ref_cnt + 1 (the partly filled last block too);
+- `fork(parent_id, child_id)` -- the child's tables are the parent's, every block's
+  ref_cnt + 1 (the partly filled last blocks too);
 - `copy_on_write(request_id, num_computed_tokens)` -- before a request writes into its
-  last block: if that block is partly filled and shared, the request gets a fresh block
-  in its place and the worker copies the old one into it (the returned (src, dst) pair).
+  last blocks: each one partly filled and shared is replaced by a fresh block, and the
+  worker copies the old one into it (the returned (src, dst) pairs).
 
-Sliding windows (`sliding_window=W`, for models whose every layer attends to the last W
-keys only): `allocate_slots(..., num_computed_tokens=c)` first gives back the request's
-blocks wholly behind the window of its next query (every position < c - W + 1), so a long
-generation holds about W + one block of KV. Their place in the table becomes a hole
-(None); its position is kept so later blocks keep their indices. A hole is sent to the
-worker as block id `HOLE_BLOCK_ID`: kernels never let a key behind the window count (the
-C and Triton kernels do not read it; the torch path reads it and masks it out). With
-prefix caching, a block is dropped only once it was offered to the cache (the chain of
-cached blocks stays whole, so a later request can still hit the prefix).
+Sliding windows (a group with window W, whose layers attend to the last W keys only;
+Mistral's one group, Gemma 3's sliding groups): `allocate_slots(..., num_computed_tokens=c)`
+first gives back the group's blocks wholly behind the window of the request's next query
+(every position < c - W + 1), so a long generation holds about W + one block of KV there.
+Their place in the table becomes a hole (None); its position is kept so later blocks keep
+their indices. A hole is sent to the worker as block id `HOLE_BLOCK_ID`: kernels never let
+a key behind the window count (the C and Triton kernels do not read it; the torch path
+reads it and masks it out). With prefix caching, a block is dropped only once it was
+offered to the cache (the chain of cached blocks stays whole, so a later request can still
+hit the prefix).
 
 Invariants (checked by `check_integrity`), in addition to those above:
 - a request holds GPU blocks or CPU blocks, never both; every CPU block is held by
   exactly one swapped request's CPU table or free.
-- holes only where a window is set, and only before the request's live blocks.
+- holes only in sliding groups, and only before the request's live blocks.
 """
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.block_hash import ROOT, BlockExtraKeys, BlockKey, HashFn, hash_block
 from kvstore.block_pool import BlockPool, KVBlock
+from kvstore.prefix_hit import PrefixHit, first_needed, hit_length
 from kvstore.swap_pool import CpuBlockPool
 
 
 HOLE_BLOCK_ID = 0  # what a table's hole (a block dropped behind the window) is sent as
 CLOSED = -1  # a chain state's serial when the request offers no more blocks to the cache
+
+Table = list[KVBlock | None]  # one group's block table; None: a hole behind the window
 
 
 def cdiv(a: int, b: int) -> int:
@@ -76,27 +92,35 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Block tables for the requests of one worker, over `num_blocks` blocks of `block_size`."""
+    """Block tables for the requests of one worker, over `num_blocks` blocks of `block_size`,
+    one table per KV cache group (`group_windows`: each group's window, None for full
+    attention; group 0 anchors prefix caching -- kvstore/kv_cache_groups.py)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  hash_fn: HashFn = hash_block, num_cpu_blocks: int = 0,
-                 sliding_window: int | None = None) -> None:
+                 group_windows: Sequence[int | None] = (None,)) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if not group_windows:
+            raise ValueError("at least one KV cache group")
+        for window in group_windows:
+            if window is not None and window < 1:
+                raise ValueError(f"sliding_window must be >= 1, got {window}")
         self.block_size = block_size
-        self.sliding_window = sliding_window
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
+        self._windowed = any(w is not None for w in self.group_windows)
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn  # tests pass a colliding one
-        self.block_pool = BlockPool(num_blocks)
-        self._tables: dict[str, list[KVBlock | None]] = {}  # None: a hole behind the window
-        # request id -> [table blocks already offered to the cache, serial of the cached
-        # block holding the same content as the last of them (0: none yet; CLOSED: the
-        # request offers no more blocks)]
+        self.block_pool = BlockPool(num_blocks, self.num_groups)
+        self._tables: dict[str, list[Table]] = {}  # request id -> its table in each group
+        # request id -> [table blocks already offered to the cache, serial of the anchor's
+        # cached block holding the same content as the last of them (0: none yet; CLOSED:
+        # the request offers no more blocks)]
         self._chains: dict[str, list[int]] = {}
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
-        self._cpu_tables: dict[str, list[int | None]] = {}  # swapped-out request id -> CPU block ids
+        # swapped-out request id -> its CPU block ids in each group
+        self._cpu_tables: dict[str, list[list[int | None]]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -111,7 +135,7 @@ class KVCacheManager:
         return self.block_pool.usage
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks a table needs to hold num_tokens tokens."""
+        """Blocks a table needs to hold num_tokens tokens (in each group)."""
         return cdiv(num_tokens, self.block_size)
 
     def _block_hash(self, hashes: list[bytes], i: int, tokens: Sequence[int], keys: tuple) -> bytes:
@@ -121,12 +145,15 @@ class KVCacheManager:
         return hashes[i]
 
     def find_cached_prefix(self, token_ids: Sequence[int], hashes: list[bytes],
-                           extra_keys: BlockExtraKeys | None = None) -> list[KVBlock]:
+                           extra_keys: BlockExtraKeys | None = None,
+                           fit: Callable[[int], int] | None = None) -> list[KVBlock]:
         """The longest run of cached blocks holding token_ids' first blocks with their
-        extra keys, at most (len(token_ids) - 1) // block_size of them. Changes nothing
+        extra keys, at most (len(token_ids) - 1) // block_size of them, that every group
+        holds (kvstore/prefix_hit.py) and `fit` accepts (`fit(m)`: the largest hit <= m
+        blocks the caller can take, e.g. one not ending inside an image). Changes nothing
         but `hashes` (the caller's list of this sequence's block hashes, extended only as
         far as the walk goes). Every hit is verified against the block's key (tokens and
-        extra keys), never trusted on the hash."""
+        extra keys), never trusted on the hash. With several groups, a PrefixHit."""
         if not self.enable_prefix_caching:
             return []
         bs, cached = self.block_size, self.block_pool.cached
@@ -141,100 +168,154 @@ class KVCacheManager:
                 break
             blocks.append(block)
             parent_serial = block.serial
-        return blocks
+        if self.num_groups == 1:
+            return blocks[:fit(len(blocks))] if fit is not None and blocks else blocks
+        lookups = [self._group_lookup(g, blocks, token_ids, hashes, keys_of)
+                   for g in range(1, self.num_groups)]
+        m = hit_length(len(blocks), lookups, self.group_windows[1:], bs, fit)
+        groups: list[list[KVBlock | None]] = [blocks[:m]]
+        for lookup, window in zip(lookups, self.group_windows[1:]):
+            first = first_needed(m, bs, window)
+            groups.append([None] * first + [lookup(i) for i in range(first, m)])
+        return PrefixHit(groups)
+
+    def _group_lookup(self, group: int, anchor: list[KVBlock], token_ids: Sequence[int],
+                      hashes: list[bytes], keys_of) -> Callable[[int], KVBlock | None]:
+        """Block index (< len(anchor)) -> the group's cached block holding the content of
+        the anchor's block there, verified against its key, or None. Memoized."""
+        cached, bs, memo = self.block_pool.cached_groups[group], self.block_size, {}
+
+        def lookup(i: int) -> KVBlock | None:
+            if i not in memo:
+                block = cached.get(hashes[i])
+                key = (anchor[i].serial, tuple(token_ids[i * bs:(i + 1) * bs]),
+                       () if keys_of is None else keys_of(i, ()))
+                memo[i] = block if block is not None and block.block_key == key else None
+            return memo[i]
+        return lookup
 
     def allocate_slots(self, request_id: str, num_tokens: int,
                        cached: Sequence[KVBlock] = (), num_computed_tokens: int = 0) -> list[int] | None:
-        """Make the request's table cover `num_tokens` tokens in total (its computed
+        """Make the request's tables cover `num_tokens` tokens in total (its computed
         tokens plus those scheduled this step). `cached` (from find_cached_prefix, for a
-        request holding no blocks yet) starts the table. With a sliding window, the
-        blocks behind the window of position `num_computed_tokens` (the step's first
-        query) are given back first (`drop_behind_window`).
+        request holding no blocks yet) starts the tables. In sliding groups, the blocks
+        behind the window of position `num_computed_tokens` (the step's first query) are
+        given back first (`drop_behind_window`).
 
-        Returns the ids of the blocks appended, cached ones first ([] when the table
-        already covers them), or None when too few blocks are free -- in which case
-        nothing is allocated, so the caller can preempt another request and call again.
+        Returns the ids of the blocks appended, group after group, each group the same
+        count (cached ones first, a hole as HOLE_BLOCK_ID; [] when the tables already
+        cover them), or None when too few blocks are free -- in which case nothing is
+        allocated, so the caller can preempt another request and call again.
         """
         pool = self.block_pool
-        table = self._tables.get(request_id)
-        if table is not None:
+        tables = self._tables.get(request_id)
+        if tables is not None:
             assert not cached, f"request {request_id} already holds blocks"
-            self.drop_behind_window(request_id, num_computed_tokens)
-            num_new = cdiv(num_tokens, self.block_size) - len(table)
+            if self._windowed:
+                self.drop_behind_window(request_id, num_computed_tokens)
+            num_new = cdiv(num_tokens, self.block_size) - len(tables[0])
             if num_new <= 0:
                 return []  # the common decode step
-            if num_new > pool.num_free_blocks:
+            if num_new * self.num_groups > pool.num_free_blocks:
                 return None
-            new_blocks = pool.get_new_blocks(num_new)
-            table.extend(new_blocks)
-            return [block.block_id for block in new_blocks]
-        num_new = cdiv(num_tokens, self.block_size) - len(cached)
+            new_ids = []
+            for table in tables:
+                new_blocks = pool.get_new_blocks(num_new)
+                table.extend(new_blocks)
+                new_ids.extend(block.block_id for block in new_blocks)
+            return new_ids
+        hit = (cached.groups if isinstance(cached, PrefixHit)
+               else (cached,) if cached else ((),) * self.num_groups)
+        assert len(hit) == self.num_groups, f"a hit of {len(hit)} group(s) for {self.num_groups} groups"
+        num_cached = len(cached)
+        num_new = cdiv(num_tokens, self.block_size) - num_cached
         if num_new < 0:
-            raise ValueError(f"{len(cached)} cached blocks for {num_tokens} tokens")
+            raise ValueError(f"{num_cached} cached blocks for {num_tokens} tokens")
         if num_new == 0 and not cached:
             return []
+        live = [block for blocks in hit for block in blocks if block is not None]
         # Cached blocks no request holds sit in the free queue: they count against it.
-        if num_new + sum(1 for b in cached if b.ref_cnt == 0) > pool.num_free_blocks:
+        if num_new * self.num_groups + sum(1 for b in live if b.ref_cnt == 0) > pool.num_free_blocks:
             return None
-        pool.touch(cached)
-        table = self._tables[request_id] = [*cached, *pool.get_new_blocks(num_new)]
+        pool.touch(live)
+        self._tables[request_id] = [[*blocks, *pool.get_new_blocks(num_new)] for blocks in hit]
         if self.enable_prefix_caching:
-            self._chains[request_id] = [len(cached), cached[-1].serial if cached else 0]
-        return [block.block_id for block in table]
+            self._chains[request_id] = [num_cached, cached[-1].serial if cached else 0]
+        return self.block_ids(request_id)
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], hashes: list[bytes],
                           num_computed_tokens: int, extra_keys: BlockExtraKeys | None = None) -> None:
         """Offer the cache the request's blocks that its first `num_computed_tokens`
-        tokens (K/V computed, so tokens known) fill, and that were not offered before."""
+        tokens (K/V computed, so tokens known) fill, and that were not offered before:
+        the anchor's keyed on its chain, every other group's on the anchor's serials."""
         chain = self._chains.get(request_id)
         num_full = num_computed_tokens // self.block_size
         if chain is None or chain[1] == CLOSED or num_full <= chain[0]:
             return
-        bs, pool, table = self.block_size, self.block_pool, self._tables[request_id]
+        bs, pool, tables = self.block_size, self.block_pool, self._tables[request_id]
+        anchor, others = tables[0], tables[1:]
         keys_of = extra_keys.get if extra_keys else None
         for i in range(chain[0], num_full):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             keys = () if keys_of is None else keys_of(i, ())
             block_hash = self._block_hash(hashes, i, tokens, keys)
-            key = BlockKey(chain[1], tokens, keys)
-            holder = pool.cached.get(block_hash)
-            if holder is not None and holder.block_key == key:
-                chain[1] = holder.serial  # the same content is cached already
-                continue
-            if holder is not None:  # a hash collision, or a block whose parent is gone
-                pool.uncache(holder)
-            chain[1] = pool.cache_block(table[i], block_hash, key)
+            chain[1] = self._offer(0, anchor[i], block_hash, BlockKey(chain[1], tokens, keys))
+            for g, table in enumerate(others, 1):
+                if table[i] is not None:
+                    self._offer(g, table[i], block_hash, BlockKey(chain[1], tokens, keys))
         chain[0] = num_full
 
+    def _offer(self, group: int, block: KVBlock | None, block_hash: bytes, key: BlockKey) -> int:
+        """Cache `block` of `group` under `block_hash` unless the same content is cached
+        already; returns the serial of the cached block holding it."""
+        pool = self.block_pool
+        holder = pool.cached_groups[group].get(block_hash)
+        if holder is not None and holder.block_key == key:
+            return holder.serial  # the same content is cached already
+        if holder is not None:  # a hash collision, or a block whose parent is gone
+            pool.uncache(holder)
+        assert block is not None, "the anchor group's blocks are offered before they are dropped"
+        return pool.cache_block(block, block_hash, key, group)
+
     def drop_behind_window(self, request_id: str, num_computed_tokens: int) -> int:
-        """Give back the request's blocks that hold only positions behind the window of
-        position `num_computed_tokens` (< num_computed_tokens - W + 1), leaving holes; with
-        prefix caching only blocks already offered to the cache. Returns how many."""
-        table = self._tables.get(request_id)
-        if self.sliding_window is None or table is None:
+        """Give back the request's blocks, in sliding groups, that hold only positions
+        behind the window of position `num_computed_tokens` (< num_computed_tokens - W + 1),
+        leaving holes; with prefix caching only blocks already offered to the cache.
+        Returns how many."""
+        tables = self._tables.get(request_id)
+        if not self._windowed or tables is None:
             return 0
-        limit = max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
         chain = self._chains.get(request_id)
-        if chain is not None and chain[1] != CLOSED:
-            limit = min(limit, chain[0])
-        dropped = [block for block in table[:limit] if block is not None]
-        table[:limit] = [None] * min(limit, len(table))
-        self.block_pool.free_blocks(reversed(dropped))  # the prefix's first block evicted last
-        return len(dropped)
+        offered = chain[0] if chain is not None and chain[1] != CLOSED else None
+        num_dropped = 0
+        for table, window in zip(tables, self.group_windows):
+            if window is None:
+                continue
+            limit = max(0, num_computed_tokens - window + 1) // self.block_size
+            if offered is not None:
+                limit = min(limit, offered)
+            dropped = [block for block in table[:limit] if block is not None]
+            table[:limit] = [None] * min(limit, len(table))
+            self.block_pool.free_blocks(reversed(dropped))  # the prefix's first block evicted last
+            num_dropped += len(dropped)
+        return num_dropped
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, GPU or CPU (a no-op for a request holding none).
         Cached blocks stay in the cache until evicted.
 
-        Tail blocks are freed first so they are evicted first (see BlockPool.free_blocks).
+        Tail blocks are freed first so they are evicted first (see BlockPool.free_blocks),
+        and the anchor group's last, so its chain outlives the other groups' blocks.
         """
-        table = self._tables.pop(request_id, None)
+        tables = self._tables.pop(request_id, None)
         self._chains.pop(request_id, None)
-        if table is not None:
-            self.block_pool.free_blocks(reversed(_live(table)))
-        cpu_table = self._cpu_tables.pop(request_id, None)
-        if cpu_table is not None:
-            self.cpu_pool.free(_live(cpu_table))
+        if tables is not None:
+            for table in reversed(tables):
+                self.block_pool.free_blocks(reversed(_live(table)))
+        cpu_tables = self._cpu_tables.pop(request_id, None)
+        if cpu_tables is not None:
+            for cpu_table in cpu_tables:
+                self.cpu_pool.free(_live(cpu_table))
 
     # -- swap --------------------------------------------------------------------------
 
@@ -244,95 +325,128 @@ class KVCacheManager:
 
     def can_swap_out(self, request_id: str) -> bool:
         """True iff the request holds GPU blocks and the CPU pool has room for all of them."""
-        table = self._tables.get(request_id)
-        return table is not None and len(_live(table)) <= self.cpu_pool.num_free_blocks
+        return request_id in self._tables and self.num_blocks_held(request_id) <= self.cpu_pool.num_free_blocks
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]]:
-        """Move the request's table to CPU blocks (holes stay holes); returns (gpu block,
-        cpu block) pairs in table order, for the worker to copy before those GPU blocks
-        are written again. The GPU blocks are released as by `free` (cached ones stay
-        cached). Check `can_swap_out` first."""
-        table = self._tables[request_id]
-        cpu_ids = iter(self.cpu_pool.allocate(len(_live(table))))
-        cpu_table = [None if block is None else next(cpu_ids) for block in table]
-        pairs = [(block.block_id, cpu_id) for block, cpu_id in zip(table, cpu_table) if block is not None]
+        """Move the request's tables to CPU blocks (holes stay holes); returns (gpu block,
+        cpu block) pairs, group after group in table order, for the worker to copy before
+        those GPU blocks are written again. The GPU blocks are released as by `free`
+        (cached ones stay cached). Check `can_swap_out` first."""
+        tables = self._tables[request_id]
+        cpu_ids = iter(self.cpu_pool.allocate(self.num_blocks_held(request_id)))
+        cpu_tables = [[None if block is None else next(cpu_ids) for block in table] for table in tables]
+        pairs = [(block.block_id, cpu_id) for table, cpu_table in zip(tables, cpu_tables)
+                 for block, cpu_id in zip(table, cpu_table) if block is not None]
         self.free(request_id)
-        self._cpu_tables[request_id] = cpu_table
+        self._cpu_tables[request_id] = cpu_tables
         return pairs
 
     def num_swapped_blocks(self, request_id: str) -> int:
         """CPU blocks the request holds (0 unless it is swapped out)."""
-        return len(_live(self._cpu_tables.get(request_id, ())))
+        return sum(len(_live(t)) for t in self._cpu_tables.get(request_id, ()))
 
-    def swap_in(self, request_id: str, num_tokens: int | None = None) -> list[tuple[int, int]] | None:
+    def swap_in(self, request_id: str, num_tokens: int | None = None,
+                num_computed_tokens: int = 0) -> list[tuple[int, int]] | None:
         """Move a swapped-out request back to fresh GPU blocks; returns (cpu block, gpu
-        block) pairs in table order, or None (nothing changed) when too few GPU blocks are
-        free -- for its swapped blocks, or for `num_tokens` tokens in all when given (so
-        the caller can then `allocate_slots` its next tokens without failing)."""
-        cpu_table = self._cpu_tables[request_id]
-        live = _live(cpu_table)
-        holes = len(cpu_table) - len(live)
-        need = max(len(live), cdiv(num_tokens, self.block_size) - holes if num_tokens else 0)
-        if need > self.block_pool.num_free_blocks:
+        block) pairs, group after group in table order, or None (nothing else changed) when
+        too few GPU blocks are free -- for its swapped blocks, or for `num_tokens` tokens in
+        all when given (so the caller can then `allocate_slots` its next tokens without
+        failing). In sliding groups, the CPU blocks behind the window of position
+        `num_computed_tokens` are given back first, as allocate_slots would right after."""
+        cpu_tables = self._cpu_tables[request_id]
+        if self._windowed:
+            for cpu_table, window in zip(cpu_tables, self.group_windows):
+                if window is not None:
+                    limit = max(0, num_computed_tokens - window + 1) // self.block_size
+                    self.cpu_pool.free(_live(cpu_table[:limit]))
+                    cpu_table[:limit] = [None] * min(limit, len(cpu_table))
+        live = [_live(t) for t in cpu_tables]
+        grow = max(0, cdiv(num_tokens, self.block_size) - len(cpu_tables[0])) if num_tokens else 0
+        if sum(map(len, live)) + grow * self.num_groups > self.block_pool.num_free_blocks:
             return None
-        fresh = iter(self.block_pool.get_new_blocks(len(live)))
-        table = self._tables[request_id] = [None if c is None else next(fresh) for c in cpu_table]
+        tables = []
+        for cpu_table, ids in zip(cpu_tables, live):
+            fresh = iter(self.block_pool.get_new_blocks(len(ids)))
+            tables.append([None if c is None else next(fresh) for c in cpu_table])
+        self._tables[request_id] = tables
         if self.enable_prefix_caching:  # offered to the cache again as they fill up, from
-            # block 0; a table with holes cannot chain from block 0, so it offers none
-            self._chains[request_id] = [len(table), CLOSED] if holes else [0, 0]
+            # block 0; an anchor table with holes cannot chain from block 0, so it offers none
+            anchor_holes = len(live[0]) < len(cpu_tables[0])
+            self._chains[request_id] = [len(tables[0]), CLOSED] if anchor_holes else [0, 0]
         del self._cpu_tables[request_id]
-        self.cpu_pool.free(live)
-        return [(c, block.block_id) for c, block in zip(cpu_table, table) if block is not None]
+        for ids in live:
+            self.cpu_pool.free(ids)
+        return [(c, block.block_id) for cpu_table, table in zip(cpu_tables, tables)
+                for c, block in zip(cpu_table, table) if block is not None]
 
     # -- copy-on-write -------------------------------------------------------------------
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """The child shares every block of the parent's table (ref_cnt + 1 each), and
+        """The child shares every block of the parent's tables (ref_cnt + 1 each), and
         its prefix-cache chain state."""
         assert child_id not in self._tables and child_id not in self._cpu_tables, (
             f"request {child_id} already holds blocks")
-        table = self._tables[parent_id]
-        self.block_pool.touch(_live(table))
-        self._tables[child_id] = list(table)
+        tables = self._tables[parent_id]
+        for table in tables:
+            self.block_pool.touch(_live(table))
+        self._tables[child_id] = [list(table) for table in tables]
         if parent_id in self._chains:
             self._chains[child_id] = list(self._chains[parent_id])
 
-    def copy_on_write(self, request_id: str, num_computed_tokens: int) -> tuple[int, int] | None | bool:
-        """Make the request's last block its own before it writes past
-        `num_computed_tokens`: when that block is partly filled and shared, swap in a
-        fresh block and return the (src, dst) pair the worker must copy. Returns None
-        when nothing needs copying, False when no block is free (nothing changed)."""
-        table = self._tables.get(request_id)
-        if (table is None or num_computed_tokens % self.block_size == 0
-                or len(table) != cdiv(num_computed_tokens, self.block_size)
-                or table[-1] is None or table[-1].ref_cnt == 1):
+    def copy_on_write(self, request_id: str, num_computed_tokens: int) -> list[tuple[int, int]] | None:
+        """Make the request's last block (in each group) its own before it writes past
+        `num_computed_tokens`: where that block is partly filled and shared, swap in a
+        fresh block; returns the (src, dst) pairs the worker must copy ([] when nothing
+        needs copying), or None when too few blocks are free (nothing changed)."""
+        tables = self._tables.get(request_id)
+        if (tables is None or num_computed_tokens % self.block_size == 0
+                or len(tables[0]) != cdiv(num_computed_tokens, self.block_size)):
+            return []
+        shared = [table for table in tables if table[-1] is not None and table[-1].ref_cnt > 1]
+        if len(shared) > self.block_pool.num_free_blocks:
             return None
-        if self.block_pool.num_free_blocks < 1:
-            return False
-        old = table[-1]
-        (new,) = self.block_pool.get_new_blocks(1)
-        table[-1] = new
-        self.block_pool.free_blocks([old])
-        return old.block_id, new.block_id
+        pairs = []
+        for table in shared:
+            old = table[-1]
+            (new,) = self.block_pool.get_new_blocks(1)
+            table[-1] = new
+            self.block_pool.free_blocks([old])
+            pairs.append((old.block_id, new.block_id))
+        return pairs
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as ids ([] for a request holding none; a hole behind
-        the window as HOLE_BLOCK_ID)."""
+        """The request's block tables as ids, group after group ([] for a request holding
+        none; a hole behind the window as HOLE_BLOCK_ID)."""
         return [HOLE_BLOCK_ID if block is None else block.block_id
-                for block in self._tables.get(request_id, [])]
+                for table in self._tables.get(request_id, ()) for block in table]
 
     def num_blocks_held(self, request_id: str) -> int:
-        """Blocks the request holds (holes behind the window not counted)."""
-        return len(_live(self._tables.get(request_id, ())))
+        """Blocks the request holds in all groups (holes behind the window not counted)."""
+        return sum(len(_live(table)) for table in self._tables.get(request_id, ()))
+
+    def num_holes(self, request_id: str) -> list[int]:
+        """Each group's holes in the request's GPU or CPU table (blocks given back behind
+        the window)."""
+        tables = self._tables.get(request_id) or self._cpu_tables.get(request_id) or ()
+        return [len(table) - len(_live(table)) for table in tables]
 
     def table_length(self, request_id: str) -> int:
-        """Entries of the request's GPU or CPU block table, holes behind the window included:
-        cdiv(tokens it covers, block_size)."""
-        return len(self._tables.get(request_id) or self._cpu_tables.get(request_id) or ())
+        """Entries of the request's GPU or CPU block table in each group, holes behind the
+        window included: cdiv(tokens it covers, block_size)."""
+        tables = self._tables.get(request_id) or self._cpu_tables.get(request_id)
+        return len(tables[0]) if tables else 0
 
     def request_ids(self) -> list[str]:
         """Requests holding at least one block."""
         return list(self._tables)
+
+    def blocks_per_group(self) -> list[int]:
+        """Distinct blocks the requests' tables hold in each group. O(table entries)."""
+        held: list[set[int]] = [set() for _ in range(self.num_groups)]
+        for tables in self._tables.values():
+            for ids, table in zip(held, tables):
+                ids.update(block.block_id for block in table if block is not None)
+        return [len(ids) for ids in held]
 
     def num_shared_references(self) -> int:
         """References beyond the first to each block (sum of ref_cnt - 1 over used
@@ -343,27 +457,37 @@ class KVCacheManager:
         """Raise AssertionError with a clear message unless every invariant above holds."""
         self.block_pool.check_integrity()
         holders: Counter[int] = Counter()
-        for request_id, table in self._tables.items():
-            assert table, f"request {request_id} has an empty block table entry"
-            live = _live(table)
-            assert self.sliding_window is not None or len(live) == len(table), (
-                f"request {request_id} has holes in its table without a sliding window")
-            assert all(b is None for b in table[:len(table) - len(live)]), (
-                f"request {request_id}: a hole after a live block")
-            ids = [block.block_id for block in live]
-            assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice: {ids}"
-            holders.update(ids)
+        group_of: dict[int, int] = {}
+        for request_id, tables in self._tables.items():
+            assert len(tables) == self.num_groups, f"request {request_id}: {len(tables)} tables"
+            assert tables[0], f"request {request_id} has an empty block table entry"
+            assert len({len(table) for table in tables}) == 1, (
+                f"request {request_id}: tables of different lengths {[len(t) for t in tables]}")
+            for g, (table, window) in enumerate(zip(tables, self.group_windows)):
+                live = _live(table)
+                assert window is not None or len(live) == len(table), (
+                    f"request {request_id}: holes in group {g}'s table without a sliding window")
+                assert all(b is None for b in table[:len(table) - len(live)]), (
+                    f"request {request_id}: a hole after a live block in group {g}")
+                ids = [block.block_id for block in live]
+                assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice: {ids}"
+                for block in live:
+                    assert group_of.setdefault(block.block_id, g) == g, (
+                        f"{block!r} is in group {g}'s and group {group_of[block.block_id]}'s tables")
+                    assert block.block_hash is None or block.group == g, (
+                        f"{block!r} in group {g}'s table is cached in group {block.group}'s")
+                holders.update(ids)
             chain = self._chains.get(request_id)
             assert (chain is not None) == self.enable_prefix_caching, (
                 f"request {request_id}: chain state {chain} with caching "
                 f"{'on' if self.enable_prefix_caching else 'off'}")
-            assert chain is None or chain[0] <= len(table), (
-                f"request {request_id}: {chain[0]} blocks offered to the cache, {len(table)} held")
+            assert chain is None or chain[0] <= len(tables[0]), (
+                f"request {request_id}: {chain[0]} blocks offered to the cache, {len(tables[0])} held")
         assert self._chains.keys() <= self._tables.keys(), "chain state for a request without blocks"
         self.cpu_pool.check_integrity()
         assert not self._cpu_tables.keys() & self._tables.keys(), (
             f"requests holding GPU and CPU blocks: {self._cpu_tables.keys() & self._tables.keys()}")
-        cpu_held = [i for ids in self._cpu_tables.values() for i in _live(ids)]
+        cpu_held = [i for tables in self._cpu_tables.values() for ids in tables for i in _live(ids)]
         assert len(cpu_held) == len(set(cpu_held)), "a CPU block is in two CPU tables"
         assert len(cpu_held) + self.cpu_pool.num_free_blocks == self.cpu_pool.num_blocks, (
             f"{len(cpu_held)} CPU blocks in tables + {self.cpu_pool.num_free_blocks} free "

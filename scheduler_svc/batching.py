@@ -37,19 +37,28 @@ class BatchScheduler:
     """Scheduling state for one worker with `num_blocks` KV blocks of `block_size` tokens."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 max_model_len: int, num_cpu_blocks: int = 0, sliding_window: int | None = None) -> None:
-        """`sliding_window`: the worker's model attends to the last that many keys on every
-        layer (WorkerInfo.sliding_window), so blocks behind it go back to the pool."""
+                 max_model_len: int, num_cpu_blocks: int = 0,
+                 group_windows: Sequence[int | None] = (None,)) -> None:
+        """`group_windows`: the window of each KV cache group of the worker's model (None:
+        full attention; WorkerInfo.kv_cache_group_windows): a request has a block table per
+        group, and a sliding group's blocks behind its window go back to the pool."""
         self.config = config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
                                  num_cpu_blocks=num_cpu_blocks if config.preemption_mode == "swap" else 0,
-                                 sliding_window=sliding_window)
+                                 group_windows=group_windows)
         self.queues = RequestQueues()
         self.steps = StepBuilder()
         self.forks = ForkManager(self.kv)
         self.preemptor = Preemptor(config.preemption_mode, self.kv, self.queues, self.steps.forget)
         self.planner = StepPlanner(config, self.queues, self.kv, self.forks, self.preemptor)
+
+    @classmethod
+    def for_worker(cls, config: SchedulerConfig, info: worker_pb2.WorkerInfo) -> "BatchScheduler":
+        """The scheduling state for the worker that `info` describes."""
+        return cls(config, num_blocks=info.num_blocks, block_size=info.block_size,
+                   max_model_len=info.max_model_len, num_cpu_blocks=info.num_cpu_blocks,
+                   group_windows=tuple(w or None for w in info.kv_cache_group_windows) or (None,))
 
     # -- reading -----------------------------------------------------------------------
 
@@ -91,18 +100,18 @@ class BatchScheduler:
         bs = self.kv.block_size
         if not mm_inputs:
             return len(self.kv.find_cached_prefix(token_ids, [])) * bs
-        hit = self.kv.find_cached_prefix(token_ids, [], block_extra_keys(mm_inputs, bs))
-        return hit_blocks(mm_inputs, len(hit), bs) * bs if hit else 0
+        hit = self.kv.find_cached_prefix(token_ids, [], block_extra_keys(mm_inputs, bs),
+                                         fit=lambda m: hit_blocks(mm_inputs, m, bs))
+        return len(hit) * bs
 
     def stats(self) -> SchedulerStats:
         """Block pool and prefix cache accounting now (O(num_blocks): call it when idle or
         now and then, not every step)."""
         kv, pool, queues = self.kv, self.kv.block_pool, self.queues
         used = kv.num_blocks - kv.num_free_blocks
-        # Shared blocks are full: subtract the tokens block tables count more than once, and
-        # those of blocks given back behind a sliding window.
-        held = (sum(req.num_computed_tokens - kv.block_size * (kv.table_length(req.request_id)
-                                                               - kv.num_blocks_held(req.request_id))
+        # Tokens in every group's table; shared blocks are full: subtract the tokens block
+        # tables count more than once, and those of blocks given back behind a sliding window.
+        held = (sum(req.num_computed_tokens * kv.num_groups - kv.block_size * sum(kv.num_holes(req.request_id))
                     for req in queues.running)
                 - kv.block_size * kv.num_shared_references())
         slots = used * kv.block_size

@@ -48,7 +48,7 @@ class ForkManager:
         self._kv = kv
         self._children: dict[str, set[str]] = {}  # parent id -> its unfinished children here
         self._unsent: set[str] = set()  # forked children the worker has not seen yet
-        self._copies: dict[str, tuple[int, int]] = {}  # by child: (src, dst) for the next step
+        self._copies: dict[str, list[tuple[int, int]]] = {}  # by child: (src, dst) pairs for the next step
         self.num_forks = 0  # children forked since start
         self.num_cow_copies = 0  # shared, partly filled blocks copied on write since start
 
@@ -95,17 +95,18 @@ class ForkManager:
         next step. False when no block is free for it."""
         if req.request_id not in self._unsent:
             return True
-        pair = self._kv.copy_on_write(req.request_id, req.num_computed_tokens)
-        if pair is False:
+        pairs = self._kv.copy_on_write(req.request_id, req.num_computed_tokens)
+        if pairs is None:
             return False
-        if pair:
-            self._copies[req.request_id] = pair
-            self.num_cow_copies += 1
+        if pairs:
+            self._copies[req.request_id] = pairs
+            self.num_cow_copies += len(pairs)
         return True
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copies the next step carries; none are pending after."""
-        copies, self._copies = list(self._copies.values()), {}
+        copies = [pair for pairs in self._copies.values() for pair in pairs]
+        self._copies = {}
         return copies
 
     def preempted(self, request_id: str) -> bool:

@@ -177,7 +177,7 @@ class StepPlanner:
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
             if num_new == 0:
                 break  # its next image does not fit the budget left; later ones wait too
-            pairs = self._kv.swap_in(req.request_id, req.num_computed_tokens + num_new)
+            pairs = self._kv.swap_in(req.request_id, req.num_computed_tokens + num_new, req.num_computed_tokens)
             if pairs is None:
                 break  # resumes in order: later ones wait too
             ids = self._kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
@@ -196,12 +196,8 @@ class StepPlanner:
         while waiting and budget > 0 and num_seqs + waiting[0].n <= max_seqs:
             req = waiting[0]
             lookup = kv.enable_prefix_caching and req.uses_prefix_cache
-            cached = kv.find_cached_prefix(req.token_ids, req.block_hashes,
-                                           req.block_extra_keys(kv.block_size)) if lookup else []
-            if req.n > 1:  # a parent computes at least one token before it forks
-                cached = cached[:(req.num_prompt_tokens - 2) // kv.block_size]
-            if cached and req.mm_inputs:  # a hit never ends inside an image
-                cached = cached[:hit_blocks(req.mm_inputs, len(cached), kv.block_size)]
+            cached = kv.find_cached_prefix(req.token_ids, req.block_hashes, req.block_extra_keys(kv.block_size),
+                                           fit=_hit_fit(req, kv.block_size)) if lookup else []
             num_cached = len(cached) * kv.block_size
             num_new = self._num_new_tokens(req, num_cached, budget)
             if num_new == 0:
@@ -228,6 +224,20 @@ class StepPlanner:
         if num_computed < req.images_end:
             num_new = fit_images(req, num_computed, num_new, budget)
         return num_new
+
+
+def _hit_fit(req: SchedulerRequest, block_size: int):
+    """The largest prefix hit <= m blocks the request can take (None: any): a parent
+    (n > 1) computes at least one token before it forks, and a hit never ends inside an image."""
+    if req.n == 1 and not req.mm_inputs:
+        return None
+    limit = (req.num_prompt_tokens - 2) // block_size if req.n > 1 else None
+
+    def fit(m: int) -> int:
+        if limit is not None:
+            m = min(m, limit)
+        return hit_blocks(req.mm_inputs, m, block_size) if req.mm_inputs and m else m
+    return fit
 
 
 def fit_images(req: SchedulerRequest, start: int, num_new: int, budget: int) -> int:

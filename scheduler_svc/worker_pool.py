@@ -140,9 +140,7 @@ class WorkerPool:
             await channel.close()
             return None
         ahead = self._schedules_ahead(info)
-        scheduler = BatchScheduler(self._batching, num_blocks=info.num_blocks, block_size=info.block_size,
-                                   max_model_len=info.max_model_len, num_cpu_blocks=info.num_cpu_blocks,
-                                   sliding_window=info.sliding_window or None)
+        scheduler = BatchScheduler.for_worker(self._batching, info)
         log.info("worker %s joined (%s on %s, %d blocks, async scheduling %s)",
                  reg.worker_id, reg.address, info.device or "?", info.num_blocks, "on" if ahead else "off")
         return WorkerHandle(reg, scheduler, channel, stub, schedules_ahead=ahead)

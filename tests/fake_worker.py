@@ -15,9 +15,12 @@ proto/worker.proto gives (swap-out, forget/add/diff, swap-in, copies). A swapped
 request keeps its tokens but no block table; on swap-out the fake records the checksums
 its blocks held and on swap-in checks the blocks it gets back hold exactly those.
 
-With `sliding_window=W` it models a model whose every layer sees the last W keys: a
-request reads (and so holds) only the blocks its next query's window reaches; entries
-before them are holes the scheduler gave back (their ids are stale or HOLE_BLOCK_ID).
+KV cache groups (`group_windows`, one window or None per group; kvstore/kv_cache_groups.py):
+a request has one block table per group (the step's ids split group after group), and
+every position's K/V is written into each group's slot -- as each group's layers write
+their own. A group with window W reads (and so holds) only the blocks its next query's
+window reaches; entries before them are holes the scheduler gave back (their ids are stale
+or HOLE_BLOCK_ID). A block held by two groups, or two live requests one writes, fails.
 
 Images (NewRequestData.mm_inputs): the "K/V" of an image's soft token depends on the
 image's content hash too (the checksum takes it in), as a real model's does on the image's
@@ -42,22 +45,22 @@ from proto import worker_pb2
 class _WorkerRequest:
     token_ids: list[int]
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_tables: list[list[int]]  # one per KV cache group
     num_computed_tokens: int
     sampling: worker_pb2.SamplingParams
     finished: bool = False
     finished_in: int = 0  # the step that finished it
-    first_read: int = 0  # the first position the current step's queries read
-    swapped: list | None = None  # while swapped out: its blocks' slot entries, in table order
+    first_read: list[int] | None = None  # the first position the step's queries read, per group
+    swapped: list | None = None  # while swapped out: each group's held blocks' slot entries
     mm_inputs: tuple[tuple[str, int, int], ...] = ()  # (content_hash, offset, length) per image
 
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, max_num_batched_tokens: int,
                  vocab_size: int = 1000, eos_token_id: int | None = None,
-                 num_cpu_blocks: int = 0, sliding_window: int | None = None) -> None:
+                 num_cpu_blocks: int = 0, group_windows: tuple[int | None, ...] = (None,)) -> None:
         self.num_blocks = num_blocks
-        self.sliding_window = sliding_window
+        self.group_windows = group_windows
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = vocab_size
@@ -71,20 +74,26 @@ class FakeWorker:
         self.last_step_id = 0
         self.steps: list[worker_pb2.StepRequest] = []  # every step applied, for assertions
 
-    def _slot(self, request_id: str, req: _WorkerRequest, pos: int) -> int:
-        index = pos // self.block_size
-        assert index < len(req.block_ids), (
-            f"{request_id}: position {pos} lies beyond its {len(req.block_ids)} blocks")
-        return req.block_ids[index] * self.block_size + pos % self.block_size
+    def _split(self, block_ids) -> list[list[int]]:
+        ids, groups = list(block_ids), len(self.group_windows)
+        assert len(ids) % groups == 0, f"{len(ids)} block ids for {groups} KV cache groups"
+        k = len(ids) // groups
+        return [ids[g * k:(g + 1) * k] for g in range(groups)]
 
-    def _first_needed(self, req: _WorkerRequest, num_computed: int | None = None) -> int:
-        """Position of the first key the request's next query (at `num_computed`) sees."""
-        num_computed = req.num_computed_tokens if num_computed is None else num_computed
-        return 0 if self.sliding_window is None else max(0, num_computed - self.sliding_window + 1)
+    def _slot(self, request_id: str, req: _WorkerRequest, group: int, pos: int) -> int:
+        table, index = req.block_tables[group], pos // self.block_size
+        assert index < len(table), f"{request_id}: position {pos} lies beyond its {len(table)} blocks"
+        return table[index] * self.block_size + pos % self.block_size
 
-    def _held(self, req: _WorkerRequest) -> list[int]:
-        """The request's block ids its window still reaches (all of them without a window)."""
-        return req.block_ids[self._first_needed(req) // self.block_size:]
+    def _first_needed(self, req: _WorkerRequest, group: int) -> int:
+        """Position of the first key the request's next query sees in `group`."""
+        window = self.group_windows[group]
+        return 0 if window is None else max(0, req.num_computed_tokens - window + 1)
+
+    def _held(self, req: _WorkerRequest) -> list[list[int]]:
+        """Each group's block ids its window still reaches (all of them without a window)."""
+        return [table[self._first_needed(req, g) // self.block_size:]
+                for g, table in enumerate(req.block_tables)]
 
     def step(self, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         assert step.step_id == self.last_step_id + 1, (
@@ -101,9 +110,10 @@ class FakeWorker:
             req = self.requests[request_id]
             assert req.swapped is None and not req.finished, f"{request_id} swapped out twice"
             sources = {s for s, _ in out_pairs}
-            assert set(self._held(req)) <= sources, f"{request_id} swapped out without its blocks"
-            req.swapped = self._block_entries(self.cache, self._held(req))
-            req.block_ids = []
+            held = self._held(req)
+            assert {b for ids in held for b in ids} <= sources, f"{request_id} swapped out without its blocks"
+            req.swapped = [self._block_entries(self.cache, ids) for ids in held]
+            req.block_tables = [[] for _ in held]
         for request_id in step.finished_request_ids:  # forgotten before anything runs
             self.requests.pop(request_id, None)
         for new in step.new_requests:
@@ -116,7 +126,7 @@ class FakeWorker:
                     f"{new.request_id}: sent with {new.num_computed_tokens} tokens computed, inside "
                     f"image [{offset}, {offset + length})")
             self.requests[new.request_id] = _WorkerRequest(
-                list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+                list(new.token_ids), new.num_prompt_tokens, self._split(new.block_ids),
                 new.num_computed_tokens, new.sampling, mm_inputs=mm_inputs)
         for cached in step.cached_requests:
             req = self.requests.get(cached.request_id)
@@ -125,10 +135,11 @@ class FakeWorker:
                 f"{cached.request_id}: scheduler counts {cached.num_computed_tokens} computed "
                 f"tokens, worker {req.num_computed_tokens}")
             if cached.replace_block_ids:
-                req.block_ids = list(cached.new_block_ids)
+                req.block_tables = self._split(cached.new_block_ids)
             else:
                 assert req.swapped is None, f"{cached.request_id} resumed without a new table"
-                req.block_ids.extend(cached.new_block_ids)
+                for table, ids in zip(req.block_tables, self._split(cached.new_block_ids)):
+                    table.extend(ids)
         in_pairs = [(p.src, p.dst) for p in step.blocks_to_swap_in]
         self._check_pairs(in_pairs, self.num_cpu_blocks, self.num_blocks, "swap-in")
         self._copy(self.cpu_cache, self.cache, in_pairs)
@@ -139,12 +150,13 @@ class FakeWorker:
         self._copy(self.cache, self.cache, copies)
         self.num_copies += len(copies)
         for request_id, req in self.requests.items():
-            if req.swapped is not None and req.block_ids:  # swapped in this step
-                # (the table may end in blocks allocated for this step's tokens)
-                first = self._first_needed(req) // self.block_size
-                entries = self._block_entries(self.cache, req.block_ids[first:first + len(req.swapped)])
-                assert entries == req.swapped, (
-                    f"{request_id}: blocks swapped in hold {entries}, swapped out {req.swapped}")
+            if req.swapped is not None and req.block_tables[0]:  # swapped in this step
+                # (a table may end in blocks allocated for this step's tokens)
+                for g, (table, swapped) in enumerate(zip(req.block_tables, req.swapped)):
+                    first = self._first_needed(req, g) // self.block_size
+                    entries = self._block_entries(self.cache, table[first:first + len(swapped)])
+                    assert entries == swapped, (
+                        f"{request_id}: group {g}'s blocks swapped in hold {entries}, swapped out {swapped}")
                 req.swapped = None
 
         order = ([r.request_id for r in step.new_requests]
@@ -178,15 +190,17 @@ class FakeWorker:
                     f"step {step_id}: {request_id}'s chunk [{req.num_computed_tokens}, {end}) "
                     f"splits image [{offset}, {offset + length})")
             sums = _prefix_checksums(req.token_ids, req.mm_inputs)
-            req.first_read = self._first_needed(req)  # what this step's first query sees
+            # what this step's first query sees, in each group
+            req.first_read = [self._first_needed(req, g) for g in range(len(self.group_windows))]
             for pos in range(req.num_computed_tokens, end):
-                slot = self._slot(request_id, req, pos)
-                assert slot not in written, f"slot {slot} written twice in step {step_id}"
-                block_id = slot // self.block_size
-                assert holders[block_id] == [request_id], (
-                    f"{request_id} writes position {pos} into block {block_id}, "
-                    f"held by {holders[block_id]}")
-                written[slot] = (pos, sums[pos])
+                for g in range(len(self.group_windows)):
+                    slot = self._slot(request_id, req, g, pos)
+                    assert slot not in written, f"slot {slot} written twice in step {step_id}"
+                    block_id = slot // self.block_size
+                    assert holders[block_id] == [request_id], (
+                        f"{request_id} writes position {pos} into block {block_id}, "
+                        f"held by {holders[block_id]}")
+                    written[slot] = (pos, sums[pos])
         self.cache.update(written)
 
         sampled = []
@@ -230,10 +244,11 @@ class FakeWorker:
 
     def _read_context(self, request_id: str, req: _WorkerRequest) -> list[int]:
         sums = _prefix_checksums(req.token_ids, req.mm_inputs)
-        for pos in range(req.first_read, req.num_computed_tokens):
-            entry = self.cache.get(self._slot(request_id, req, pos))
-            assert entry == (pos, sums[pos]), (
-                f"{request_id}: slot for position {pos} holds {entry}, not its prefix's K/V")
+        for g, first in enumerate(req.first_read):
+            for pos in range(first, req.num_computed_tokens):
+                entry = self.cache.get(self._slot(request_id, req, g, pos))
+                assert entry == (pos, sums[pos]), (
+                    f"{request_id}: group {g}'s slot for position {pos} holds {entry}, not its prefix's K/V")
         return req.token_ids[:req.num_computed_tokens]
 
     def _finish_reason(self, req: _WorkerRequest, token: int) -> str:
@@ -245,15 +260,19 @@ class FakeWorker:
         return "length" if num_outputs >= sp.max_tokens else ""
 
     def _block_holders(self) -> dict[int, list[str]]:
-        """Block id -> the live requests whose block tables hold it."""
+        """Block id -> the live requests whose block tables hold it (a block in two groups'
+        tables fails)."""
         holders: dict[int, list[str]] = {}
+        group_of: dict[int, int] = {}
         for request_id, req in self.requests.items():
-            held = self._held(req)
-            assert len(set(held)) == len(held), f"{request_id} holds a block twice: {held}"
-            for block_id in held:
-                assert 0 <= block_id < self.num_blocks, (
-                    f"{request_id}: block id {block_id} out of range")
-                holders.setdefault(block_id, []).append(request_id)
+            for g, held in enumerate(self._held(req)):
+                assert len(set(held)) == len(held), f"{request_id} holds a block twice: {held}"
+                for block_id in held:
+                    assert 0 <= block_id < self.num_blocks, (
+                        f"{request_id}: block id {block_id} out of range")
+                    assert group_of.setdefault(block_id, g) == g, (
+                        f"block {block_id} is in groups {group_of[block_id]} and {g}")
+                    holders.setdefault(block_id, []).append(request_id)
         return holders
 
 

@@ -4,15 +4,18 @@ in-memory media source and the placeholder runs of a processor's input_ids."""
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from gateway.media.store import content_hash
+from kvstore.kv_cache_groups import group_layers
 from proto import worker_pb2
 from proto.messages import MediaItem
 from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
 from worker_svc.media_source import MISSING, MediaUnavailableError
+from worker_svc.model.registry import load_config
 from worker_svc.model_runner import ModelRunner
 from worker_svc.request_state import RequestState
 
@@ -37,7 +40,7 @@ class MiniScheduler:
 
     def __init__(self, runner: ModelRunner, block_size: int, num_blocks: int, token_budget: int):
         self.runner, self.block_size, self.budget = runner, block_size, token_budget
-        self.free = list(range(num_blocks))
+        self.free = list(range(runner.kv_cache.num_blocks))  # num_blocks in each KV cache group
         random.Random(0).shuffle(self.free)
         self.reqs: dict[str, dict] = {}
         self.forget: list[str] = []
@@ -90,9 +93,13 @@ class MiniScheduler:
             if n == 0:
                 continue
             budget -= n
-            need = -(-(r["computed"] + n) // self.block_size) - len(r["blocks"])
-            new_blocks = [self.free.pop() for _ in range(max(need, 0))]
-            r["blocks"] += new_blocks
+            # one table per KV cache group (every block kept: a window's holes are the kvstore's)
+            groups = self.runner.kv_layout.num_groups
+            need = -(-(r["computed"] + n) // self.block_size) - len(r["blocks"]) // groups
+            new_blocks = [[self.free.pop() for _ in range(max(need, 0))] for _ in range(groups)]
+            old = len(r["blocks"]) // groups
+            r["blocks"] = [b for g in range(groups) for b in r["blocks"][g * old:(g + 1) * old] + new_blocks[g]]
+            new_blocks = [b for ids in new_blocks for b in ids]
             if not r["sent"]:
                 req.new_requests.add(
                     request_id=rid, token_ids=r["tokens"], num_prompt_tokens=r["num_prompt"],
@@ -149,7 +156,11 @@ class MiniScheduler:
 
 
 def make_runner(model_dir, block_size=4, num_blocks=96, media=None, **config) -> ModelRunner:
-    return ModelRunner(RunnerConfig(model=str(model_dir), block_size=block_size, num_blocks=num_blocks,
+    """A runner with `num_blocks` blocks for each of its model's KV cache groups (None: sized
+    from the memory the config gives)."""
+    groups = group_layers(load_config(Path(model_dir)).sliding_windows).num_groups
+    return ModelRunner(RunnerConfig(model=str(model_dir), block_size=block_size,
+                                    num_blocks=num_blocks and num_blocks * groups,
                                     **config), media=media)
 
 
@@ -199,16 +210,27 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     return [[g.randrange(3, 1536) for _ in range(n)] for n in lengths]
 
 
+def grouped_block_ids(runner: ModelRunner, block_ids: list[int]) -> list[int]:
+    """A step's block ids for a request whose table in each of the runner's KV cache groups
+    is `block_ids` shifted past the previous group's (distinct blocks per group)."""
+    span = max(block_ids) + 1
+    num_groups = runner.kv_layout.num_groups
+    assert num_groups * span <= runner.kv_cache.num_blocks, (
+        f"{num_groups} groups x {span} blocks: more than the runner's {runner.kv_cache.num_blocks}")
+    return [b + g * span for g in range(num_groups) for b in block_ids]
+
+
 def chunked_prefill_logits(runner: ModelRunner, prompt: list[int], chunks: list[int],
                            block_ids: list[int]) -> torch.Tensor:
-    """Logits of every prompt row, computed chunk by chunk through the paged cache."""
+    """Logits of every prompt row, computed chunk by chunk through the paged cache (in
+    every KV cache group, a table shaped as `block_ids`: grouped_block_ids)."""
     state = RequestState(worker_pb2.NewRequestData(
-        request_id="x", token_ids=prompt, num_prompt_tokens=len(prompt), block_ids=block_ids),
-        runner.device)
+        request_id="x", token_ids=prompt, num_prompt_tokens=len(prompt),
+        block_ids=grouped_block_ids(runner, block_ids)), runner.device, runner.kv_layout.num_groups)
     got = []
     for n in chunks:
         batch = build_flat_batch([(state, n)], runner.config.block_size, runner.backend.plan,
-                                 runner.device, runner.model.windows)
+                                 runner.device, runner.kv_layout.windows)
         with torch.inference_mode():
             got.append(runner.model(batch.input_ids, batch.positions, batch.attn,
                                     (runner.kv_cache.k_caches, runner.kv_cache.v_caches),

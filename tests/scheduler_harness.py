@@ -27,14 +27,14 @@ class Harness:
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
                  vocab_size: int = 1000, eos_token_id: int | None = None,
-                 num_cpu_blocks: int = 0, pipelined: bool = False, sliding_window: int | None = None,
-                 **config) -> None:
+                 num_cpu_blocks: int = 0, pipelined: bool = False,
+                 group_windows: tuple[int | None, ...] = (None,), **config) -> None:
         self.config = SchedulerConfig(**config)
         self.sched = BatchScheduler(self.config, num_blocks, block_size, max_model_len,
-                                    num_cpu_blocks=num_cpu_blocks, sliding_window=sliding_window)
+                                    num_cpu_blocks=num_cpu_blocks, group_windows=group_windows)
         self.worker = FakeWorker(num_blocks, block_size, self.config.max_num_batched_tokens,
                                  vocab_size, eos_token_id, num_cpu_blocks=num_cpu_blocks,
-                                 sliding_window=sliding_window)
+                                 group_windows=group_windows)
         self.finished: dict[str, object] = {}
         self.steps: list[worker_pb2.StepRequest] = []
         self.pipelined = pipelined
@@ -88,11 +88,12 @@ class Harness:
         return {rid: req.output_token_ids for rid, req in self.finished.items()}
 
 
-def reference_outputs(*requests: NewRequest, sliding_window: int | None = None) -> dict[str, list[int]]:
+def reference_outputs(*requests: NewRequest, group_windows: tuple[int | None, ...] = (None,)
+                      ) -> dict[str, list[int]]:
     """Outputs with room for everything: no chunking, no preemption, no prefix caching,
     no step planned ahead."""
-    h = Harness(num_blocks=1024, max_model_len=4096, max_num_batched_tokens=100_000,
-                enable_prefix_caching=False, sliding_window=sliding_window)
+    h = Harness(num_blocks=1024 * len(group_windows), max_model_len=4096, max_num_batched_tokens=100_000,
+                enable_prefix_caching=False, group_windows=group_windows)
     h.add(*requests)
     h.run()
     return h.outputs()

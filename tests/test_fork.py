@@ -30,10 +30,10 @@ def test_fork_shares_every_block_and_copy_on_write_takes_the_partial_one():
     assert refs(kv) == {0: 3, 1: 3, 2: 3}
     assert kv.block_ids("p/1") == [0, 1, 2]
     # Each child writes token 9 into block 2: all but the last holder copy it.
-    assert kv.copy_on_write("p/0", 9) == (2, 3)
-    assert kv.copy_on_write("p/0", 9) is None  # its own now
-    assert kv.copy_on_write("p/1", 9) == (2, 4)
-    assert kv.copy_on_write("p/2", 9) is None  # the last holder keeps the original
+    assert kv.copy_on_write("p/0", 9) == [(2, 3)]
+    assert kv.copy_on_write("p/0", 9) == []  # its own now
+    assert kv.copy_on_write("p/1", 9) == [(2, 4)]
+    assert kv.copy_on_write("p/2", 9) == []  # the last holder keeps the original
     kv.check_integrity()
     assert kv.block_ids("p/0") == [0, 1, 3] and kv.block_ids("p/1") == [0, 1, 4]
     assert kv.block_ids("p/2") == [0, 1, 2]
@@ -48,12 +48,12 @@ def test_copy_on_write_not_needed_at_a_block_boundary_and_refused_without_room()
     kv = KVCacheManager(3, 4, enable_prefix_caching=False)
     kv.allocate_slots("p", 8)
     kv.fork("p", "c")
-    assert kv.copy_on_write("c", 8) is None  # token 8 starts a new block: nothing shared to write
+    assert kv.copy_on_write("c", 8) == []  # token 8 starts a new block: nothing shared to write
     kv.free("c")
     kv.allocate_slots("p", 7)  # covers 7 of its 8 slots: still 2 blocks
     kv.fork("p", "c")
     kv.allocate_slots("x", 4)  # takes the last free block
-    assert kv.copy_on_write("c", 7) is False
+    assert kv.copy_on_write("c", 7) is None
     kv.check_integrity()
     assert refs(kv) == {0: 2, 1: 2, 2: 1}
     for rid in ("p", "c", "x"):

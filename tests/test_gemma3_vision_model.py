@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from runner_helpers import MiniScheduler, hf_greedy, make_runner
+from runner_helpers import MiniScheduler, grouped_block_ids, hf_greedy, make_runner
 from safetensors.torch import save_file
 
 from proto import worker_pb2
@@ -222,11 +222,12 @@ def run_with_images(runner, encoder, prompt, ranges, pixels, chunks, blocks) -> 
     with torch.no_grad():
         embeds = encoder(pixels)
     state = RequestState(worker_pb2.NewRequestData(
-        request_id="x", token_ids=prompt, num_prompt_tokens=len(prompt), block_ids=blocks), runner.device)
+        request_id="x", token_ids=prompt, num_prompt_tokens=len(prompt),
+        block_ids=grouped_block_ids(runner, blocks)), runner.device, runner.kv_layout.num_groups)
     got = []
     for n in chunks:
         batch = build_flat_batch([(state, n)], runner.config.block_size, runner.backend.plan,
-                                 runner.device, runner.model.windows)
+                                 runner.device, runner.kv_layout.windows)
         slices = image_slices(ranges, state.num_computed_tokens, n, first_row=0)
         with torch.inference_mode():
             h = runner.model.embed(batch.input_ids)

@@ -134,7 +134,7 @@ def test_check_integrity_names_the_broken_invariant():
     kv = KVCacheManager(num_blocks=4, block_size=2)
     kv.allocate_slots("a", 4)
     leaked = kv.block_pool.blocks[0]
-    kv._tables["a"].remove(leaked)  # dropped from the table without being freed
+    kv._tables["a"][0].remove(leaked)  # dropped from the table without being freed
     leaked.ref_cnt = 0
     with pytest.raises(AssertionError, match=r"missing from the free queue: \[0\]"):
         kv.check_integrity()

@@ -25,7 +25,7 @@ def step(kv: KVCacheManager, rid: str, tokens: list[int], hashes: list[bytes], c
 
 
 def test_blocks_behind_the_window_go_back_exact_ids():
-    kv = KVCacheManager(16, BS, sliding_window=W)
+    kv = KVCacheManager(16, BS, group_windows=(W,))
     tokens, hashes = list(range(100, 121)), []
     assert step(kv, "a", tokens, hashes, 0, 20) == [0, 1, 2, 3, 4]
     # The next query, at position 20, sees keys 13..20: blocks 0-2 (positions 0-11) are
@@ -41,7 +41,7 @@ def test_blocks_behind_the_window_go_back_exact_ids():
 
 
 def test_a_long_generation_holds_about_window_plus_one_block():
-    kv = KVCacheManager(64, BS, sliding_window=W)
+    kv = KVCacheManager(64, BS, group_windows=(W,))
     tokens, hashes = list(range(300)), []
     step(kv, "a", tokens, hashes, 0, 10)
     held = []
@@ -59,7 +59,7 @@ def test_only_blocks_offered_to_the_cache_are_dropped():
     """A chunk whose blocks are not offered yet (the step ran ahead of the update) keeps
     them until they are: the cached chain from block 0 stays whole, so a request with the
     same prefix still hits all of it."""
-    kv = KVCacheManager(32, BS, sliding_window=W)
+    kv = KVCacheManager(32, BS, group_windows=(W,))
     tokens, hashes = list(range(200, 240)), []
     assert kv.allocate_slots("a", 24) is not None  # computed, not offered to the cache yet
     assert kv.allocate_slots("a", 25, num_computed_tokens=24) == [6]
@@ -75,7 +75,7 @@ def test_only_blocks_offered_to_the_cache_are_dropped():
 
 
 def test_without_prefix_caching_blocks_go_back_at_once():
-    kv = KVCacheManager(16, BS, enable_prefix_caching=False, sliding_window=W)
+    kv = KVCacheManager(16, BS, enable_prefix_caching=False, group_windows=(W,))
     kv.allocate_slots("a", 24)
     # blocks 0-3 (positions < 17) go back uncached, to the head of the free queue, and the
     # next block is one of them
@@ -85,7 +85,7 @@ def test_without_prefix_caching_blocks_go_back_at_once():
 
 
 def test_swap_keeps_the_holes():
-    kv = KVCacheManager(16, BS, num_cpu_blocks=8, sliding_window=W)
+    kv = KVCacheManager(16, BS, num_cpu_blocks=8, group_windows=(W,))
     tokens, hashes = list(range(50, 80)), []
     step(kv, "a", tokens, hashes, 0, 24)
     step(kv, "a", tokens, hashes, 24, 25)
@@ -107,7 +107,7 @@ def test_swap_keeps_the_holes():
 
 
 def test_fork_shares_the_live_blocks_and_the_holes():
-    kv = KVCacheManager(16, BS, sliding_window=W)
+    kv = KVCacheManager(16, BS, group_windows=(W,))
     tokens, hashes = list(range(60, 90)), []
     step(kv, "p", tokens, hashes, 0, 24)
     step(kv, "p", tokens, hashes, 24, 26)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from runner_helpers import MiniScheduler, chunked_prefill_logits, hf_greedy, make_runner, prompts
 
+from kvstore.kv_cache_groups import group_layers
 from worker_svc.model.registry import load_config
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
@@ -31,9 +32,10 @@ def test_the_presets_switch_on_what_makes_each_family_different(family_model_dir
     assert cfgs["qwen2"].qkv_bias and not cfgs["qwen2"].o_bias and cfgs["qwen2"].tie_word_embeddings
     assert cfgs["qwen2"].sliding_windows == (None, WINDOW, WINDOW)  # max_window_layers = 1
     assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim == 32 != 64 // 4
-    assert cfgs["mistral"].uniform_window == WINDOW
+    assert group_layers(cfgs["mistral"].sliding_windows).windows == (WINDOW,)  # one group
     g = cfgs["gemma3"]
-    assert g.sliding_windows == (WINDOW, WINDOW, None) and g.uniform_window is None
+    assert g.sliding_windows == (WINDOW, WINDOW, None)
+    assert group_layers(g.sliding_windows).windows == (None, WINDOW, WINDOW)  # the global group first
     assert g.gemma_norms and g.qk_norm and g.embedding_scale == 8.0 and g.final_logit_softcap == 30.0
     assert g.scale == 24**-0.5 and g.hidden_act == "gelu_pytorch_tanh"
     assert g.rope[0].theta == 10000.0 and g.rope[2].theta == 1e6 and g.rope[2].scaling["factor"] == 4.0
@@ -92,6 +94,8 @@ def test_the_windows_change_the_answer(arch, family_model_dir, hf_models):
     for layer in runner.model.model.layers:
         layer.self_attn.window = None
     runner.model.cfg = replace(runner.model.cfg, sliding_windows=(None,) * runner.model.cfg.num_layers)
+    layout = runner.kv_layout  # its groups kept, each attending fully
+    runner.kv_layout = replace(layout, groups=tuple(replace(g, window=None) for g in layout.groups))
     prompt = prompts(3, [130])[0]
     with torch.no_grad():
         expected = hf_models[arch](torch.tensor([prompt])).logits[0]

@@ -1,15 +1,11 @@
 """Automatic prefix caching in the kvstore: exact block ids, eviction order, LRU, hit
-verification, sharing, hits after preemption, per-block extra keys (images), and random
-operation sequences checked against the K/V every slot holds. The scheduler on top:
-test_prefix_cache_scheduler.py (and test_scheduler_images.py for images)."""
-
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+verification, sharing, hits after preemption, per-block extra keys (images), . Random
+operation sequences checked against the K/V every slot holds: test_kv_random_ops.py. The
+scheduler on top: test_prefix_cache_scheduler.py (and test_scheduler_images.py for images)."""
 
 from kvstore.block_hash import hash_block
 from kvstore.kv_cache_manager import KVCacheManager, cdiv
-from prefix_cache_helpers import BS, P
+from prefix_cache_helpers import BS, P, colliding_hash
 
 
 def free_order(kv: KVCacheManager) -> list[int]:
@@ -138,11 +134,6 @@ def test_per_block_extra_keys_key_only_their_block_and_chain_on():
     kv.check_integrity()
 
 
-def colliding_hash(parent: bytes, tokens, extra_keys) -> bytes:
-    """Ignores the parent: the same tokens collide at every position and after any prefix."""
-    return hash_block(b"", tokens, extra_keys)
-
-
 def test_a_hash_hit_is_verified_against_the_tokens():
     kv = KVCacheManager(num_blocks=8, block_size=BS, hash_fn=lambda p, t, e: b"same")
     run(kv, "a", P[:4] + [1], computed=5)
@@ -189,159 +180,3 @@ def test_prefix_caching_off():
     kv.free("a")
     assert free_order(kv) == [0, 1, 2, 3]
     assert kv.find_cached_prefix(P[:8] + [0], []) == []
-
-
-# -- kvstore: random operation sequences ------------------------------------------------
-
-NUM_BLOCKS = 12
-PREFIXES = [[], P[:4], P[:8], P, [7, 7, 7, 7, 8, 8], [0] * 4, P[:4] + [0] * 4]
-# Per-block extra keys (images in blocks 1, or 0 and 1) over the same tokens: K/V differ.
-EXTRA_KEYS = [None, None, {1: ("A",)}, {1: ("B",)}, {0: ("A",), 1: ("A", "B")}]
-
-
-class PrefixCacheMachine(RuleBasedStateMachine):
-    """Random admit (with prefix hits) / compute and decode / finish / preempt / resume /
-    evict. Every slot remembers the prefix its K/V were computed from (tokens, and the
-    extra keys of its block and the blocks before), so the invariants prove that no hit
-    serves wrong K/V and nothing overwrites a live request's K/V, whatever the hash
-    function does."""
-
-    hash_fn = staticmethod(hash_block)
-    window: int | None = None  # a sliding window: blocks behind it are given back as requests advance
-
-    @initialize()
-    def setup(self):
-        self.kv = KVCacheManager(NUM_BLOCKS, BS, hash_fn=self.hash_fn, sliding_window=self.window)
-        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
-        self.live: dict[str, dict] = {}
-        self.waiting: dict[str, dict] = {}
-        self.next_id = 0
-
-    def _compute(self, rid: str, req: dict, upto: int) -> None:
-        table = self.kv.block_ids(rid)
-        for pos in range(req["computed"], upto):
-            block_id = table[pos // BS]
-            assert self.kv.block_pool.blocks[block_id].ref_cnt == 1, "write into a shared block"
-            self.slots[(block_id, pos % BS)] = _kv_of(req, pos)
-        req["computed"] = upto
-        self.kv.cache_full_blocks(rid, req["tokens"], req["hashes"], upto, req["keys"])
-
-    def _admit(self, rid: str, req: dict, chunk: int) -> None:
-        tokens, before = req["tokens"], free_order(self.kv)
-        cached = self.kv.find_cached_prefix(tokens, req["hashes"], req["keys"])
-        assert len(cached) <= (len(tokens) - 1) // BS and free_order(self.kv) == before
-        for pos in range(len(cached) * BS):  # the hit holds exactly this prefix's K/V
-            assert self.slots[(cached[pos // BS].block_id, pos % BS)] == _kv_of(req, pos)
-        upto = min(len(tokens), len(cached) * BS + chunk)
-        ids = self.kv.allocate_slots(rid, upto, cached)
-        if ids is None:
-            need = cdiv(upto, BS) - len(cached) + sum(b.ref_cnt == 0 for b in cached)
-            assert need > len(before) and free_order(self.kv) == before
-            self.waiting[rid] = req
-            return
-        hit_ids = [b.block_id for b in cached]
-        assert ids[:len(cached)] == hit_ids
-        assert ids[len(cached):] == [i for i in before if i not in hit_ids][:len(ids) - len(cached)]
-        req["computed"] = len(cached) * BS
-        self.live[rid] = req
-        self._compute(rid, req, upto)
-
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 2), max_size=9),
-          chunk=st.integers(1, 16), keys=st.sampled_from(EXTRA_KEYS))
-    def admit(self, prefix, suffix, chunk, keys):
-        rid, self.next_id = f"r{self.next_id}", self.next_id + 1
-        self._admit(rid, dict(tokens=prefix + suffix or [0], computed=0, hashes=[], keys=keys), chunk)
-
-    @precondition(lambda self: self.live)
-    @rule(pick=st.integers(0, 99), chunk=st.integers(1, 8), token=st.integers(0, 2))
-    def advance(self, pick, chunk, token):
-        rid = sorted(self.live)[pick % len(self.live)]
-        req = self.live[rid]
-        if req["computed"] == len(req["tokens"]):
-            req["tokens"].append(token)  # the token the last step sampled
-        upto = min(len(req["tokens"]), req["computed"] + chunk)
-        before = free_order(self.kv)
-        if self.kv.allocate_slots(rid, upto, num_computed_tokens=req["computed"]) is None:
-            assert cdiv(upto, BS) - len(self.kv.block_ids(rid)) > len(self.kv.block_pool.free_queue)
-            assert self.window is not None or free_order(self.kv) == before
-            return
-        self._compute(rid, req, upto)
-
-    @precondition(lambda self: self.live)
-    @rule(pick=st.integers(0, 99), preempt=st.booleans())
-    def finish_or_preempt(self, pick, preempt):
-        rid = sorted(self.live)[pick % len(self.live)]
-        req = self.live.pop(rid)
-        self.kv.free(rid)
-        if preempt:  # recompute later; its tokens and hashes stay
-            req["computed"] = 0
-            self.waiting[rid] = req
-
-    @precondition(lambda self: self.waiting)
-    @rule(pick=st.integers(0, 99), chunk=st.integers(1, 16))
-    def resume(self, pick, chunk):
-        rid = sorted(self.waiting)[pick % len(self.waiting)]
-        self._admit(rid, self.waiting.pop(rid), chunk)
-
-    @rule(n=st.integers(1, NUM_BLOCKS))
-    def evict(self, n):
-        pool = self.kv.block_pool
-        before = free_order(self.kv)
-        if n > len(before):
-            return
-        empty = [i for i in before if pool.blocks[i].block_hash is None]
-        blocks = pool.get_new_blocks(n)
-        assert [b.block_id for b in blocks] == before[:n]  # empty ones first, then LRU
-        assert before[:len(empty)] == empty
-        assert all(b.block_hash is None for b in blocks) and pool.num_evictions >= 0
-        pool.free_blocks(blocks)
-
-    @invariant()
-    def consistent(self):
-        if not hasattr(self, "kv"):
-            return
-        self.kv.check_integrity()
-        for rid, req in self.live.items():  # nobody overwrote a live request's K/V
-            table = self.kv.block_ids(rid)
-            assert len(table) == cdiv(req["computed"], BS)
-            # with a window, only the keys its next query sees must be there
-            first = 0 if self.window is None else max(0, req["computed"] - self.window + 1)
-            holes = len(table) - self.kv.num_blocks_held(rid)  # blocks given back: behind the window
-            assert holes * BS <= first, (rid, holes, req["computed"])
-            for pos in range(first, req["computed"]):
-                assert self.slots[(table[pos // BS], pos % BS)] == _kv_of(req, pos)
-        for block in self.kv.block_pool.cached.values():  # a cached block holds its key's tokens
-            held = tuple(self.slots[(block.block_id, off)][0][-1] for off in range(BS))
-            assert held == block.block_key.token_ids
-            assert self.slots[(block.block_id, 0)][1][-1] == block.block_key.extra_keys
-
-
-def _kv_of(req: dict, pos: int) -> tuple[tuple[int, ...], tuple[tuple, ...]]:
-    """What the K/V at `pos` of a request of the machine depend on: its tokens up to there
-    and the extra keys of every block up to its own."""
-    keys = req["keys"] or {}
-    return tuple(req["tokens"][:pos + 1]), tuple(keys.get(i, ()) for i in range(pos // BS + 1))
-
-
-class CollidingPrefixCacheMachine(PrefixCacheMachine):
-    hash_fn = staticmethod(colliding_hash)
-
-
-class WindowedPrefixCacheMachine(PrefixCacheMachine):
-    window = 6
-
-
-class WindowedCollidingPrefixCacheMachine(PrefixCacheMachine):
-    hash_fn = staticmethod(colliding_hash)
-    window = 5
-
-
-settings_ = settings(max_examples=60, stateful_step_count=50, deadline=None)
-PrefixCacheMachine.TestCase.settings = settings_
-CollidingPrefixCacheMachine.TestCase.settings = settings_
-WindowedPrefixCacheMachine.TestCase.settings = settings_
-WindowedCollidingPrefixCacheMachine.TestCase.settings = settings_
-TestPrefixCacheMachine = PrefixCacheMachine.TestCase
-TestCollidingPrefixCacheMachine = CollidingPrefixCacheMachine.TestCase
-TestWindowedPrefixCacheMachine = WindowedPrefixCacheMachine.TestCase
-TestWindowedCollidingPrefixCacheMachine = WindowedCollidingPrefixCacheMachine.TestCase

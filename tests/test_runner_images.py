@@ -192,11 +192,12 @@ def test_image_tokens_see_each_other_both_ways(vision_dir, hf_vlm, processor, mo
 # ---- the flat batch's spans ---------------------------------------------------------------
 
 def _state(tokens: list[int], ranges: list[tuple[int, int]], computed: int = 0) -> RequestState:
+    """A request with block tables in two KV cache groups."""
     return RequestState(worker_pb2.NewRequestData(
-        request_id="x", token_ids=tokens, num_prompt_tokens=len(tokens), block_ids=list(range(8)),
+        request_id="x", token_ids=tokens, num_prompt_tokens=len(tokens), block_ids=list(range(16)),
         num_computed_tokens=computed,
         mm_inputs=[worker_pb2.MultiModalInput(content_hash=f"h{i}", offset=o, length=n)
-                   for i, (o, n) in enumerate(ranges)]), torch.device("cpu"))
+                   for i, (o, n) in enumerate(ranges)]), torch.device("cpu"), num_groups=2)
 
 
 def test_bidir_spans_of_a_step():
@@ -208,7 +209,7 @@ def test_bidir_spans_of_a_step():
 
     text = _state(list(range(20)), [])
     images = _state(list(range(30)), [(3, 4), (10, 4), (20, 4)], computed=12)  # starts inside image 1
-    batch = build_flat_batch([(text, 5), (images, 12)], 4, plan, torch.device("cpu"), windows=(None, 8))
+    batch = build_flat_batch([(text, 5), (images, 12)], 4, plan, torch.device("cpu"), group_windows=(None, 8))
     spans = batch.attn.bidir_spans.tolist()
     assert spans[:5] == [[0, 0]] * 5
     assert spans[5:7] == [[10, 14]] * 2  # positions 12, 13
@@ -217,11 +218,11 @@ def test_bidir_spans_of_a_step():
     assert len(plans) == 2 and all(p is batch.attn.bidir_spans for p in plans)
     plans.clear()
     none = build_flat_batch([(text, 5), (_state(list(range(30)), [(3, 4)], computed=8), 4)], 4, plan,
-                            torch.device("cpu"), windows=(None, 8))
+                            torch.device("cpu"), group_windows=(None, 8))
     assert none.attn.bidir_spans is None and none.images == () and plans == [None, None]
     with pytest.raises(ValueError, match="ends inside image 1"):
         build_flat_batch([(text, 5), (_state(list(range(30)), [(3, 4), (10, 4)]), 12)], 4, plan,
-                         torch.device("cpu"))
+                         torch.device("cpu"), group_windows=(None, 8))
 
 
 # ---- what cannot run fails alone ------------------------------------------------------------

@@ -274,21 +274,22 @@ _request = st.tuples(_parts, st.integers(1, 4), st.sampled_from([1, 1, 2]), st.i
 @given(requests=st.lists(_request, min_size=1, max_size=8), budget=st.integers(8, 20),
        threshold=st.sampled_from([0, 3, 5]), num_blocks=st.integers(9, 13),
        num_cpu_blocks=st.sampled_from([0, 16]), pipelined=st.booleans(),
-       window=st.sampled_from([None, None, 6]))
+       windows=st.sampled_from([(None,), (None,), (6,), (None, 6)]))
 def test_random_image_workloads_never_split_an_image_and_match_the_reference(
-        requests, budget, threshold, num_blocks, num_cpu_blocks, pipelined, window):
+        requests, budget, threshold, num_blocks, num_cpu_blocks, pipelined, windows):
     """Random prompts of text and images (at most 33 tokens + 4 outputs = 9 blocks), some
     starting alike, budgets, thresholds, pools small enough to preempt (by recompute or
-    swap), n of 1 or 2, arrivals spread over steps, planned ahead or not, a sliding window
-    or not: every step keeps images whole (the fake checks), integrity holds after each,
+    swap), n of 1 or 2, arrivals spread over steps, planned ahead or not, a sliding window,
+    a global and a sliding KV cache group (Gemma 3's kinds; the pool scaled by the groups),
+    or neither: every step keeps images whole (the fake checks), integrity holds after each,
     everything finishes (no starvation: Harness.run fails without progress) with the
     outputs of a run that never chunks or caches."""
     reqs = [(image_request(f"r{i}", start + parts, max_tokens, float(i), n=n), delay)
             for i, ((start, parts), max_tokens, n, delay) in enumerate(requests)]
-    h = Harness(num_blocks=num_blocks, block_size=BS, max_num_batched_tokens=budget,
+    h = Harness(num_blocks=num_blocks * len(windows), block_size=BS, max_num_batched_tokens=budget,
                 long_prefill_token_threshold=threshold, num_cpu_blocks=num_cpu_blocks,
                 preemption_mode="swap" if num_cpu_blocks else "recompute", pipelined=pipelined,
-                sliding_window=window)
+                group_windows=windows)
     for req, delay in reqs:
         h.add(req)
         for _ in range(delay):
@@ -297,7 +298,7 @@ def test_random_image_workloads_never_split_an_image_and_match_the_reference(
     h.run()
     single = reference_outputs(*(NewRequest(r.request_id, r.prompt_token_ids, r.sampling, r.reply_channel,
                                             r.arrival_time, mm_inputs=r.mm_inputs) for r, _ in reqs),
-                                sliding_window=window)
+                                group_windows=windows)
     expected = {rid if r.n == 1 else f"{rid}/{i}": out
                 for (r, _), (rid, out) in zip(reqs, sorted(single.items(), key=lambda kv: int(kv[0][1:])))
                 for i in range(r.n)}

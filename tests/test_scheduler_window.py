@@ -20,7 +20,7 @@ def test_long_generations_fit_together_once_blocks_behind_the_window_go_back():
     has 40. With the window each decoding request holds at most W / BS + 2 blocks, so none
     is preempted."""
     reqs = long_requests()
-    h = Harness(num_blocks=40, block_size=BS, sliding_window=W, max_num_batched_tokens=64)
+    h = Harness(num_blocks=40, block_size=BS, group_windows=(W,), max_num_batched_tokens=64)
     h.add(*reqs)
     peak = 0
     while h.sched.has_work() or h.in_flight:
@@ -32,7 +32,7 @@ def test_long_generations_fit_together_once_blocks_behind_the_window_go_back():
     h.assert_done()
     assert h.sched.preemptor.num_preemptions == 0
     assert peak <= 6 * (W // BS + 2)
-    assert h.outputs() == reference_outputs(*reqs, sliding_window=W)
+    assert h.outputs() == reference_outputs(*reqs, group_windows=(W,))
 
     without = Harness(num_blocks=40, block_size=BS, max_num_batched_tokens=64)
     without.add(*reqs)
@@ -44,28 +44,32 @@ def test_long_generations_fit_together_once_blocks_behind_the_window_go_back():
 @pytest.mark.parametrize("pipelined", [False, True], ids=["lockstep", "ahead"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-cache"])
-def test_preemption_forks_and_prefix_hits_under_a_window(pipelined, mode, caching):
+@pytest.mark.parametrize("windows", [(W,), (None, W, W)], ids=["window", "hybrid"])
+def test_preemption_forks_and_prefix_hits_under_a_window(pipelined, mode, caching, windows):
+    """Every layer sliding (one group, Mistral), or a global and two sliding KV cache
+    groups (Gemma 3's kinds): the pool is small enough to preempt either way."""
     reqs = [*long_requests(5, 40),
             make_request("shared-a", 30, 20, arrival=5.0),
             make_request("shared-b", 30, 20, arrival=6.0),  # the same prompt
             make_request("fork", 14, 16, arrival=7.0, seed=3)]
     reqs[-1] = type(reqs[-1])(**{**{f: getattr(reqs[-1], f) for f in reqs[-1].__struct_fields__}, "n": 3})
-    h = Harness(num_blocks=20, block_size=BS, sliding_window=W, max_num_batched_tokens=24,
-                pipelined=pipelined, preemption_mode=mode, num_cpu_blocks=12 if mode == "swap" else 0,
-                enable_prefix_caching=caching)
+    scale = 1 if len(windows) == 1 else 2  # the hybrid's global group holds every block
+    h = Harness(num_blocks=20 * scale, block_size=BS, group_windows=windows, max_num_batched_tokens=24,
+                pipelined=pipelined, preemption_mode=mode,
+                num_cpu_blocks=12 * scale if mode == "swap" else 0, enable_prefix_caching=caching)
     h.add(*reqs)
     h.run()
     assert h.sched.preemptor.num_preemptions > 0
     if mode == "swap":
         assert h.sched.preemptor.num_swapped_out > 0
-    assert h.outputs() == reference_outputs(*reqs, sliding_window=W)
+    assert h.outputs() == reference_outputs(*reqs, group_windows=windows)
 
 
 def test_a_prompt_whose_blocks_went_behind_the_window_is_still_found_cached():
     """The blocks a request gave back were offered to the prefix cache first, so a later
     request with the same prompt hits all of it (up to its last token)."""
     a = make_request("a-first", 30, 24, arrival=0.0)
-    h = Harness(num_blocks=64, block_size=BS, sliding_window=W, max_num_batched_tokens=64)
+    h = Harness(num_blocks=64, block_size=BS, group_windows=(W,), max_num_batched_tokens=64)
     h.add(a)
     h.run()
     assert h.sched.kv.num_blocks_held("a-first") == 0
@@ -74,4 +78,4 @@ def test_a_prompt_whose_blocks_went_behind_the_window_is_still_found_cached():
     h.add(b)
     h.run()
     assert h.sched.planner.prefix_cache_hits == (30 - 1) // BS * BS
-    assert h.outputs()["a-again"] == reference_outputs(b, sliding_window=W)["a-again"]
+    assert h.outputs()["a-again"] == reference_outputs(b, group_windows=(W,))["a-again"]

@@ -40,6 +40,7 @@ import torch
 
 from kernels.backend import get_attention_backend
 from kvstore.cache_tensors import KVCacheTensors, num_blocks_for_memory, resolve_kv_cache_dtype, swap_blocks
+from kvstore.kv_cache_groups import kv_capacity
 from proto import worker_pb2
 from proto.model_source import resolve_model
 from proto.messages import NO_TOKEN_ID, Logprobs, TokenEvent
@@ -112,20 +113,24 @@ class ModelRunner:
         if self.vision_config is not None and media is not None:
             self.vision = ImageEmbedder.load(self.model_dir, self.vision_config, self.dtype, self.device,
                                              media, config.encoder_cache_memory_bytes)
+        # KV cache groups (kvstore/kv_cache_groups.py): a block holds `group_size` layers' K/V
+        self.kv_layout = self.model.kv_layout
+        slots = self.kv_layout.group_size
         num_blocks = config.num_blocks or num_blocks_for_memory(
             kv_cache_bytes(self.device, config.kv_cache_memory_bytes, config.gpu_memory_utilization),
-            cfg.num_layers, config.block_size,
-            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
-        self.kv_cache = KVCacheTensors(cfg.num_layers, num_blocks, config.block_size,
+            slots, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        self.kv_cache = KVCacheTensors(slots, num_blocks, config.block_size,
                                        cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
+        log.info("%s; %s", self.kv_layout.describe(),
+                 kv_capacity(self.kv_layout, num_blocks, config.block_size, self.max_model_len))
         num_cpu_blocks = config.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = num_blocks_for_memory(
-                config.swap_space_bytes, cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                config.swap_space_bytes, slots, config.block_size, cfg.num_kv_heads,
                 cfg.head_dim, self.kv_dtype)
         # The swap space: same layout, in CPU memory (None without swap space).
         self.cpu_cache = KVCacheTensors(
-            cfg.num_layers, num_cpu_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+            slots, num_cpu_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
             self.kv_dtype, "cpu") if num_cpu_blocks > 0 else None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
@@ -155,7 +160,8 @@ class ModelRunner:
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
             num_cpu_blocks=self.cpu_cache.num_blocks if self.cpu_cache is not None else 0,
-            device=str(self.device), sliding_window=self.model_config.uniform_window or 0,
+            device=str(self.device), kv_cache_group_windows=[w or 0 for w in self.kv_layout.windows],
+            kv_cache_group_size=self.kv_layout.group_size,
         )
 
     def _swap_out(self, request: worker_pb2.StepRequest) -> None:
@@ -167,7 +173,7 @@ class ModelRunner:
         for request_id in request.swapped_out_request_ids:
             state = self.requests.get(request_id)
             if state is not None:  # not scheduled until a replace_block_ids brings it back
-                state.block_ids = []
+                state.drop_blocks()
 
     def _copy_in(self, request: worker_pb2.StepRequest) -> None:
         if request.blocks_to_swap_in:
@@ -182,7 +188,7 @@ class ModelRunner:
         for request_id in request.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in request.new_requests:
-            state = self.requests[new.request_id] = RequestState(new, self.device)
+            state = self.requests[new.request_id] = RequestState(new, self.device, self.kv_layout.num_groups)
             if state.image_ranges:
                 state.failure = self._image_failure(state)
             if new.sampling.HasField("grammar"):  # replays any outputs (a resumed request)
@@ -199,10 +205,7 @@ class ModelRunner:
                     f"step {request.step_id}: request {cached.request_id!r} has "
                     f"num_computed_tokens={state.num_computed_tokens} on the worker, "
                     f"the scheduler says {cached.num_computed_tokens}")
-            if cached.replace_block_ids:
-                state.block_ids = list(cached.new_block_ids)
-            else:
-                state.block_ids.extend(cached.new_block_ids)
+            state.set_block_ids(cached.new_block_ids, cached.replace_block_ids)
 
     def _image_failure(self, state: RequestState) -> str | None:
         """Why this worker cannot serve `state`'s images, or None."""
@@ -289,7 +292,7 @@ class ModelRunner:
         """Forward the flat batch (with the images' embeddings by content hash over their
         soft tokens' rows), advance num_computed_tokens, sample, gather logprobs."""
         batch = build_flat_batch(scheduled, self.config.block_size, self.plan_attention,
-                                 self.device, self.model.windows)
+                                 self.device, self.kv_layout.windows)
         prompt_rows, prompt_targets, prompt_ks, prompt_parts = self._prompt_logprob_rows(scheduled)
         indices = batch.logits_indices
         if prompt_rows:

@@ -7,19 +7,32 @@ from worker_svc.model.image_placement import PlaceholderRange
 from worker_svc.sampler import position_seed
 
 
+def split_groups(block_ids, num_groups: int) -> list[list[int]]:
+    """Block ids as the step carries them (each KV cache group's in turn, the same count
+    for each: proto/worker.proto) -> one list per group."""
+    ids = list(block_ids)
+    if num_groups == 1:
+        return [ids]
+    if len(ids) % num_groups:
+        raise ValueError(f"{len(ids)} block ids do not split into {num_groups} KV cache groups")
+    k = len(ids) // num_groups
+    return [ids[g * k:(g + 1) * k] for g in range(num_groups)]
+
+
 class RequestState:
-    """Invariants: token_ids[:num_computed_tokens] have K/V in the slots named by
-    block_ids (token t in block_ids[t // block_size]); num_prompt_tokens <= len(token_ids);
+    """Invariants: token_ids[:num_computed_tokens] have K/V in the slots named by each KV
+    cache group's block table (token t in block_tables[g][t // block_size]; a sliding group's
+    blocks behind its window are holes); num_prompt_tokens <= len(token_ids);
     once finish_reason is set the request never samples again (it waits for the scheduler
     to list it in finished_request_ids). Image i's soft tokens are
     token_ids[image_ranges[i].offset : offset + length], its media stored under
     image_hashes[i] (NewRequestData.mm_inputs, in prompt order; both empty for text)."""
 
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids",
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_tables",
                  "num_computed_tokens", "sampling", "generator", "reply_channel",
                  "finish_reason", "grammar", "image_ranges", "image_hashes", "images_end", "failure")
 
-    def __init__(self, new: worker_pb2.NewRequestData, device: torch.device):
+    def __init__(self, new: worker_pb2.NewRequestData, device: torch.device, num_groups: int = 1):
         if not new.token_ids:
             raise ValueError(f"request {new.request_id!r} has no tokens")
         if not 0 <= new.num_computed_tokens < len(new.token_ids):
@@ -29,7 +42,7 @@ class RequestState:
         self.request_id: str = new.request_id
         self.token_ids: list[int] = list(new.token_ids)
         self.num_prompt_tokens: int = new.num_prompt_tokens
-        self.block_ids: list[int] = list(new.block_ids)
+        self.block_tables: list[list[int]] = split_groups(new.block_ids, num_groups)
         self.num_computed_tokens: int = new.num_computed_tokens
         self.sampling: worker_pb2.SamplingParams = new.sampling
         self.reply_channel: str = new.reply_channel
@@ -53,6 +66,21 @@ class RequestState:
         self.generator: torch.Generator | None = None
         if new.sampling.HasField("seed"):
             self.generator = torch.Generator(device=device)
+
+    def set_block_ids(self, block_ids, replace: bool) -> None:
+        """A step's block ids for the request (each group's in turn): appended to its
+        tables, or, with `replace`, its tables."""
+        if replace:
+            self.block_tables = split_groups(block_ids, len(self.block_tables))
+        elif len(self.block_tables) == 1:
+            self.block_tables[0].extend(block_ids)
+        else:
+            for table, ids in zip(self.block_tables, split_groups(block_ids, len(self.block_tables))):
+                table.extend(ids)
+
+    def drop_blocks(self) -> None:
+        """Swapped out: no tables until a replace brings it back."""
+        self.block_tables = [[] for _ in self.block_tables]
 
     @property
     def num_tokens(self) -> int:

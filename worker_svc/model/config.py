@@ -80,13 +80,6 @@ class DecoderConfig:
     def scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
-    @property
-    def uniform_window(self) -> int | None:
-        """The window when every layer slides by the same one (then KV blocks behind it can
-        go back to the pool as a request advances), else None."""
-        windows = set(self.sliding_windows)
-        return windows.pop() if len(windows) == 1 else None
-
 
 def architecture_of(raw: dict) -> str:
     return (raw.get("architectures") or ["LlamaForCausalLM"])[0]

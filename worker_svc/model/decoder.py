@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from kernels.backend import AttentionBackend
+from kvstore.kv_cache_groups import group_layers
 from worker_svc.batch import AttentionMetadata
 from worker_svc.model.config import DecoderConfig
 from worker_svc.model.layers import GatedMLP, RotaryEmbedding, rms_norm
@@ -39,8 +40,10 @@ from worker_svc.model.weight_names import MULTIMODAL_ARCHITECTURES, TEXT, split_
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int, rope_index: int, backend: AttentionBackend):
+    def __init__(self, cfg: DecoderConfig, layer: int, rope_index: int, backend: AttentionBackend,
+                 kv_group: int = 0):
         super().__init__()
+        self.kv_group = kv_group  # the KV cache group whose block table this layer reads
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -70,19 +73,20 @@ class Attention(nn.Module):
         else:  # q and k heads rotated together: one set of elementwise ops for both
             q, k = RotaryEmbedding.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        group = attn.groups[self.kv_group]
+        self.backend.write_kv(k, v, k_cache, v_cache, group.slot_mapping)
         out = self.backend.paged_attention(
-            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-            self.scale, sliding_window=self.window, soft_cap=self.soft_cap,
-            plan=attn.plans[self.window])
+            q, k_cache, v_cache, group.block_tables, attn.seq_lens, attn.query_start_loc,
+            self.scale, sliding_window=self.window, soft_cap=self.soft_cap, plan=group.plan)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int, rope_index: int, backend: AttentionBackend):
+    def __init__(self, cfg: DecoderConfig, layer: int, rope_index: int, backend: AttentionBackend,
+                 kv_group: int = 0):
         super().__init__()
         self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
-        self.self_attn = Attention(cfg, layer, rope_index, backend)
+        self.self_attn = Attention(cfg, layer, rope_index, backend, kv_group)
         self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
         self.sandwich = cfg.gemma_norms
@@ -100,10 +104,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rope_indices: list[int], backend: AttentionBackend):
+    def __init__(self, cfg: DecoderConfig, rope_indices: list[int], backend: AttentionBackend,
+                 kv_groups: list[int]):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope_indices[i], backend)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope_indices[i], backend, kv_groups[i])
                                     for i in range(cfg.num_layers))
         self.norm = rms_norm(cfg, cfg.hidden_size)
 
@@ -121,7 +126,11 @@ class DecoderForCausalLM(nn.Module):
         # not submodules: no weights, one table per spec shared by its layers
         self.rotaries = [RotaryEmbedding(cfg.head_dim, max_positions, s.theta, s.scaling, dtype, device)
                          for s in specs]
-        self.model = DecoderModel(cfg, [specs.index(s) for s in cfg.rope], backend)
+        # KV cache groups (kvstore/kv_cache_groups.py): each layer's group and cache slot
+        self.kv_layout = group_layers(cfg.sliding_windows)
+        places = self.kv_layout.layer_places(cfg.num_layers)
+        self.kv_slots = [slot for _, slot in places]
+        self.model = DecoderModel(cfg, [specs.index(s) for s in cfg.rope], backend, [g for g, _ in places])
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -129,11 +138,6 @@ class DecoderForCausalLM(nn.Module):
         if cfg.embedding_scale is not None:  # rounded to the weights' dtype, as transformers does
             with torch.device(device):
                 self.embedding_scale = torch.tensor(cfg.embedding_scale).to(dtype)
-
-    @property
-    def windows(self) -> set[int | None]:
-        """The attention windows of the layers: the step builds one attention plan for each."""
-        return set(self.cfg.sliding_windows)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings [T, hidden] of `input_ids`, times the family's embedding scale
@@ -146,14 +150,15 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
                 logits_indices: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [S, vocab] of the rows `logits_indices`; kv_caches = (K per layer, V per layer).
+        """Logits [S, vocab] of the rows `logits_indices`; kv_caches = (K per layer slot, V
+        per layer slot: `kv_layout.group_size` of each, layer i reading slot `kv_slots[i]`).
         `inputs_embeds` [T, hidden], when given, is the step's input instead of
         `embed(input_ids)` (a step carrying image embeddings)."""
         k_caches, v_caches = kv_caches
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         ropes = [rotary.tables(positions) for rotary in self.rotaries]
-        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
-            h = layer(ropes, h, attn, k_cache, v_cache)
+        for layer, slot in zip(self.model.layers, self.kv_slots):
+            h = layer(ropes, h, attn, k_caches[slot], v_caches[slot])
         # The final norm is per row, so it may follow the row selection.
         logits = self.lm_head(self.model.norm(h.index_select(0, logits_indices)))
         cap = self.cfg.final_logit_softcap

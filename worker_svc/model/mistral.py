@@ -1,6 +1,6 @@
 """Mistral: Llama's layout with GQA and, when `sliding_window` is set (Mistral 7B v0.1),
 the same window on every layer -- so KV blocks wholly behind it go back to the pool as a
-request advances (DecoderConfig.uniform_window). Like transformers, any `layer_types`
+request advances (one KV cache group with that window: kvstore/kv_cache_groups.py). Like transformers, any `layer_types`
 in the config is ignored (alternating windows are Ministral's, a different architecture)."""
 
 from worker_svc.model.config import DecoderConfig, read_common
