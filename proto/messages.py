@@ -203,6 +203,8 @@ class WorkerStats(msgspec.Struct, frozen=True):
     num_cow_copies: int = 0  # shared, partly filled blocks copied on write
     num_aborted: int = 0  # requests aborted while waiting, running or swapped
     num_steps_ahead: int = 0  # steps planned while the step before ran (async scheduling)
+    group_windows: tuple[int, ...] = ()  # each KV cache group's window (0: full attention)
+    group_used_blocks: tuple[int, ...] = ()  # blocks held in each KV cache group
     requests: RequestHistograms | None = None
     steps: StepHistograms | None = None
 

@@ -191,13 +191,21 @@ def step_families(series: Sequence[tuple[str, StepHistograms]]) -> Iterator[Metr
 
 
 def worker_stats_families(stats: Sequence[WorkerStats]) -> Iterator[Metric]:
-    """Every metric WorkerStats carries, one series per worker."""
+    """Every metric WorkerStats carries, one series per worker (per KV cache group of each
+    worker for the group's blocks)."""
     for kind, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
         for name, help_text, value in table:
             family = kind(name, help_text, labels=["worker"])
             for s in stats:
                 family.add_metric([s.worker_id], float(value(s)))
             yield family
+    family = GaugeMetricFamily("pagedserve:kv_group_blocks_used",
+                               "KV blocks held by requests in one KV cache group (window 0: full attention)",
+                               labels=["worker", "group", "window"])
+    for s in stats:
+        for group, (window, used) in enumerate(zip(s.group_windows, s.group_used_blocks)):
+            family.add_metric([s.worker_id, str(group), str(window)], float(used))
+    yield family
     with_requests = [s for s in stats if s.requests is not None]
     for name, help_text, field in _REQUEST_HISTOGRAMS:
         yield histogram_family(name, help_text, ["worker"],

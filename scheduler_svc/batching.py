@@ -126,7 +126,8 @@ class BatchScheduler:
             num_swapped=len(queues.swapped), num_swapped_out=self.preemptor.num_swapped_out,
             num_cpu_blocks=kv.num_cpu_blocks, num_free_cpu_blocks=kv.cpu_pool.num_free_blocks,
             num_forks=self.forks.num_forks, num_cow_copies=self.forks.num_cow_copies,
-            num_aborted=queues.num_aborted, num_steps_ahead=self.steps.num_steps_ahead)
+            num_aborted=queues.num_aborted, num_steps_ahead=self.steps.num_steps_ahead,
+            group_windows=tuple(w or 0 for w in kv.group_windows), group_used_blocks=tuple(kv.blocks_per_group()))
 
     def check_integrity(self) -> None:
         """Raise AssertionError with a clear message unless every part's own invariants

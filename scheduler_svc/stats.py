@@ -32,6 +32,10 @@ class SchedulerStats:
     num_cow_copies: int = 0  # partly filled shared blocks copied on write
     num_aborted: int = 0  # requests aborted while waiting, running or swapped
     num_steps_ahead: int = 0  # steps planned while the step before ran (async scheduling)
+    # per KV cache group (kvstore/kv_cache_groups.py): its window (0: full attention), and
+    # the blocks the requests' tables hold in it (all groups share num_blocks)
+    group_windows: tuple[int, ...] = ()
+    group_used_blocks: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -116,13 +116,17 @@ def test_scheduler_metrics_server_serves_the_latest_stats_of_live_workers():
     try:
         for worker in ("a", "b"):
             metrics.publish(WorkerStats(worker_id=worker, num_blocks=10, num_free_blocks=4, num_running=2,
-                                        num_waiting=1, num_preemptions=0, num_steps=3, num_used_blocks=6))
+                                        num_waiting=1, num_preemptions=0, num_steps=3, num_used_blocks=6,
+                                        group_windows=(0, 48), group_used_blocks=(4, 2)))
         metrics.forget_worker("b")
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         server.close()
     got = parse_samples(text)
-    assert got[("pagedserve:kv_cache_usage_perc", (("worker", "a"),))] == 0.6
+    assert got[("pagedserve:kv_cache_usage_perc", (("worker", "a"),))] == 0.6  # the whole pool
+    # each KV cache group's blocks (a global group and a sliding one)
+    assert got[("pagedserve:kv_group_blocks_used", (("group", "0"), ("window", "0"), ("worker", "a")))] == 4
+    assert got[("pagedserve:kv_group_blocks_used", (("group", "1"), ("window", "48"), ("worker", "a")))] == 2
     assert got[("pagedserve:num_requests_running", (("worker", "a"),))] == 2
     assert ("pagedserve:num_requests_running", (("worker", "b"),)) not in got
     assert metrics.serve("127.0.0.1", 0) is None  # port 0: no server

@@ -18,6 +18,7 @@ from media_helpers import picture
 from prometheus_client import CollectorRegistry, generate_latest
 from runner_helpers import FakeMediaSource, mm_inputs
 
+from kvstore.kv_cache_groups import group_layers
 from proto import worker_pb2, worker_pb2_grpc
 from proto.keys import RedisKeys
 from proto.messages import MediaItem, events_decoder, registration_decoder
@@ -25,6 +26,7 @@ from proto.metrics import EncoderRecorder, StepCollector, StepRecorder
 from worker_svc import server
 from worker_svc.config import RunnerConfig
 from worker_svc.media_source import MISSING, MediaUnavailableError, RedisMediaSource
+from worker_svc.model.registry import load_config
 
 # ---- the Redis media source, the metrics -----------------------------------------------------
 
@@ -79,7 +81,7 @@ def test_the_worker_service_reads_media_from_its_redis(vision_dir, processor, re
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]
     prefix = f"images-{uuid.uuid4().hex[:8]}"
-    config = server.WorkerServiceConfig(runner=RunnerConfig(model=str(vision_dir), num_blocks=64),
+    config = server.WorkerServiceConfig(runner=RunnerConfig(model=str(vision_dir), num_blocks=256),
                                         port=0, redis_url=redis_url, key_prefix=prefix,
                                         metrics_port=metrics_port)
     client = redis.Redis.from_url(redis_url)
@@ -96,10 +98,12 @@ def test_the_worker_service_reads_media_from_its_redis(vision_dir, processor, re
         address = registration_decoder.decode(client.get(RedisKeys(prefix).worker(config.worker_id))).address
         subscription.subscribe("out:images")
         step = worker_pb2.StepRequest(step_id=1)
+        # a table per KV cache group (the tiny Gemma 3's global and sliding layers), each request's own
+        per_request = group_layers(load_config(vision_dir).sliding_windows).num_groups * (len(case.ids) // 16 + 1)
         for rid, h in (("ok", digest), ("gone", "ef" * 32)):
-            first = 0 if rid == "ok" else 20
+            first = 0 if rid == "ok" else per_request
             step.new_requests.add(request_id=rid, token_ids=case.ids, num_prompt_tokens=len(case.ids),
-                                  block_ids=list(range(first, first + len(case.ids) // 16 + 1)),
+                                  block_ids=list(range(first, first + per_request)),
                                   sampling=worker_pb2.SamplingParams(max_tokens=1), reply_channel="out:images",
                                   mm_inputs=mm_inputs(case.ids, IMAGE, [h]))
             step.num_scheduled_tokens[rid] = len(case.ids)
