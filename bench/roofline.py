@@ -171,10 +171,8 @@ class Driver:
                                                quantization=args.quantization,
                                                kv_cache_dtype=args.kv_cache_dtype))
         info = self.runner.describe()
-        self.scheduler = BatchScheduler(
-            SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
-            num_blocks=info.num_blocks, block_size=info.block_size,
-            max_model_len=info.max_model_len, num_cpu_blocks=0)
+        self.scheduler = BatchScheduler.for_worker(
+            SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens), info)
         self.cfg = self.runner.model_config
         self.elem = torch.empty((), dtype=self.runner.dtype).element_size()
         self.layer_elem = 1 if args.quantization == "int8" else None

@@ -51,9 +51,7 @@ class InProcessPrefill:
 
     def __call__(self, prompt: list[int]) -> float:
         info = self.info
-        scheduler = BatchScheduler(SchedulerConfig(enable_prefix_caching=False),
-                                   num_blocks=info.num_blocks, block_size=info.block_size,
-                                   max_model_len=info.max_model_len, num_cpu_blocks=0)
+        scheduler = BatchScheduler.for_worker(SchedulerConfig(enable_prefix_caching=False), info)
         self.count += 1
         scheduler.add_request(NewRequest(f"p{self.count}", prompt, SamplingParams(max_tokens=1, temperature=0),
                                          "ttft", time.time()))
