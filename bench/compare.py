@@ -13,6 +13,8 @@ the other's cores:
                  Redis, no gRPC — what the service split costs is stack / engine
   hf-serve       `transformers serve --continuous-batching` (Hugging Face's own server)
   hf-static      `transformers` generate() with static padded batches, offline
+`--hog-cpus 0` keeps a process spinning on core 0 while each contender serves
+(bench/cpu_hog.py): a co-located load, as another tenant of a shared host.
 Rounds interleave the contenders (A B C D, A B C D, …) so slow drifts of a shared machine
 hit all of them alike. Writes every run's JSON, a summary JSON with medians, and prints a
 Markdown table with ratios against the stack. For the stack and the engine it also reads the
@@ -58,6 +60,7 @@ from kernels.cpu_features import cpu_features  # noqa: E402
 from proto.metrics_scrape import Samples, metric, scrape  # noqa: E402
 
 sys.path.append(str(HERE))  # after the repository: bench/kernels.py must not shadow kernels/
+from cpu_hog import cpu_hogs  # noqa: E402
 from proc_cpu import cpu_by_process, cpu_used  # noqa: E402
 CONTENDERS = ("stack", "engine", "hf-serve", "hf-static", "stack-async")
 STEPS, GAPS = "pagedserve:step_duration_seconds", "pagedserve:step_gap_seconds"
@@ -235,28 +238,35 @@ def run_one(name: str, args, round_no: int, out_dir: Path) -> dict:
                "--device", args.device, "--dtype", args.dtype]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
-        subprocess.run(cmd, check=True)
+        with cpu_hogs(args.hog_cpus):
+            subprocess.run(cmd, check=True)
     else:
         proc, base_url, extra = start_server(name, args, free_port(), log)
         try:
-            # A short warm-up (allocators, lazy imports, first compiles) that is not measured.
-            run_client([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
-                        "--tokenizer", args.model_dir, "--num-requests", "4", "--concurrency", "4",
-                        "--output-mean", "8", "--quiet"], proc, name, log, stdout=subprocess.DEVNULL)
-            server = base_url.removesuffix("/v1")
-            before = settled_samples(server) if name != "hf-serve" else None
-            cpu_before = cpu_by_process(proc.pid)
-            run_client([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
-                        "--label", name, "--concurrency", str(args.concurrency), *workload_args(args),
-                        "--out", str(out)], proc, name, log)
-            result = json.loads(out.read_text())
-            result["server_cpu_s"] = cpu_used(cpu_before, cpu_by_process(proc.pid))
-            if before is not None:
-                result["server_steps"] = step_split(before, settled_samples(server))
-            out.write_text(json.dumps(result, indent=2))
+            with cpu_hogs(args.hog_cpus):  # from the warm-up on: the server adapts to it first
+                measure_server(name, args, proc, base_url, extra, out, log)
         finally:
             stop(proc)
     return json.loads(out.read_text())
+
+
+def measure_server(name: str, args, proc: subprocess.Popen, base_url: str, extra: list[str],
+                   out: Path, log: Path) -> None:
+    # A short warm-up (allocators, lazy imports, first compiles) that is not measured.
+    run_client([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
+                "--tokenizer", args.model_dir, "--num-requests", "4", "--concurrency", "4",
+                "--output-mean", "8", "--quiet"], proc, name, log, stdout=subprocess.DEVNULL)
+    server = base_url.removesuffix("/v1")
+    before = settled_samples(server) if name != "hf-serve" else None
+    cpu_before = cpu_by_process(proc.pid)
+    run_client([sys.executable, str(HERE / "serve.py"), "--base-url", base_url, *extra,
+                "--label", name, "--concurrency", str(args.concurrency), *workload_args(args),
+                "--out", str(out)], proc, name, log)
+    result = json.loads(out.read_text())
+    result["server_cpu_s"] = cpu_used(cpu_before, cpu_by_process(proc.pid))
+    if before is not None:
+        result["server_steps"] = step_split(before, settled_samples(server))
+    out.write_text(json.dumps(result, indent=2))
 
 
 def cpu_medians(results: list[dict]) -> dict[str, float]:
@@ -294,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the stack's and the engine's KV cache (pagedserve --kv-cache-dtype)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help="on a GPU, the stack's and the engine's KV cache fills this share of the device")
+    p.add_argument("--hog-cpus", type=int, nargs="*", default=[],
+                   help="a process spinning on each of these cores while each contender serves "
+                        "(bench/cpu_hog.py): a co-located load, as on a shared host")
     p.add_argument("--out-dir", default="bench/results/compare")
     args = p.parse_args(argv)
     check_contenders(args.contenders)

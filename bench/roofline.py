@@ -163,7 +163,7 @@ class Driver:
     """BatchScheduler + ModelRunner in this thread; times ModelRunner.step only."""
 
     def __init__(self, args):
-        self.runner = ModelRunner(RunnerConfig(model=args.model_dir,
+        self.runner = ModelRunner(RunnerConfig(model=args.model_dir, threads=args.threads,
                                                kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
                                                block_size=args.block_size,
                                                attention_backend=args.attention_backend,
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="int8 weights (the floor then counts the quantized layers' weights at 1 byte)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype (the floor counts its bytes)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, help="torch threads (default: the worker's choice, worker_svc/cpu_threads.py)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=320, help="tokens of context per request")
     p.add_argument("--steps", type=int, default=20)

@@ -17,10 +17,6 @@ from gateway.config import config_from_args
 
 
 def _runner_config(args: argparse.Namespace):
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     from worker_svc.config import RunnerConfig
 
     return RunnerConfig(
@@ -30,7 +26,7 @@ def _runner_config(args: argparse.Namespace):
         swap_space_bytes=args.swap_space, max_model_len=args.max_model_len, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=None if args.quantization == "none" else args.quantization,
-        device=args.device, attention_backend=args.attention_backend, seed=args.seed,
+        device=args.device, attention_backend=args.attention_backend, seed=args.seed, threads=args.threads,
         encoder_cache_memory_bytes=args.encoder_cache_memory,
     )
 

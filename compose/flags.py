@@ -54,7 +54,8 @@ def add_runner_flags(f: EnvFlags) -> None:
                "quantized at load; matmuls with int8 dot products (VNNI/AMX-INT8) where torch has them")
     f.add("--device", default="cpu", help="cpu|cuda|cuda:N")
     f.add("--attention-backend", default="auto", help="auto|torch|cpu|triton")
-    f.add("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    f.add("--threads", type=int, help="CPU compute threads (default: the CPUs the process may use -- affinity "
+          "and cgroup quota -- adjusted while serving to what other processes leave: worker_svc/cpu_threads.py)")
     f.add("--seed", type=int, default=0)
     f.add("--encoder-cache-memory", type=parse_bytes, default="256MiB",
           help="vision models: memory on the device for image embeddings kept by content hash, "

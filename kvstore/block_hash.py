@@ -45,6 +45,14 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple = ()) 
     return h.digest()
 
 
+def block_hash_at(hashes: list[bytes], i: int, tokens: Sequence[int], keys: tuple, hash_fn: HashFn) -> bytes:
+    """hashes[i] of a sequence whose hash list is `hashes`, computed and appended if the list
+    stops at i (`tokens`, `keys`: block i's)."""
+    if i == len(hashes):
+        hashes.append(hash_fn(hashes[i - 1] if i else ROOT, tokens, keys))
+    return hashes[i]
+
+
 def span_block_keys(spans: Iterable[tuple[int, int, Hashable]], block_size: int) -> dict[int, tuple]:
     """The BlockExtraKeys of a sequence whose positions `start <= p < end` depend on `key`,
     for each (start, end, key) of `spans` (non-empty ranges, in order): each key goes to

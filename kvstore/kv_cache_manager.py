@@ -3,81 +3,57 @@ view of the KV cache.
 
 A request's block table is the list of blocks holding its tokens in order: token at
 position p lives in slot `table[p // block_size].block_id * block_size + p % block_size`.
-The scheduler sends these ids to the worker; only the worker holds the memory.
-
-KV cache groups (`group_windows`, kvstore/kv_cache_groups.py): a model whose layers attend
-differently (Gemma 3's sliding and global layers) has one table per group for each
-request, all of the same length and all from the one pool; a sliding group's table holds
-holes behind the window (below). One group (every model with a single kind of layer) is
-the plain case. Ids cross the API group after group: `allocate_slots` returns each group's
-new ids in turn (the same count for each), `block_ids` each group's table in turn, and
-swap and copy pairs cover every group.
+The scheduler sends these ids to the worker; only the worker holds the memory. A request
+has one table per KV cache group (`group_windows`, kvstore/kv_cache_groups.py: Gemma 3's
+global and sliding layers), all of one length and all from the one pool; one group is the
+plain case. Ids cross the API group after group: `allocate_slots` returns each group's new
+ids in turn (the same count for each), `block_ids` each group's table in turn.
 
 Prefix caching (on unless `enable_prefix_caching=False`), in three calls:
 1. `find_cached_prefix(token_ids, hashes, extra_keys, fit)` -- before admitting a request:
-   the longest run of cached blocks holding a prefix of its tokens in every group
-   (kvstore/prefix_hit.py: group 0's chain, each hit verified (BlockKey); in a sliding group
-   only the blocks the window reaches), capped so its last token is computed again (the
-   worker needs its logits). No side effects.
+   the longest run of cached blocks holding a prefix of its tokens in every group, each hit
+   verified (BlockKey; across groups: kvstore/prefix_hit.py), capped so its last token is
+   computed again (the worker needs its logits). No side effects.
 2. `allocate_slots(request_id, num_tokens, cached)` -- those blocks start the new tables
    (ref_cnt += 1, out of the free queue), fresh blocks follow.
 3. `cache_full_blocks(request_id, token_ids, hashes, num_computed_tokens, extra_keys)` --
-   after a step computed them: the tables' blocks that are now full and computed enter
-   their group's cache. A block whose content is already cached under another block stays
-   out (the cached one serves later hits); the request's chain continues through the
-   cached one.
-The caller keeps each request's hash list (`hashes`, extended here as needed) for as long
-as the request stays on this worker, so a preempted request does not hash again.
-`extra_keys` (kvstore/block_hash.py, BlockExtraKeys: block index -> that block's extra
-keys, e.g. the images it holds) must be the same in every call for one request; None (or
-empty) means () for every block, the text-only case, which costs nothing extra.
+   after a step computed them: the tables' blocks now full and computed enter their group's
+   cache. A block whose content is cached already stays out (the cached one serves later
+   hits); the request's chain continues through the cached one.
+The caller keeps each request's hash list (`hashes`, extended here as needed) while the
+request stays on this worker, so a preempted request does not hash again. `extra_keys`
+(kvstore/block_hash.py BlockExtraKeys, e.g. the images a block holds) must be the same in
+every call for one request; None means () for every block.
+
+Sliding windows (a group with window W: Mistral's one group, Gemma 3's sliding ones):
+`allocate_slots(..., num_computed_tokens=c)` first gives back the group's blocks wholly
+behind the window of the request's next query (positions < c - W + 1), so a long request
+holds about W + one block there. Their place becomes a hole (None), sent to the worker as
+`HOLE_BLOCK_ID`, which no kernel lets count. With prefix caching a block is dropped only
+once offered to the cache, so the cached chain stays whole for later hits.
+
+Swap (`swap_out`, `swap_in`: preemption without recompute, the CPU tables in
+kvstore/swap_pool.py) and copy-on-write (`fork`, `copy_on_write`: parallel sampling) act
+on every group; they return the (src, dst) block pairs the worker copies.
 
 Invariants (checked by `check_integrity`):
-- every block's ref_cnt equals the number of block tables holding it, and a block is in
-  one group's tables (and cache) only;
-- free + referenced == num_blocks, and no free block is in any block table;
+- every block's ref_cnt equals the number of block tables holding it; a block is in one
+  group's tables (and cache) only; free + referenced == num_blocks, and no free block is in
+  a table; the pool's own invariants hold;
 - a request's tables are never empty (a request without blocks has no entry), have equal
-  lengths, hold no block twice, and its chain state covers at most its blocks; the pool's
-  own invariants hold.
-
-Swap (preemption without recompute), over a second pool of CPU block ids
-(kvstore/swap_pool.py, no prefix caching there):
-- `swap_out(request_id)` -- the request's GPU blocks are released (as `free` does) and
-  its tables move to fresh CPU blocks; returns the (gpu, cpu) pairs the worker copies;
-- `swap_in(request_id)` -- fresh GPU blocks, CPU blocks released; returns (cpu, gpu)
-  pairs. The new tables are offered to the prefix cache again from their first block.
-
-Copy-on-write (parallel sampling, `n > 1`):
-- `fork(parent_id, child_id)` -- the child's tables are the parent's, every block's
-  ref_cnt + 1 (the partly filled last blocks too);
-- `copy_on_write(request_id, num_computed_tokens)` -- before a request writes into its
-  last blocks: each one partly filled and shared is replaced by a fresh block, and the
-  worker copies the old one into it (the returned (src, dst) pairs).
-
-Sliding windows (a group with window W, whose layers attend to the last W keys only;
-Mistral's one group, Gemma 3's sliding groups): `allocate_slots(..., num_computed_tokens=c)`
-first gives back the group's blocks wholly behind the window of the request's next query
-(every position < c - W + 1), so a long generation holds about W + one block of KV there.
-Their place in the table becomes a hole (None); its position is kept so later blocks keep
-their indices. A hole is sent to the worker as block id `HOLE_BLOCK_ID`: kernels never let
-a key behind the window count (the C and Triton kernels do not read it; the torch path
-reads it and masks it out). With prefix caching, a block is dropped only once it was
-offered to the cache (the chain of cached blocks stays whole, so a later request can still
-hit the prefix).
-
-Invariants (checked by `check_integrity`), in addition to those above:
-- a request holds GPU blocks or CPU blocks, never both; every CPU block is held by
-  exactly one swapped request's CPU table or free.
-- holes only in sliding groups, and only before the request's live blocks.
+  lengths, hold no block twice, and its chain state covers at most its blocks;
+- holes only in sliding groups, and only before the request's live blocks;
+- a request holds GPU blocks or CPU blocks, never both; every CPU block is held by exactly
+  one swapped request's CPU table or free.
 """
 
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from kvstore.block_hash import ROOT, BlockExtraKeys, BlockKey, HashFn, hash_block
+from kvstore.block_hash import BlockExtraKeys, BlockKey, HashFn, block_hash_at, hash_block
 from kvstore.block_pool import BlockPool, KVBlock
-from kvstore.prefix_hit import PrefixHit, first_needed, hit_length
-from kvstore.swap_pool import CpuBlockPool
+from kvstore.prefix_hit import PrefixHit, find_hit
+from kvstore.swap_pool import SwapTables
 
 
 HOLE_BLOCK_ID = 0  # what a table's hole (a block dropped behind the window) is sent as
@@ -118,9 +94,8 @@ class KVCacheManager:
         # cached block holding the same content as the last of them (0: none yet; CLOSED:
         # the request offers no more blocks)]
         self._chains: dict[str, list[int]] = {}
-        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
-        # swapped-out request id -> its CPU block ids in each group
-        self._cpu_tables: dict[str, list[list[int | None]]] = {}
+        self._swapped = SwapTables(num_cpu_blocks)  # swapped-out requests' CPU tables
+        self.cpu_pool = self._swapped.pool
 
     @property
     def num_blocks(self) -> int:
@@ -138,61 +113,19 @@ class KVCacheManager:
         """Blocks a table needs to hold num_tokens tokens (in each group)."""
         return cdiv(num_tokens, self.block_size)
 
-    def _block_hash(self, hashes: list[bytes], i: int, tokens: Sequence[int], keys: tuple) -> bytes:
-        """hashes[i], computed and appended if the list stops at i (tokens, keys: block i's)."""
-        if i == len(hashes):
-            hashes.append(self.hash_fn(hashes[i - 1] if i else ROOT, tokens, keys))
-        return hashes[i]
-
     def find_cached_prefix(self, token_ids: Sequence[int], hashes: list[bytes],
                            extra_keys: BlockExtraKeys | None = None,
                            fit: Callable[[int], int] | None = None) -> list[KVBlock]:
         """The longest run of cached blocks holding token_ids' first blocks with their
         extra keys, at most (len(token_ids) - 1) // block_size of them, that every group
-        holds (kvstore/prefix_hit.py) and `fit` accepts (`fit(m)`: the largest hit <= m
-        blocks the caller can take, e.g. one not ending inside an image). Changes nothing
-        but `hashes` (the caller's list of this sequence's block hashes, extended only as
-        far as the walk goes). Every hit is verified against the block's key (tokens and
-        extra keys), never trusted on the hash. With several groups, a PrefixHit."""
+        holds and `fit` accepts (`fit(m)`: the largest hit <= m blocks the caller can take,
+        e.g. one not ending inside an image): kvstore/prefix_hit.py `find_hit`. Changes
+        nothing but `hashes` (the caller's list of this sequence's block hashes, extended
+        only as far as the walk goes). With several groups, a PrefixHit."""
         if not self.enable_prefix_caching:
             return []
-        bs, cached = self.block_size, self.block_pool.cached
-        keys_of = extra_keys.get if extra_keys else None
-        blocks: list[KVBlock] = []
-        parent_serial = 0
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            keys = () if keys_of is None else keys_of(i, ())
-            block = cached.get(self._block_hash(hashes, i, tokens, keys))
-            if block is None or block.block_key != (parent_serial, tokens, keys):
-                break
-            blocks.append(block)
-            parent_serial = block.serial
-        if self.num_groups == 1:
-            return blocks[:fit(len(blocks))] if fit is not None and blocks else blocks
-        lookups = [self._group_lookup(g, blocks, token_ids, hashes, keys_of)
-                   for g in range(1, self.num_groups)]
-        m = hit_length(len(blocks), lookups, self.group_windows[1:], bs, fit)
-        groups: list[list[KVBlock | None]] = [blocks[:m]]
-        for lookup, window in zip(lookups, self.group_windows[1:]):
-            first = first_needed(m, bs, window)
-            groups.append([None] * first + [lookup(i) for i in range(first, m)])
-        return PrefixHit(groups)
-
-    def _group_lookup(self, group: int, anchor: list[KVBlock], token_ids: Sequence[int],
-                      hashes: list[bytes], keys_of) -> Callable[[int], KVBlock | None]:
-        """Block index (< len(anchor)) -> the group's cached block holding the content of
-        the anchor's block there, verified against its key, or None. Memoized."""
-        cached, bs, memo = self.block_pool.cached_groups[group], self.block_size, {}
-
-        def lookup(i: int) -> KVBlock | None:
-            if i not in memo:
-                block = cached.get(hashes[i])
-                key = (anchor[i].serial, tuple(token_ids[i * bs:(i + 1) * bs]),
-                       () if keys_of is None else keys_of(i, ()))
-                memo[i] = block if block is not None and block.block_key == key else None
-            return memo[i]
-        return lookup
+        return find_hit(self.block_pool.cached_groups, self.group_windows, self.block_size, self.hash_fn,
+                        token_ids, hashes, extra_keys, fit)
 
     def allocate_slots(self, request_id: str, num_tokens: int,
                        cached: Sequence[KVBlock] = (), num_computed_tokens: int = 0) -> list[int] | None:
@@ -258,7 +191,7 @@ class KVCacheManager:
         for i in range(chain[0], num_full):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             keys = () if keys_of is None else keys_of(i, ())
-            block_hash = self._block_hash(hashes, i, tokens, keys)
+            block_hash = block_hash_at(hashes, i, tokens, keys, self.hash_fn)
             chain[1] = self._offer(0, anchor[i], block_hash, BlockKey(chain[1], tokens, keys))
             for g, table in enumerate(others, 1):
                 if table[i] is not None:
@@ -307,15 +240,15 @@ class KVCacheManager:
         Tail blocks are freed first so they are evicted first (see BlockPool.free_blocks),
         and the anchor group's last, so its chain outlives the other groups' blocks.
         """
+        self._free_gpu(request_id)
+        self._swapped.release(request_id)
+
+    def _free_gpu(self, request_id: str) -> None:
         tables = self._tables.pop(request_id, None)
         self._chains.pop(request_id, None)
         if tables is not None:
             for table in reversed(tables):
                 self.block_pool.free_blocks(reversed(_live(table)))
-        cpu_tables = self._cpu_tables.pop(request_id, None)
-        if cpu_tables is not None:
-            for cpu_table in cpu_tables:
-                self.cpu_pool.free(_live(cpu_table))
 
     # -- swap --------------------------------------------------------------------------
 
@@ -333,17 +266,15 @@ class KVCacheManager:
         those GPU blocks are written again. The GPU blocks are released as by `free`
         (cached ones stay cached). Check `can_swap_out` first."""
         tables = self._tables[request_id]
-        cpu_ids = iter(self.cpu_pool.allocate(self.num_blocks_held(request_id)))
-        cpu_tables = [[None if block is None else next(cpu_ids) for block in table] for table in tables]
+        cpu_tables = self._swapped.store(request_id, [[block is None for block in table] for table in tables])
         pairs = [(block.block_id, cpu_id) for table, cpu_table in zip(tables, cpu_tables)
                  for block, cpu_id in zip(table, cpu_table) if block is not None]
-        self.free(request_id)
-        self._cpu_tables[request_id] = cpu_tables
+        self._free_gpu(request_id)
         return pairs
 
     def num_swapped_blocks(self, request_id: str) -> int:
         """CPU blocks the request holds (0 unless it is swapped out)."""
-        return sum(len(_live(t)) for t in self._cpu_tables.get(request_id, ()))
+        return self._swapped.num_blocks_held(request_id)
 
     def swap_in(self, request_id: str, num_tokens: int | None = None,
                 num_computed_tokens: int = 0) -> list[tuple[int, int]] | None:
@@ -353,13 +284,11 @@ class KVCacheManager:
         all when given (so the caller can then `allocate_slots` its next tokens without
         failing). In sliding groups, the CPU blocks behind the window of position
         `num_computed_tokens` are given back first, as allocate_slots would right after."""
-        cpu_tables = self._cpu_tables[request_id]
         if self._windowed:
-            for cpu_table, window in zip(cpu_tables, self.group_windows):
-                if window is not None:
-                    limit = max(0, num_computed_tokens - window + 1) // self.block_size
-                    self.cpu_pool.free(_live(cpu_table[:limit]))
-                    cpu_table[:limit] = [None] * min(limit, len(cpu_table))
+            self._swapped.drop_before(request_id, [
+                0 if window is None else max(0, num_computed_tokens - window + 1) // self.block_size
+                for window in self.group_windows])
+        cpu_tables = self._swapped.get(request_id)
         live = [_live(t) for t in cpu_tables]
         grow = max(0, cdiv(num_tokens, self.block_size) - len(cpu_tables[0])) if num_tokens else 0
         if sum(map(len, live)) + grow * self.num_groups > self.block_pool.num_free_blocks:
@@ -373,9 +302,7 @@ class KVCacheManager:
             # block 0; an anchor table with holes cannot chain from block 0, so it offers none
             anchor_holes = len(live[0]) < len(cpu_tables[0])
             self._chains[request_id] = [len(tables[0]), CLOSED] if anchor_holes else [0, 0]
-        del self._cpu_tables[request_id]
-        for ids in live:
-            self.cpu_pool.free(ids)
+        self._swapped.release(request_id)
         return [(c, block.block_id) for cpu_table, table in zip(cpu_tables, tables)
                 for c, block in zip(cpu_table, table) if block is not None]
 
@@ -384,7 +311,7 @@ class KVCacheManager:
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent's tables (ref_cnt + 1 each), and
         its prefix-cache chain state."""
-        assert child_id not in self._tables and child_id not in self._cpu_tables, (
+        assert child_id not in self._tables and child_id not in self._swapped, (
             f"request {child_id} already holds blocks")
         tables = self._tables[parent_id]
         for table in tables:
@@ -427,13 +354,13 @@ class KVCacheManager:
     def num_holes(self, request_id: str) -> list[int]:
         """Each group's holes in the request's GPU or CPU table (blocks given back behind
         the window)."""
-        tables = self._tables.get(request_id) or self._cpu_tables.get(request_id) or ()
+        tables = self._tables.get(request_id) or self._swapped.get(request_id) or ()
         return [len(table) - len(_live(table)) for table in tables]
 
     def table_length(self, request_id: str) -> int:
         """Entries of the request's GPU or CPU block table in each group, holes behind the
         window included: cdiv(tokens it covers, block_size)."""
-        tables = self._tables.get(request_id) or self._cpu_tables.get(request_id)
+        tables = self._tables.get(request_id) or self._swapped.get(request_id)
         return len(tables[0]) if tables else 0
 
     def request_ids(self) -> list[str]:
@@ -484,14 +411,9 @@ class KVCacheManager:
             assert chain is None or chain[0] <= len(tables[0]), (
                 f"request {request_id}: {chain[0]} blocks offered to the cache, {len(tables[0])} held")
         assert self._chains.keys() <= self._tables.keys(), "chain state for a request without blocks"
-        self.cpu_pool.check_integrity()
-        assert not self._cpu_tables.keys() & self._tables.keys(), (
-            f"requests holding GPU and CPU blocks: {self._cpu_tables.keys() & self._tables.keys()}")
-        cpu_held = [i for tables in self._cpu_tables.values() for ids in tables for i in _live(ids)]
-        assert len(cpu_held) == len(set(cpu_held)), "a CPU block is in two CPU tables"
-        assert len(cpu_held) + self.cpu_pool.num_free_blocks == self.cpu_pool.num_blocks, (
-            f"{len(cpu_held)} CPU blocks in tables + {self.cpu_pool.num_free_blocks} free "
-            f"!= {self.cpu_pool.num_blocks}")
+        self._swapped.check_integrity()
+        both = [rid for rid in self._tables if rid in self._swapped]
+        assert not both, f"requests holding GPU and CPU blocks: {both}"
         for block in self.block_pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (
                 f"{block!r} is held by {holders[block.block_id]} block tables "

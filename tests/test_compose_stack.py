@@ -60,7 +60,7 @@ def run_compose(*args: str, timeout: float = 900) -> subprocess.CompletedProcess
     """`docker compose -f compose/docker-compose.yml ARGS` from the repository root, as the
     README has users type it; the test's settings through the documented variables."""
     env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "MODEL": MODEL, "PRESET": MODEL,
-           "GATEWAY_PORTS": "18000-18009", "KV_CACHE_MEMORY": "32MiB"}
+           "GATEWAY_PORTS": "18000-18009", "KV_CACHE_MEMORY": "32MiB", "WORKER_CPUS": "1"}
     return subprocess.run([*compose_binary(), "-f", COMPOSE_FILE, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -178,6 +178,15 @@ def test_images_light_without_torch_and_nobody_runs_as_root(stack):
         docker("exec", container, "python3", "-c", code)  # fails where torch is installed
     for container in (gateway, scheduler, *containers("worker")):
         assert docker("exec", container, "id", "-u").strip() != "0"
+
+
+def test_a_worker_limited_to_one_cpu_computes_with_one_thread(stack):
+    """WORKER_CPUS=1 (`cpus: 1`: a CFS quota, as `docker run --cpus 1`): the worker reads the
+    quota and computes with one thread, not one per core of the host."""
+    for worker in containers("worker"):
+        proc = subprocess.run(["docker", "logs", worker], capture_output=True, text=True, timeout=60)
+        logs = proc.stdout + proc.stderr
+        assert "compute threads: 1 (" in logs and "a cgroup CPU quota of 1)" in logs, logs[-3000:]
 
 
 def test_greedy_output_is_transformers(stack, cases, expected):

@@ -21,6 +21,9 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"  # "auto" = dtype; "bfloat16": bf16 K/V (CPU; kvstore/cache_tensors.py)
     quantization: str | None = None  # "int8": int8 weights, quantized at load (model/int8_linear.py)
     device: str = "cpu"
+    # CPU compute threads; None: from the CPUs the process may use, adjusted while serving
+    # to what other processes leave (worker_svc/cpu_threads.py)
+    threads: int | None = None
     attention_backend: str = "auto"
     seed: int = 0  # seeds the generator of requests that carry no seed of their own
     # image embeddings kept by content hash (worker_svc/encoder_cache.py), on the device;

@@ -46,6 +46,7 @@ from proto.model_source import resolve_model
 from proto.messages import NO_TOKEN_ID, Logprobs, TokenEvent
 from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
+from worker_svc.cpu_threads import CpuShare, choose_threads
 from worker_svc.grammar import GrammarCompiler
 from worker_svc.kv_budget import kv_cache_bytes
 from worker_svc.logprobs import gather_logprobs
@@ -94,6 +95,14 @@ class ModelRunner:
         self.model_dir = resolve_model(config.model)  # a folder, or a Hub id from the cache
         self.model_config = load_config(self.model_dir)
         cfg = self.model_config
+        # CPU compute threads (on this thread: the compute thread, whose OpenMP team they are)
+        self.cpu_share: CpuShare | None = None
+        if self.device.type == "cpu":
+            choice = choose_threads(config.threads)
+            torch.set_num_threads(choice.threads)
+            log.info("compute threads: %d (%s)", choice.threads, choice.why)
+            if not choice.fixed and choice.allowed > 1:
+                self.cpu_share = CpuShare(choice)
         self.dtype, why = resolve_dtype(config.dtype, cfg, self.device)
         log.info("serving in %s (%s)", str(self.dtype).removeprefix("torch."), why)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
@@ -217,6 +226,8 @@ class ModelRunner:
 
     def step(self, request: worker_pb2.StepRequest) -> StepOutput:
         start = time.perf_counter()
+        if self.cpu_share is not None and (threads := self.cpu_share.threads()):
+            torch.set_num_threads(threads)
         with torch.inference_mode():
             self._swap_out(request)
         self._update_states(request)
