@@ -232,9 +232,11 @@ def test_runner_with_triton_backend_matches_torch_backend(device, arch, family_m
     from worker_svc.model_runner import ModelRunner
 
     runners = {name: ModelRunner(RunnerConfig(
-        model=str(family_model_dir(arch)), block_size=16, num_blocks=24, device=device,
+        model=str(family_model_dir(arch)), block_size=16, num_blocks=72, device=device,
         attention_backend=name)) for name in ("torch", "triton")}
     assert runners["triton"].backend.name == "triton"
+    # a table per KV cache group (Gemma 3's global layer and its sliding ones), 24 blocks each
+    groups = runners["torch"].kv_layout.num_groups
     prompts = {"a": list(range(10, 70)), "b": list(range(100, 107))}
     blocks = {"a": [9, 2, 17, 20, 21], "b": [5, 11]}
     tokens = {}
@@ -246,7 +248,7 @@ def test_runner_with_triton_backend_matches_torch_backend(device, arch, family_m
                 if step == 0:
                     req.new_requests.add(
                         request_id=rid, token_ids=prompt, num_prompt_tokens=len(prompt),
-                        block_ids=blocks[rid], reply_channel="c",
+                        block_ids=[b + 24 * g for g in range(groups) for b in blocks[rid]], reply_channel="c",
                         sampling=worker_pb2.SamplingParams(max_tokens=20, temperature=0.0))
                     req.num_scheduled_tokens[rid] = 24 if rid == "a" else len(prompt)
                 elif step == 1 and rid == "a":
