@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from runner_helpers import make_runner
 
-from worker_svc.cpu_threads import CpuShare, cgroup_cpu_quota, choose_threads, read_busy_seconds
+from worker_svc.cpu_threads import DOWN_READINGS, CpuShare, cgroup_cpu_quota, choose_threads, read_busy_seconds
 
 
 def test_the_quota_caps_the_affinity_and_threads_given_win():
@@ -66,7 +66,7 @@ class FakeCounters:
         self.busy += (own_cores + other_cores) * seconds
 
 
-def test_threads_follow_what_other_processes_take_after_two_readings_agree():
+def test_threads_follow_what_other_processes_take_for_a_few_readings_in_a_row():
     c = FakeCounters()
     share = CpuShare(choose_threads(None, cpus={0, 1}, quota=None), cpus={0, 1}, interval_s=0.9,
                      busy_seconds=lambda: c.busy, own_seconds=lambda: c.own, clock=lambda: c.t)
@@ -75,11 +75,17 @@ def test_threads_follow_what_other_processes_take_after_two_readings_agree():
     assert share.threads() is None  # not an interval yet
     c.run(0.6, 1.9, 0.05)
     assert share.threads() is None and share.taken < 0.1  # alone: keeps two
-    c.run(1.0, 1.0, 1.0)  # a process takes a core
-    assert share.threads() is None and round(share.taken, 6) == 1.0  # one reading: wait for another
+    for _ in range(DOWN_READINGS - 1):  # a burst of a few seconds: ignored
+        c.run(1.0, 1.0, 1.0)
+        assert share.threads() is None and round(share.taken, 6) == 1.0
+    c.run(1.0, 1.9, 0.1)
+    assert share.threads() is None
+    for _ in range(DOWN_READINGS - 1):  # a process keeps a core: one thread, after DOWN_READINGS
+        c.run(1.0, 1.0, 1.0)
+        assert share.threads() is None
     c.run(1.0, 1.0, 1.0)
     assert share.threads() == 1 and share.current == 1
-    c.run(1.0, 1.0, 0.3)  # a light neighbour: two again, after two readings
+    c.run(1.0, 1.0, 0.3)  # a light neighbour: two again, after UP_READINGS
     assert share.threads() is None
     c.run(1.0, 1.0, 0.3)
     assert share.threads() == 2

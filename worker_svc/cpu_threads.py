@@ -13,7 +13,9 @@ region wait for each other at its end, so a thread whose core another process to
 every region (hundreds a step) for a scheduler time slice. Between steps, about once a
 second, the worker reads how busy its CPUs were (/proc/stat, steal included) against its own
 CPU time: what other processes took, in cores, leaves `allowed - taken`, and the worker
-computes with that many threads (rounded, at least one), after two readings agree.
+computes with that many threads (rounded, at least one) once `DOWN_READINGS` readings in a
+row ask for fewer (a neighbour's burst of a few seconds, such as a client starting, is not
+worth halving the threads for) or `UP_READINGS` ask for more.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+DOWN_READINGS = 4  # one-second readings in a row that ask for fewer threads before the worker drops one
+UP_READINGS = 2
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,8 @@ class CpuShare:
         self._busy = busy_seconds or (lambda: read_busy_seconds(cpus))
         self._own, self._clock = own_seconds, clock
         self._last = self._sample()
-        self._pending: int | None = None  # a count one reading asked for; the next must agree
+        self._pending: int | None = None  # the count the last readings asked for
+        self._readings = 0  # how many in a row
         self.taken = 0.0  # cores other processes took over the last interval
 
     def _sample(self) -> _Sample:
@@ -174,12 +179,14 @@ class CpuShare:
         self.taken = max(0.0, others / elapsed)
         want = max(1, min(self._allowed, round(self._allowed - self.taken)))
         if want == self.current:
-            self._pending = None
+            self._pending, self._readings = None, 0
             return None
         if self._pending != want:
-            self._pending = want
+            self._pending, self._readings = want, 0
+        self._readings += 1
+        if self._readings < (DOWN_READINGS if want < self.current else UP_READINGS):
             return None
-        self._pending = None
+        self._pending, self._readings = None, 0
         log.info("compute threads %d -> %d: other processes took %.2f of %d CPUs",
                  self.current, want, self.taken, self._allowed)
         self.current = want
