@@ -10,10 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from gateway.backend import RedisBackend
 from gateway.config import GatewayConfig
@@ -26,12 +25,17 @@ from gateway.image_tokens import ImageTokens
 from gateway.media.loader import MediaLoader
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.mm_prompt import MediaPrompts
-from gateway.preflight import Admitted, Preflight, parse, read_body
+from gateway.openapi_document import ServedFacts, install_openapi
+from gateway.openapi_responses import (BODY_ERRORS, CHAT_BEYOND, COMPLETION_BEYOND, GENERATE_ERRORS, RESPONSES_BEYOND,
+                                       TOKENIZE_BEYOND, chunk_events, error_responses, json_or_event_stream,
+                                       response_events)
+from gateway.preflight import Admitted, Preflight, first, parse, read_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.response_models import ModelCard, ModelList
+from gateway.response_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse,
+                                     HealthStatus, ModelCard, ModelList)
 from gateway.tokenize_models import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                      TokenizeCompletionRequest, TokenizeResponse)
-from gateway.responses_output import ResponsesFormat
+from gateway.responses_output import ResponseObject, ResponsesFormat
 from gateway.responses_request import ResponsesRequest, as_responses_error, chat_body
 from gateway.responses import ChatFormat, CompletionFormat, CompletionPrompt, Echo, OutputFormat
 from gateway.sampling_defaults import SamplingDefaults
@@ -78,7 +82,7 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
                 await loader.aclose()
             await backend.stop()
 
-    app = FastAPI(title="pagedserve gateway", lifespan=lifespan)
+    app = FastAPI(title="pagedserve gateway", lifespan=lifespan, description=_DESCRIPTION)
     app.state.config = config
     app.state.tokenizer = tokenizer
     install_error_handlers(app)
@@ -88,7 +92,7 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
     metrics = GatewayMetrics(config.model_name)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees 401s too
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthStatus, responses=error_responses(500, 503))
     async def health(request: Request) -> Response:
         if await request.app.state.backend.ping():
             return JSONResponse({"status": "ok"})
@@ -111,7 +115,7 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
                 raise
             return None
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(500, 503))
     async def models(request: Request) -> ModelList:
         """Every served name, listed while at least one live worker serves the model."""
         max_model_len = await live_max_model_len(request)
@@ -120,14 +124,14 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
         return ModelList(data=[ModelCard(id=name, root=config.model, max_model_len=max_model_len)
                                for name in config.model_names])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=error_responses(404, 500, 503))
     async def model(request: Request, model_id: str) -> ModelCard:
         if model_id not in config.model_names:
             raise OpenAIError(404, f"The model '{model_id}' does not exist.", param="model",
                               code="model_not_found")
         return ModelCard(id=model_id, root=config.model, max_model_len=await live_max_model_len(request))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(*BODY_ERRORS, 503, beyond=TOKENIZE_BEYOND))
     async def tokenize(request: Request) -> TokenizeResponse:
         """vLLM's: a prompt's token ids as /v1/completions (`prompt`) or chat (`messages`) makes them."""
         raw = await read_body(request, config.max_body_bytes)
@@ -153,14 +157,15 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
         return TokenizeResponse(count=len(ids), max_model_len=await live_max_model_len(request),
                                 tokens=ids, token_strs=strs)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(*BODY_ERRORS))
     async def detokenize(request: Request) -> DetokenizeResponse:
         body = parse(DetokenizeRequest, await read_body(request, config.max_body_bytes))
         request.app.state.preflight.check_model(body.model)
         tokenizer.check_ids(body.tokens, "tokens")
         return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**json_or_event_stream(CompletionResponse, chunk_events("CompletionChunk")),
+                                            **error_responses(*GENERATE_ERRORS, beyond=COMPLETION_BEYOND)})
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await read_body(request, config.max_body_bytes))
         batch = await request.app.state.preflight.admit_completion(body)
@@ -176,7 +181,9 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
         return await _answer(request, batch, fmt, stream=bool(body.stream), include_usage=body.include_usage,
                              continuous_usage=body.continuous_usage)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={
+        **json_or_event_stream(ChatCompletionResponse, chunk_events("ChatCompletionChunk")),
+        **error_responses(*GENERATE_ERRORS, 501, beyond=CHAT_BEYOND)})
     async def chat_completions(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await read_body(request, config.max_body_bytes))
         admitted = await request.app.state.preflight.admit_chat(body)
@@ -186,7 +193,8 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
         return await _answer(request, [admitted], fmt, stream=bool(body.stream), include_usage=body.include_usage,
                              continuous_usage=body.continuous_usage)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses={**json_or_event_stream(ResponseObject, response_events("ResponseObject")),
+                                          **error_responses(*GENERATE_ERRORS, 501, beyond=RESPONSES_BEYOND)})
     async def responses(request: Request) -> Response:
         """OpenAI's Responses API, stateless: served as the chat request it amounts to."""
         body = parse(ResponsesRequest, await read_body(request, config.max_body_bytes))
@@ -226,29 +234,19 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
             return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
         return await collect(generation, fmt, num_prompt_tokens=num_prompt_tokens, request=request)
 
-    install_openapi_bodies(app, {"/v1/completions": CompletionRequest,
-                                 "/v1/chat/completions": ChatCompletionRequest,
-                                 "/v1/responses": ResponsesRequest, "/detokenize": DetokenizeRequest})
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                          "/v1/responses": ResponsesRequest, "/detokenize": DetokenizeRequest,
+                          "/tokenize": (TokenizeChatRequest, TokenizeCompletionRequest)},
+                    (CompletionChunk, ChatCompletionChunk),
+                    ServedFacts(model_names=tuple(config.model_names), vocab_size=tokenizer.vocab_size,
+                                takes_media=image_tokens is not None and backend_factory is None,
+                                tools=tokenizer.template_supports_tools,
+                                auto_tool_choice=config.enable_auto_tool_choice and config.tool_call_parser is not None,
+                                completion_max_tokens=first(sampling_defaults.max_tokens, config.default_max_tokens),
+                                api_keys=bool(config.api_keys), protect_metrics=config.protect_metrics))
     return app
 
 
-def install_openapi_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """Publish the request body schemas in /openapi.json. The routes read and validate the
-    raw body themselves (size limit first, OpenAI-shaped errors), so FastAPI cannot infer
-    them; clients and the fuzz test read them here."""
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for path, model in bodies.items():
-                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(body.pop("$defs", {}))
-                components[model.__name__] = body
-                schema["paths"][path]["post"]["requestBody"] = {
-                    "required": True,
-                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
+_DESCRIPTION = ("OpenAI's API as pagedserve serves it. This document is the contract: a body it calls "
+                "valid is accepted, up to the refusals listed with each 400 (what JSON Schema cannot say, "
+                "such as a prompt too long for the context); every error has OpenAI's error body.")

@@ -8,13 +8,38 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from gateway.content_parts import ContentPart, MediaContentPart, normalize_content
 from gateway.request_part import RequestPart
+from gateway.schema_rules import NOT_NULL, JsonSchema, present, when
+
+
+def _role_is(*roles: str) -> JsonSchema:
+    return {"properties": {"role": {"enum": list(roles)}}, "required": ["role"]}
+
+
+def _role_is_not(role: str) -> JsonSchema:
+    return {"properties": {"role": {"not": {"const": role}}}, "required": ["role"]}
+
+
+# `_shape_per_role` as JSON Schema: a tool turn names its call; only an assistant turn may
+# leave content null or carry tool_calls; only a user turn carries images or video.
+_PER_ROLE = [
+    when(_role_is("tool"), present("tool_call_id", {"type": "string"})),
+    when(_role_is_not("assistant"), {"properties": {"content": NOT_NULL,
+                                                    "tool_calls": {"anyOf": [{"type": "null"},
+                                                                             {"type": "array", "maxItems": 0}]}},
+                                     "required": ["content"]}),
+    when(_role_is_not("user"), {"properties": {"content": {"anyOf": [
+        {"type": "string"}, {"type": "null"},
+        {"type": "array", "items": {"properties": {"type": {"const": "text"}}}}]}}}),
+]
 
 
 class ChatMessage(RequestPart):
+    model_config = ConfigDict(json_schema_extra={"allOf": _PER_ROLE})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # A string, or a list of content parts (gateway/content_parts.py): text parts only are
     # joined with newlines into a string; with an image or a video the list stays, typed.

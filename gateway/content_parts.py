@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 from pydantic_core import InitErrorDetails
 
 from gateway.request_part import RequestPart
 
 
 class TextPart(RequestPart):
+    # Exactly these two keys (normalize_content refuses others), unlike the media parts.
+    model_config = ConfigDict(json_schema_extra={"additionalProperties": False})
+
     type: Literal["text"]
     text: str
 
@@ -37,6 +40,10 @@ class ImageURL(RequestPart):
 
 
 class ImageURLPart(RequestPart):
+    # "x-media": the document of a server that takes no images or video leaves this part out
+    # (gateway/openapi_document.py); so for VideoURLPart.
+    model_config = ConfigDict(json_schema_extra={"x-media": True})
+
     type: Literal["image_url"]
     image_url: ImageURL
     uuid: str | None = None
@@ -55,6 +62,8 @@ class VideoURL(RequestPart):
 
 
 class VideoURLPart(RequestPart):
+    model_config = ConfigDict(json_schema_extra={"x-media": True})
+
     type: Literal["video_url"]
     video_url: VideoURL
     uuid: str | None = None

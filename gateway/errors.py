@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -53,6 +54,14 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return OpenAIError(400, message, param=param, code=code)
 
 
+_CODED = "openai_code:"
+
+
+def coded(code: str, message: str) -> PydanticCustomError:
+    """For a validator to raise: its 400 then has this error code instead of invalid_value."""
+    return PydanticCustomError(_CODED + code, message.replace("{", "{{").replace("}", "}}"))
+
+
 def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     """("messages", 0, "content") → "messages[0].content"; "body" (FastAPI's root) dropped."""
     parts = [p for p in loc if p != "body"]
@@ -81,9 +90,10 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> OpenAIError:
                        code="missing_required_parameter")
     message = str(error.get("msg", "invalid value"))
     message = message.removeprefix("Value error, ")  # pydantic's prefix for our ValueErrors
+    code = kind.removeprefix(_CODED) if kind.startswith(_CODED) else "invalid_value"
     if param is None:
-        return invalid(f"Invalid request body: {message}")
-    return invalid(f"Invalid value for '{param}': {message}", param=param, code="invalid_value")
+        return invalid(f"Invalid request body: {message}", code=None if code == "invalid_value" else code)
+    return invalid(f"Invalid value for '{param}': {message}", param=param, code=code)
 
 
 async def _openai_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -9,17 +9,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import OpenAIError
+from gateway.openapi_responses import error_responses
 from gateway.readiness import readiness
+from gateway.response_models import LiveStatus, ReadyStatus
 
 router = APIRouter()
 
 
-@router.get("/health/live")
+@router.get("/health/live", response_model=LiveStatus, responses=error_responses(500))
 async def live() -> Response:
     return JSONResponse({"status": "live"})
 
 
-@router.get("/health/ready")
+@router.get("/health/ready", response_model=ReadyStatus, responses=error_responses(500, 503))
 async def ready(request: Request) -> Response:
     state = await readiness(request.app.state.backend)
     if not state.ready:

@@ -224,7 +224,7 @@ class Preflight:
         min_tokens = body.min_tokens or 0
         if min_tokens > max_tokens:
             raise invalid(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).",
-                          param="min_tokens", code="invalid_value")
+                          param="min_tokens", code="min_tokens_above_max_tokens")
         logit_bias = body.token_logit_bias
         self.tokenizer.check_ids(list(logit_bias), "logit_bias")
         return SamplingParams(

@@ -13,75 +13,55 @@ an error names the field and not a pydantic union branch; the `WithJsonSchema` a
 of prompt and stop publish the shapes accepted on the wire in the OpenAPI schema, and
 message content's parts (text, image_url, video_url: gateway/content_parts.py) appear there
 as the models they are.
+
+The schemas are the contract (gateway/openapi_document.py): what a validator here refuses,
+the schema refuses too — a neutral-only parameter is published with its neutral values as
+the only ones (and why), rules between fields as `json_schema_extra` (gateway/schema_rules.py),
+and "x-" markers stand for what the document fills in per server (served names, the
+vocabulary, tools).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import (BaseModel, ConfigDict, Field, WithJsonSchema, field_validator,
-                      model_validator)
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
 from gateway.chat_message import ChatMessage, ToolDefinition
+from gateway.errors import coded
 from gateway.media.options import parse_video_sampling
-from gateway.request_part import RequestPart
+from gateway.neutral_params import neutral_schema, require_neutral
+from gateway.request_part import Int, RequestPart, int_in, whole, whole_numbers
+from gateway.schema_rules import (continue_needs_no_generation_prompt, stream_options_need_stream,
+                                  top_logprobs_need_logprobs)
+from gateway.structured_output_request import CHOICES, ResponseFormat, StructuredOutputs
 
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # OpenAI: top_logprobs <= 20 (chat), logprobs <= 5 (completions)
 MAX_N = 128  # OpenAI's limit on n
 MAX_LOGIT_BIAS_ENTRIES = 1024  # each costs a little Python work per step on the worker
 
-# Neutral values of the parameters accepted only as no-ops, and why anything else is refused.
-_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "best_of": ((None, 1), "only one sequence is generated per choice"),
-    "suffix": ((None, ""), "insertion (text after the completion) needs a fill-in-the-middle model"),
-    "functions": ((None, []), "use 'tools'"),
-    "function_call": ((None, "none", "auto"), "use 'tool_choice'"),
-    # vLLM's extensions we do not implement
-    "use_beam_search": ((None, False), "beam search is not implemented"),
-    "length_penalty": ((None, 1, 1.0), "it only applies to beam search, which is not implemented"),
-    "early_stopping": ((None, False), "it only applies to beam search, which is not implemented"),
-    "prompt_logprobs": ((None,), "on /v1/completions use echo with logprobs"),
-    "spaces_between_special_tokens": ((None, True), "special tokens are decoded as they are"),
-    "bad_words": ((None, []), "use logit_bias"),
-    "allowed_token_ids": ((None,), "use logit_bias or structured output"),
-    "logits_processors": ((None, []), "custom logits processors are not loaded"),
-    "detokenize": ((None, True), "use return_token_ids"),
-    "return_tokens_as_token_ids": ((None, False), "use return_token_ids"),
-    "cache_salt": ((None,), "the prefix cache is shared by every request"),
-    "kv_transfer_params": ((None,), "disaggregated prefill is not implemented"),
-    "vllm_xargs": ((None,), "there are no custom sampling extensions"),
-    "echo": ((None, False), "chat answers never repeat the prompt"),
-    "documents": ((None,), "documents are not passed to chat templates"),
-    "chat_template": ((None,), "the model's own chat template is always used"),
-    "guided_whitespace_pattern": ((None,), "JSON is generated with compact separators"),
-    "whitespace_pattern": ((None,), "JSON is generated with compact separators"),
-    "structural_tag": ((None,), "use tools with tool_choice, or a grammar"),
-}
-
-
-def _require_neutral(name: str, value: Any) -> Any:
-    allowed, why = _NEUTRAL[name]
-    if value not in allowed:
-        raise ValueError(f"'{name}' is not supported (got {value!r}): {why}")
-    return value
-
-
 def _is_int(value: Any) -> bool:
+    value = whole(value)
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 _STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
                           {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}]}
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# "x-token-id": the document of a running server bounds these by its vocabulary
+# (gateway/openapi_document.py fills in every x- marker of this package).
+TOKEN_ID = {"type": "integer", "minimum": 0, "x-token-id": True}
+_TOKEN_IDS = {"type": "array", "items": TOKEN_ID, "minItems": 1}
 _PROMPT_SCHEMA = {"anyOf": [
     {"type": "string", "minLength": 1}, _TOKEN_IDS,
     {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 16},
     {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 16}]}
 MAX_PROMPTS = 16  # prompts in one /v1/completions request
+# One of the served names (the document lists them), or null for the served model.
+SERVED_MODEL = {"anyOf": [{"type": "string"}, {"type": "null"}], "x-served-model": True}
 _LOGIT_BIAS_SCHEMA = {"anyOf": [
-    {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": 1024,
+    {"type": "object", "propertyNames": {"pattern": "^[0-9]+$", "x-token-id-key": True}, "maxProperties": 1024,
      "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
     {"type": "null"}]}
 
@@ -95,22 +75,25 @@ class _SamplingRequest(RequestPart):
     """Fields both endpoints share. Extensions beyond OpenAI's schema (as vLLM has them):
     top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, return_token_ids,
     skip_special_tokens, include_stop_str_in_output, priority, truncate_prompt_tokens,
-    add_special_tokens; and the ones accepted only at their neutral value (`_NEUTRAL`)."""
+    add_special_tokens; and the ones accepted only at their neutral value (gateway/neutral_params.py)."""
 
-    model: str | None = None  # optional like vLLM: absent means the served model
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    # optional like vLLM: absent means the served model
+    model: Annotated[str | None, WithJsonSchema(SERVED_MODEL)] = None
+    max_tokens: int_in(1, INT32_MAX) | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1/0 = off
+    top_k: int_in(-1, INT32_MAX) | None = None  # -1/0 = off
     min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    seed: int_in(-(2**63), 2**63 - 1) | None = None
     stop: Annotated[list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = None
-    stop_token_ids: list[int] | None = None  # checked against the vocabulary in preflight
+    # checked against the vocabulary in preflight
+    stop_token_ids: Annotated[list[Int] | None, WithJsonSchema(
+        {"anyOf": [{"type": "array", "items": TOKEN_ID}, {"type": "null"}]})] = None
     ignore_eos: bool | None = False
-    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    min_tokens: int_in(0, INT32_MAX) | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    n: int_in(1, MAX_N) | None = None
     user: str | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -120,31 +103,31 @@ class _SamplingRequest(RequestPart):
     return_token_ids: bool | None = False  # prompt and output token ids too
     skip_special_tokens: bool | None = True  # leave special tokens (EOS, <|im_end|>) out of text
     include_stop_str_in_output: bool | None = False  # keep the stop string that ended the text
-    priority: int | None = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)  # lower runs first
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)  # keep the last k
-    use_beam_search: bool | None = None
-    length_penalty: float | None = None
-    early_stopping: bool | None = None
-    prompt_logprobs: int | None = None
-    spaces_between_special_tokens: bool | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    logits_processors: list[Any] | None = None
-    detokenize: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
-    cache_salt: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    vllm_xargs: dict[str, Any] | None = None
+    priority: int_in(-INT32_MAX, INT32_MAX) | None = 0  # lower runs first
+    truncate_prompt_tokens: int_in(1, INT32_MAX) | None = None  # keep the last k
+    use_beam_search: Annotated[bool | None, neutral_schema("use_beam_search")] = None
+    length_penalty: Annotated[float | None, neutral_schema("length_penalty")] = None
+    early_stopping: Annotated[bool | None, neutral_schema("early_stopping")] = None
+    prompt_logprobs: Annotated[int | None, neutral_schema("prompt_logprobs")] = None
+    spaces_between_special_tokens: Annotated[bool | None, neutral_schema("spaces_between_special_tokens")] = None
+    bad_words: Annotated[list[str] | None, neutral_schema("bad_words")] = None
+    allowed_token_ids: Annotated[list[int] | None, neutral_schema("allowed_token_ids")] = None
+    logits_processors: Annotated[list[Any] | None, neutral_schema("logits_processors")] = None
+    detokenize: Annotated[bool | None, neutral_schema("detokenize")] = None
+    return_tokens_as_token_ids: Annotated[bool | None, neutral_schema("return_tokens_as_token_ids")] = None
+    cache_salt: Annotated[str | None, neutral_schema("cache_salt")] = None
+    kv_transfer_params: Annotated[dict[str, Any] | None, neutral_schema("kv_transfer_params")] = None
+    vllm_xargs: Annotated[dict[str, Any] | None, neutral_schema("vllm_xargs")] = None
     # Structured output (gateway/structured_output.py): OpenAI's response_format, vLLM's
     # structured_outputs, or one of vLLM's older guided_* fields; at most one of them.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[str] | None, WithJsonSchema(CHOICES)] = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted, unused: the backend is llguidance
-    guided_whitespace_pattern: str | None = None
+    guided_whitespace_pattern: Annotated[str | None, neutral_schema("guided_whitespace_pattern")] = None
 
     @field_validator("use_beam_search", "length_penalty", "early_stopping", "prompt_logprobs",
                      "spaces_between_special_tokens", "bad_words", "allowed_token_ids",
@@ -152,7 +135,7 @@ class _SamplingRequest(RequestPart):
                      "kv_transfer_params", "vllm_xargs", "guided_whitespace_pattern")
     @classmethod
     def _neutral_extension(cls, value: Any, info) -> Any:
-        return _require_neutral(info.field_name, value)
+        return require_neutral(info.field_name, value)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -203,13 +186,16 @@ class _SamplingRequest(RequestPart):
 
 
 class CompletionRequest(_SamplingRequest):
+    # (and min_tokens within the default max_tokens: gateway/openapi_document.py)
+    model_config = ConfigDict(json_schema_extra={"allOf": [stream_options_need_stream()]})
+
     # A string, a list of token ids, or a list of several of either (a batch: its choices
     # come prompt-major, choice i*n + j is prompt i's j-th); normalised to a list of prompts.
-    prompt: Annotated[list[str | list[int]], WithJsonSchema(_PROMPT_SCHEMA)]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt: Annotated[list[str | list[Int]], WithJsonSchema(_PROMPT_SCHEMA)]
+    logprobs: int_in(0, MAX_LOGPROBS) | None = None
     echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Annotated[Int | None, neutral_schema("best_of")] = None
+    suffix: Annotated[str | None, neutral_schema("suffix")] = None
     add_special_tokens: bool | None = True  # BOS the way the model expects
 
     @field_validator("prompt", mode="before")
@@ -235,54 +221,14 @@ class CompletionRequest(_SamplingRequest):
     def _choices_in_all(cls, value: int | None, info) -> int | None:
         prompts = info.data.get("prompt") or []
         if value is not None and value * len(prompts) > MAX_N:
-            raise ValueError(f"n ({value}) times the number of prompts ({len(prompts)}) must not exceed {MAX_N}")
+            raise coded("too_many_choices",
+                        f"n ({value}) times the number of prompts ({len(prompts)}) must not exceed {MAX_N}")
         return value
 
     @field_validator("best_of", "suffix")
     @classmethod
     def _neutral_completion(cls, value: Any, info) -> Any:
-        return _require_neutral(info.field_name, value)
-
-
-class ResponseFormat(RequestPart):
-    """`{"type": "text" | "json_object"}` or `{"type": "json_schema", "json_schema": {...}}`."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_iff_json_schema(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("'json_schema' is required with type 'json_schema', and only then")
-        return self
-
-
-class StructuredOutputs(RequestPart):
-    """vLLM's `structured_outputs`: exactly one of json (a schema), json_object, regex,
-    choice, grammar (llguidance's Lark)."""
-
-    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # BaseModel has .json
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    structural_tag: Any = None
-    whitespace_pattern: str | None = None
-
-    @field_validator("structural_tag", "whitespace_pattern")
-    @classmethod
-    def _neutral_structured(cls, value: Any, info) -> Any:
-        return _require_neutral(info.field_name, value)
-
-
-class JsonSchemaFormat(RequestPart):
-    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    # "schema" shadows a BaseModel attribute, hence the alias
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+        return require_neutral(info.field_name, value)
 
 
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -291,38 +237,78 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+def no_reserved_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs' validator: the template call's own arguments cannot be set there."""
+    reserved = sorted(set(value or {}) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"{reserved} cannot be set through chat_template_kwargs")
+    return value
+
+
+TEMPLATE_KWARGS = {"anyOf": [{"type": "object", "propertyNames": {"not": {"enum": sorted(_RESERVED_TEMPLATE_KWARGS)}}},
+                             {"type": "null"}],
+                   "description": "Extra variables for the chat template; its own switches cannot be set here."}
+
+
+# tool_choice as the validator takes it; "x-tool-choice": the document of a server without
+# --enable-auto-tool-choice leaves "auto" out.
+TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]},
+                         {"type": "object", "properties": {
+                             "type": {"const": "function"},
+                             "function": {"type": "object", "properties": {"name": {"type": "string", "minLength": 1}},
+                                          "required": ["name"]}},
+                          "required": ["type", "function"]},
+                         {"type": "null"}], "x-tool-choice": True}
+_MEDIA_IO_KWARGS = {"anyOf": [{"type": "object", "additionalProperties": False, "properties": {
+    "image": {"type": "object", "maxProperties": 0},
+    "video": {"type": "object", "additionalProperties": False, "properties": {
+        "num_frames": {"anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}]},
+        "fps": {"type": "number"}}}}}, {"type": "null"}],
+    "description": "This request's video sampling: {\"video\": {\"num_frames\": N (-1: no limit), \"fps\": F}}."}
+_MM_PROCESSOR_KWARGS = {"anyOf": [{"type": "object", "properties": {"do_pan_and_scan": {"enum": [False, None]}},
+                                   "propertyNames": {"pattern": "^(do_pan_and_scan$|pan_and_scan_)"}},
+                                  {"type": "null"}],
+                        "description": "Only do_pan_and_scan, and only false: pan-and-scan is not supported."}
+
+
 class ChatCompletionRequest(_SamplingRequest):
+    # At most three such rules (gateway/schema_rules.py): those of tools are left to x-beyond-schema.
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        stream_options_need_stream(), continue_needs_no_generation_prompt(), top_logprobs_need_logprobs()]})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int_in(1, INT32_MAX) | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[ToolDefinition] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    top_logprobs: int_in(0, MAX_LOGPROBS) | None = None
+    # "x-tools": the document of a server whose chat template reads no tools refuses them
+    tools: Annotated[list[ToolDefinition] | None, Field(json_schema_extra={"x-tools": True})] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema(TOOL_CHOICE)] = None
     parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None
-    function_call: str | dict[str, Any] | None = None
+    functions: Annotated[list[Any] | None, neutral_schema("functions")] = None
+    function_call: Annotated[str | dict[str, Any] | None, neutral_schema("function_call")] = None
     # Extensions (as vLLM has them): the template's own switches and variables.
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, WithJsonSchema(TEMPLATE_KWARGS)] = None
     add_special_tokens: bool | None = False  # the template already writes BOS
-    echo: bool | None = None
-    documents: list[Any] | None = None
-    chat_template: str | None = None
+    echo: Annotated[bool | None, neutral_schema("echo")] = None
+    documents: Annotated[list[Any] | None, neutral_schema("documents")] = None
+    chat_template: Annotated[str | None, neutral_schema("chat_template")] = None
     # Images and video (vLLM's names): this request's video sampling, over the server's
     # --media-io-kwargs ({"video": {"num_frames": N, "fps": F}}); and the processor's
     # switches, of which only pan-and-scan exists for Gemma 3, and is not supported.
-    media_io_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: Annotated[dict[str, Any] | None, WithJsonSchema(_MEDIA_IO_KWARGS)] = None
+    mm_processor_kwargs: Annotated[dict[str, Any] | None, WithJsonSchema(_MM_PROCESSOR_KWARGS)] = None
 
     @field_validator("functions", "function_call", "echo", "documents", "chat_template")
     @classmethod
     def _neutral_chat(cls, value: Any, info) -> Any:
-        return _require_neutral(info.field_name, value)
+        return require_neutral(info.field_name, value)
 
     @field_validator("media_io_kwargs")
     @classmethod
     def _media_io_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        value = whole_numbers(value)  # num_frames 8.0 is 8
         if value:
             try:
                 parse_video_sampling(json.dumps(value))
@@ -335,7 +321,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def _mm_processor_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         for key, setting in (value or {}).items():
             if key == "do_pan_and_scan":
-                if setting not in (None, False):
+                if setting is not None and setting is not False:
                     raise ValueError("pan-and-scan ('do_pan_and_scan') is not supported: each image is "
                                      "resized whole to the vision tower's size (vLLM's default); leave "
                                      "it out or set it to false")
@@ -369,10 +355,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _no_reserved_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(set(value or {}) & _RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise ValueError(f"{reserved} cannot be set through chat_template_kwargs")
-        return value
+        return no_reserved_kwargs(value)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -388,7 +371,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("continue_final_message needs add_generation_prompt set to false")
         messages = info.data.get("messages")
         if value and messages and messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs an assistant message last")
+            raise coded("final_message_not_assistant", "continue_final_message needs an assistant message last")
         return value
 
     @property
@@ -401,6 +384,5 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-ResponseFormat.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()

@@ -1,5 +1,5 @@
 """Pydantic models of the OpenAI response shapes: completions, chat completions, their
-stream chunks, logprobs, usage, /v1/models."""
+stream chunks, logprobs, usage, /v1/models; and the health probes' answers."""
 
 from __future__ import annotations
 
@@ -210,3 +210,25 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- health ---------------------------------------------------------------------------------
+
+class HealthStatus(BaseModel):
+    """/health: Redis answers."""
+
+    status: Literal["ok"] = "ok"
+
+
+class LiveStatus(BaseModel):
+    """/health/live: the process serves HTTP."""
+
+    status: Literal["live"] = "live"
+
+
+class ReadyStatus(BaseModel):
+    """/health/ready: a generation would be taken now, by these schedulers and workers."""
+
+    status: Literal["ready"] = "ready"
+    schedulers: list[str]
+    workers: list[str]

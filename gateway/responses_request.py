@@ -23,38 +23,50 @@ are refused; `store` is accepted and the response says `"store": false`.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
+from gateway import responses_schema as wire
 from gateway.errors import OpenAIError, invalid
-from gateway.protocol import INT32_MAX
-from gateway.request_part import RequestPart
+from gateway.protocol import INT32_MAX, SERVED_MODEL
+from gateway.request_part import RequestPart, int_in
+from gateway.schema_rules import tool_choice_needs_tools, when
 
 
 class ResponsesRequest(RequestPart):
-    model: str | None = None
-    input: str | list[dict[str, Any]]
+    # The dict-typed fields publish what the translation below accepts (gateway/responses_schema.py).
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        wire.INPUT_NOT_EMPTY,
+        tool_choice_needs_tools(),
+        when({"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+              "required": ["tool_choice"]},
+             {"properties": {"text": {"anyOf": [{"type": "null"}, {"properties": {"format": {"anyOf": [
+                 {"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}]}}}),
+    ]})
+
+    model: Annotated[str | None, WithJsonSchema(SERVED_MODEL)] = None
+    input: Annotated[str | list[dict[str, Any]], WithJsonSchema(wire.INPUT)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_output_tokens: int_in(1, INT32_MAX) | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool | None = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(wire.TOOLS)] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema(wire.TOOL_CHOICE)] = None
     parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
+    text: Annotated[dict[str, Any] | None, WithJsonSchema(wire.TEXT)] = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    previous_response_id: str | None = None
-    conversation: Any = None
-    background: bool | None = None
+    previous_response_id: Annotated[str | None, WithJsonSchema(wire.STATELESS)] = None
+    conversation: Annotated[Any, WithJsonSchema(wire.STATELESS_OR_FALSE)] = None
+    background: Annotated[bool | None, WithJsonSchema(wire.STATELESS_OR_FALSE)] = None
 
     @field_validator("previous_response_id", "conversation", "background")
     @classmethod
     def _stateless(cls, value: Any, info) -> Any:
-        if value not in (None, False):
+        if value is not None and value is not False:
             raise ValueError(f"'{info.field_name}' is not supported (got {value!r}): this server keeps no "
                              "state between responses; send the whole conversation in 'input'")
         return value

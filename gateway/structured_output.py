@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from gateway.errors import invalid
-from gateway.protocol import ResponseFormat, StructuredOutputs
+from gateway.structured_output_request import ResponseFormat, StructuredOutputs
 from proto.grammars import grammar_error
 from proto.messages import Grammar
 

@@ -73,7 +73,8 @@ class PromptTokenizer:
                 continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}))
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             # e.g. a template that insists roles alternate, or chat_template_kwargs it trips on
-            raise invalid(f"The chat template rejected the messages: {exc}", param="messages") from exc
+            raise invalid(f"The chat template rejected the messages: {exc}", param="messages",
+                          code="chat_template_error") from exc
         if not isinstance(text, str):
             raise invalid("The chat template did not render to text.", param="messages")
         return text

@@ -46,7 +46,7 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None, auto_enable
     choice = body.tool_choice
     if not tools:
         if choice not in (None, "none"):
-            raise invalid(f"tool_choice {choice!r} needs 'tools'.", param="tool_choice")
+            raise invalid(f"tool_choice {choice!r} needs 'tools'.", param="tool_choice", code="missing_tools")
         return ToolPlan()
     if choice == "none" or (choice is None and not (auto_enabled and parser_name)):
         return ToolPlan()
@@ -71,5 +71,5 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None, auto_enable
     function = next((t.function for t in tools if t.function.name == name), None)
     if function is None:
         raise invalid(f"tool_choice names the function {name!r}, which is not among the tools.",
-                      param="tool_choice")
+                      param="tool_choice", code="tool_not_found")
     return ToolPlan(NamedCallParser(name), checked_grammar("tools", "json_schema", _parameters(function)))

@@ -1,0 +1,38 @@
+"""Schemathesis hooks for fuzzing the gateway against its own /openapi.json
+(tests/test_openapi_contract.py, README "The OpenAPI document is the contract"):
+
+    SCHEMATHESIS_HOOKS=tests/openapi_contract_hooks.py schemathesis run \
+        http://127.0.0.1:8000/openapi.json --checks all
+
+One hook, and only one kind of failure it lets through: a body the document calls valid,
+refused with a 400 whose error code the operation's own 400 response lists under
+`x-beyond-schema` (gateway/openapi_responses.py): the rules no JSON Schema can state (a
+prompt too long for the context, min_tokens above max_tokens, a grammar llguidance cannot
+compile, what an image URL holds, ...). Every other refusal of a valid body, and every
+other check, still fails the run; schemathesis counts the dropped failures in its summary.
+"""
+
+from __future__ import annotations
+
+import json
+
+import schemathesis
+from schemathesis.openapi.checks import RejectedPositiveData
+
+
+def beyond_schema_codes(case) -> list[str]:
+    """The error codes the operation's 400 lists as refusals of valid bodies."""
+    responses = case.operation.definition.raw.get("responses", {})
+    return list(responses.get("400", {}).get("x-beyond-schema", []))
+
+
+@schemathesis.hook
+def filter_failure(context, failure, case, response) -> bool:
+    """False (drop it) for a valid body refused by a rule the document lists as beyond its schema."""
+    if not isinstance(failure, RejectedPositiveData) or response.status_code != 400:
+        return True
+    try:
+        code = json.loads(response.content)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return True
+    return code not in beyond_schema_codes(case)
