@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-from gateway.config import config_from_args
+from gateway.config import GatewayConfig, config_from_args
 
 
 def _runner_config(args: argparse.Namespace):
@@ -73,17 +73,19 @@ def run_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_http(app, args: argparse.Namespace, drain_timeout_s: float) -> None:
+def _serve_http(app, args: argparse.Namespace, config: GatewayConfig) -> None:
     """The OpenAI API under uvicorn, on uvloop with the httptools parser (the gateway and
     the engine alike), as `uvicorn[standard]` would pick: less CPU per streamed token than
     asyncio's loop and h11 (5-12% of the gateway's on the serving benchmark:
     docs/performance.md, "The gateway's event loop"), CPU the model needs where both share a
     machine. On SIGTERM uvicorn stops listening and lets open requests and streams finish for
-    up to `drain_timeout_s`."""
+    up to the gateway config's `drain_timeout_s`; idle keep-alive connections stay open for
+    its `timeout_keep_alive_s`."""
     import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=drain_timeout_s, loop="uvloop", http="httptools")
+                timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.timeout_keep_alive_s,
+                loop="uvloop", http="httptools")
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -94,7 +96,7 @@ def run_engine(args: argparse.Namespace) -> int:
     engine = EngineConfig(runner=_runner_config(args), batching=_batching_config(args))
     config = config_from_args(args)
     app = create_app(config, backend_factory=lambda: InProcessBackend(engine))
-    _serve_http(app, args, config.drain_timeout_s)
+    _serve_http(app, args, config)
     return 0
 
 
@@ -102,7 +104,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import create_app
 
     config = config_from_args(args)
-    _serve_http(create_app(config), args, config.drain_timeout_s)
+    _serve_http(create_app(config), args, config)
     return 0
 
 

@@ -42,6 +42,11 @@ class GatewayConfig:
     # SIGTERM: stop taking connections, let open requests and streams finish for at most this
     # long, then close what is left.
     drain_timeout_s: float = 30.0
+    # An idle keep-alive connection is closed after this long. Longer than clients keep idle
+    # connections (httpx and the openai client: 5 s, aiohttp: 15 s, nginx upstreams: 60 s), so
+    # the client always drops one first: when both sides wait 5 s (uvicorn's default), a request
+    # sent on a connection the server is closing meets a reset (httpx.ReadError).
+    timeout_keep_alive_s: float = 75.0
     # Tool calls (gateway/tools.py): the parser of the model's call format, by vLLM's name,
     # and whether an absent or "auto" tool_choice lets the model decide.
     tool_call_parser: str | None = None
@@ -90,6 +95,8 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--worker-cache-ttl-s": ("worker_cache_ttl_s", float, "seconds the live-worker list is cached"),
     "--drain-timeout": ("drain_timeout_s", float, "on SIGTERM, seconds to let open requests and "
                                                   "streams finish (no new connections) before closing them"),
+    "--timeout-keep-alive": ("timeout_keep_alive_s", float, "seconds an idle keep-alive connection "
+                                                            "stays open (longer than clients keep them)"),
     "--tool-call-parser": ("tool_call_parser", str, "how the model writes tool calls: "
                                                     + ", ".join(TOOL_PARSER_NAMES)),
     "--limit-mm-per-prompt": ("limit_mm_per_prompt", limits_arg,

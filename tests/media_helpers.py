@@ -6,7 +6,6 @@ For the gateway's, the worker's and the stack's tests."""
 import base64
 import io
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -22,6 +21,8 @@ def color(i: int) -> tuple[int, int, int]:
 
 def make_video(container: str = "mp4", codec: str = "mpeg4", frames: int = 20, rate: int = 10,
                size: tuple[int, int] = (64, 48)) -> bytes:
+    import av  # only here: the GPU image's tests use the images alone and it has no PyAV
+
     out = io.BytesIO()
     with av.open(out, "w", format=container) as video:
         stream = video.add_stream(codec, rate=rate)

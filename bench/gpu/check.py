@@ -44,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Each step's own limit in seconds, on CUDA; the overall budget caps what is left.
-LIMITS = {"install": 60, "tests": 140, "vision": 60, "kernels": 75, "serving": 240}
+LIMITS = {"install": 60, "tests": 140, "vision": 60, "kernels": 75, "serving": 340}
 IMPORTS = ("import fastapi, uvicorn, redis, msgspec, grpc, google.protobuf, llguidance, cffi, "
            "transformers, torch; import gateway.app, scheduler_svc.service, worker_svc.server, "
            "compose.cli; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())")
