@@ -23,6 +23,7 @@ from gateway.health import router as health_router
 from gateway.auth import APIKeyMiddleware, APIKeys
 from gateway.image_tokens import ImageTokens
 from gateway.media.loader import MediaLoader
+from gateway.media.uuids import media_scope
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.mm_prompt import MediaPrompts
 from gateway.openapi_document import ServedFacts, install_openapi
@@ -186,7 +187,8 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
         **error_responses(*GENERATE_ERRORS, 501, beyond=CHAT_BEYOND)})
     async def chat_completions(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await read_body(request, config.max_body_bytes))
-        admitted = await request.app.state.preflight.admit_chat(body)
+        scope = media_scope(request.headers.get("authorization"), keyed=bool(config.api_keys))
+        admitted = await request.app.state.preflight.admit_chat(body, scope)
         fmt = ChatFormat(admitted.request_id, config.model_name, admitted.prompt_token_ids,
                          bool(body.return_token_ids), token_texts, body.num_logprobs,
                          tool_parser=admitted.tool_parser)

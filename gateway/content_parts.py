@@ -1,13 +1,16 @@
 """The parts of a chat message's `content`, as OpenAI's (and vLLM's) chat API defines them:
 
     {"type": "text", "text": "..."}
-    {"type": "image_url", "image_url": {"url": "...", "detail": "auto" | "low" | "high"}}
-    {"type": "video_url", "video_url": {"url": "..."}}
+    {"type": "image_url", "image_url": {"url": "...", "detail": "auto" | "low" | "high"}, "uuid": "..."}
+    {"type": "video_url", "video_url": {"url": "..."}, "uuid": "..."}
+    {"type": "image_url", "image_url": null, "uuid": "..."}    # media sent before under the uuid
 
 A URL is `data:<mime>;base64,...`, `http(s)://...`, or a local file where the server allows
 one (gateway/media/fetch.py). `detail` is accepted and ignored, as vLLM does: Gemma 3 sees
-every image at its tower's one resolution. `uuid` (vLLM's client-given id of an item) is
-accepted and passed on; the content hash, not the uuid, identifies an item.
+every image at its tower's one resolution. `uuid` is vLLM's client-given id of an item: with
+data it names them for later parts; without data (`image_url` / `video_url` null, as vLLM
+takes it, or absent) the part is what was sent before under it (gateway/media/uuids.py). A
+part has data or a uuid, or both; the content hash, not the uuid, identifies an item.
 
 `normalize_content` is ChatMessage.content's before-validator: a list of text parts only
 becomes one string (the parts joined with newlines: the text path as it always was); a list
@@ -20,10 +23,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails
 
 from gateway.request_part import RequestPart
+from gateway.schema_rules import present
+
+_UUID = ("vLLM's id of this item, chosen by the client. With data, it names them for later "
+         "parts; with `{kind}` null or absent, the part is the {noun} sent before under this uuid "
+         "(a 400 `media_not_found` when none was, or it expired: --media-ttl-s after its last use). "
+         "Scoped to the request's API key when the server has keys.")
 
 
 class TextPart(RequestPart):
@@ -39,22 +48,40 @@ class ImageURL(RequestPart):
     detail: Literal["auto", "low", "high"] | None = None  # accepted, ignored (as vLLM)
 
 
+def _media_part_schema(field: str) -> dict[str, Any]:
+    """"x-media": the document of a server that takes no images or video leaves the part out
+    (gateway/openapi_document.py); the rule: data, or a uuid naming data sent before."""
+    return {"x-media": True,
+            "anyOf": [present(field), {"properties": {"uuid": {"type": "string"}}, "required": ["uuid"]}]}
+
+
+def _data_or_uuid(part: ImageURLPart | VideoURLPart, data: object) -> None:
+    if data is None and part.uuid is None:
+        raise ValueError(f"the {part.type} part needs '{part.type}' (an object with 'url') or, for media "
+                         "sent before, their 'uuid'")
+
+
 class ImageURLPart(RequestPart):
-    # "x-media": the document of a server that takes no images or video leaves this part out
-    # (gateway/openapi_document.py); so for VideoURLPart.
-    model_config = ConfigDict(json_schema_extra={"x-media": True})
+    model_config = ConfigDict(json_schema_extra=_media_part_schema("image_url"))
 
     type: Literal["image_url"]
-    image_url: ImageURL
-    uuid: str | None = None
+    image_url: ImageURL | None = Field(None, description="The image; null or absent: the one sent before "
+                                                         "under `uuid`.")
+    uuid: str | None = Field(None, description=_UUID.format(kind="image_url", noun="image"))
+
+    @model_validator(mode="after")
+    def _has_data_or_uuid(self) -> ImageURLPart:
+        _data_or_uuid(self, self.image_url)
+        return self
 
     @property
     def kind(self) -> Literal["image"]:
         return "image"
 
     @property
-    def url(self) -> str:
-        return self.image_url.url
+    def url(self) -> str | None:
+        """None: no data (the part names media sent before by its uuid)."""
+        return None if self.image_url is None else self.image_url.url
 
 
 class VideoURL(RequestPart):
@@ -62,19 +89,26 @@ class VideoURL(RequestPart):
 
 
 class VideoURLPart(RequestPart):
-    model_config = ConfigDict(json_schema_extra={"x-media": True})
+    model_config = ConfigDict(json_schema_extra=_media_part_schema("video_url"))
 
     type: Literal["video_url"]
-    video_url: VideoURL
-    uuid: str | None = None
+    video_url: VideoURL | None = Field(None, description="The video; null or absent: the one sent before "
+                                                         "under `uuid` (its frames as sampled then).")
+    uuid: str | None = Field(None, description=_UUID.format(kind="video_url", noun="video"))
+
+    @model_validator(mode="after")
+    def _has_data_or_uuid(self) -> VideoURLPart:
+        _data_or_uuid(self, self.video_url)
+        return self
 
     @property
     def kind(self) -> Literal["video"]:
         return "video"
 
     @property
-    def url(self) -> str:
-        return self.video_url.url
+    def url(self) -> str | None:
+        """None: no data (the part names media sent before by its uuid)."""
+        return None if self.video_url is None else self.video_url.url
 
 
 MediaContentPart = ImageURLPart | VideoURLPart

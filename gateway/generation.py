@@ -84,10 +84,17 @@ class Generation:
         self._choices = {rid: _Choice(i, rid, tokenizer, text, request, self._prompt_logprobs)
                          for i, rid in enumerate(ids)}
         self._event_ids = ids if request.n == 1 else [request.request_id, *ids]
+        self._num_cached_tokens: int | None = None  # None until a first output token's event
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (usage's cached tokens): 0 until the
+        first output token's event says; the prompt counts once, whatever n."""
+        return self._num_cached_tokens or 0
 
     @property
     def n(self) -> int:
@@ -107,6 +114,10 @@ class Generation:
             event = await self._next_event(queue)
             for i, logprobs in enumerate(event.prompt_logprobs or ()):  # a recompute may resend
                 self._prompt_logprobs.setdefault(event.prompt_index + i, logprobs)
+            if self._num_cached_tokens is None and event.index == 0 and event.token_ids:
+                # the first one that says (every choice's says the same); a copy of the request
+                # sent again may hit more, but the count is the first scheduling's
+                self._num_cached_tokens = event.num_cached_tokens
             choice = self._choices.get(event.request_id)
             if choice is None:  # the parent of n > 1: prompt logprobs, or an error before the fork
                 if event.finish_reason is not None:

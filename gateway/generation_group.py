@@ -26,6 +26,9 @@ class Generating(Protocol):
     @property
     def n(self) -> int: ...
 
+    @property
+    def num_cached_tokens(self) -> int: ...  # prompt tokens from the prefix cache, so far
+
     def outputs(self) -> AsyncIterator[tuple[int, GenerationOutput]]: ...
 
     def close(self) -> None: ...
@@ -44,6 +47,11 @@ class GenerationGroup:
     @property
     def n(self) -> int:
         return sum(m.n for m in self._members)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Every prompt's, summed as its prompt tokens are (usage)."""
+        return sum(m.num_cached_tokens for m in self._members)
 
     async def outputs(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
         queue: asyncio.Queue = asyncio.Queue()

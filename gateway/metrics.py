@@ -87,6 +87,7 @@ class MediaStatsCollector:
         pagedserve:mm_items_stored_total           media items this gateway wrote to Redis
         pagedserve:mm_items_reused_total           items it found there already (TTL refreshed)
         pagedserve:mm_stored_bytes_total           bytes of the items it wrote
+        pagedserve:mm_media_by_uuid_total          parts without data, named by a uuid sent before
     """
 
     def __init__(self, model_name: str) -> None:
@@ -106,7 +107,9 @@ class MediaStatsCollector:
                 ("mm_video_frames_received", "video frames kept after sampling", taken.video_frames),
                 ("mm_items_stored", "media items written to Redis", stored.items_written),
                 ("mm_items_reused", "media items Redis held already (TTL refreshed)", stored.items_reused),
-                ("mm_stored_bytes", "bytes of the media items written to Redis", stored.bytes_written)):
+                ("mm_stored_bytes", "bytes of the media items written to Redis", stored.bytes_written),
+                ("mm_media_by_uuid", "media parts without data, named by a uuid sent before (nothing "
+                                     "fetched or decoded)", taken.by_uuid)):
             family = CounterMetricFamily(f"pagedserve:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family

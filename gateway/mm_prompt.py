@@ -9,7 +9,8 @@ tokens sit in them (`NewRequest.mm_inputs`). Text-only requests never come here.
 
 `build`, step by step:
 1. The MediaLoader fetches, checks and stores every part (gateway/media/loader.py; each bad
-   part a 400 naming it); a video becomes its sampled frames.
+   part a 400 naming it); a video becomes its sampled frames. A part without data is what
+   was sent before under its uuid (gateway/media/uuids.py): the same hashes, the same prompt.
 2. The messages go to the checkpoint's chat template with each image as `{"type": "image"}`
    and each video as, per kept frame, a text part `Frame at MM:SS.ss:` (its timestamp from
    the video's first frame: minutes, then seconds to the hundredth, e.g. "Frame at
@@ -35,6 +36,7 @@ from gateway.errors import OpenAIError, invalid
 from gateway.image_tokens import ImageTokens
 from gateway.media.loader import LoadedMedia, MediaLoader, MediaPart
 from gateway.media.options import VideoSampling
+from gateway.media.uuids import SHARED_SCOPE
 from gateway.chat_message import ChatMessage
 from gateway.protocol import ChatCompletionRequest
 from gateway.tokenizer import PromptTokenizer
@@ -48,8 +50,10 @@ class MediaPrompt:
 
 
 def media_parts(messages: Sequence[ChatMessage]) -> list[MediaPart]:
-    """Every image and video part of the messages, in prompt order, named for errors."""
-    return [MediaPart(part.kind, part.url, f"messages[{i}].content[{j}].{part.type}.url", part.uuid)
+    """Every image and video part of the messages, in prompt order, named for errors (a part
+    without data by its uuid)."""
+    return [MediaPart(part.kind, part.url, f"messages[{i}].content[{j}]."
+                      + (f"{part.type}.url" if part.url is not None else "uuid"), part.uuid)
             for i, message in enumerate(messages) for j, part in message.media_parts]
 
 
@@ -100,10 +104,11 @@ class MediaPrompts:
                           code="invalid_image_tokens")
 
     async def build(self, body: ChatCompletionRequest, parts: Sequence[MediaPart],
-                    tools: list[dict[str, Any]] | None) -> MediaPrompt:
-        """The prompt of `body`, whose media are `parts` (from `media_parts`); `check` first."""
+                    tools: list[dict[str, Any]] | None, scope: str = SHARED_SCOPE) -> MediaPrompt:
+        """The prompt of `body`, whose media are `parts` (from `media_parts`); `check` first.
+        `scope`: whose media uuids the parts may name (gateway/media/uuids.py)."""
         assert self.image_tokens is not None and self.loader is not None, "check() refuses this server"
-        loaded = await self.loader.load(parts, self._sampling(body.media_io_kwargs))
+        loaded = await self.loader.load(parts, self._sampling(body.media_io_kwargs), scope)
         messages, hashes = _template_messages(body.messages, loaded)
         token_ids, runs = await asyncio.to_thread(self._tokenize, body, messages, tools, len(hashes))
         return MediaPrompt(token_ids, tuple(MultiModalInput(content_hash, offset, length)

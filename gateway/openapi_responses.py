@@ -67,12 +67,13 @@ BEYOND_SCHEMA: tuple[tuple[str, str], ...] = (
     ("missing_tools", "a tool_choice other than none without tools"),
     ("tool_not_found", "tool_choice names a function that is not among the tools"),
 )
-# ... and what an image or video URL holds (vision checkpoints only).
+# ... and what an image or video URL holds, or whether a uuid names media sent before
+# (vision checkpoints only).
 MEDIA_BEYOND_SCHEMA: tuple[tuple[str, str], ...] = tuple((code, "an image or video that cannot be taken") for code in (
     "invalid_media_url", "invalid_media_type", "media_fetch_failed", "media_too_large", "media_domain_not_allowed",
     "local_media_not_allowed", "invalid_image", "image_too_large", "unsupported_image_format", "invalid_video",
     "video_too_large", "video_too_long", "too_many_media_items", "invalid_image_tokens",
-    "chat_template_dropped_images"))
+    "chat_template_dropped_images", "media_not_found"))
 MEDIA_CODES = tuple(code for code, _ in MEDIA_BEYOND_SCHEMA)
 COMPLETION_BEYOND = ("context_length_exceeded", "min_tokens_above_max_tokens", "invalid_json_schema",
                      "invalid_grammar", "request_rejected", "conflicting_parameters", "too_many_choices")

@@ -24,6 +24,7 @@ from gateway.backend import RedisBackend
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, from_validation_errors, invalid
 from gateway.generation import TextOptions
+from gateway.media.uuids import SHARED_SCOPE
 from gateway.mm_prompt import MediaPrompts, media_parts
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.request_part import ignored_fields
@@ -150,7 +151,8 @@ class Preflight:
                                         grammar=grammar))
         return admitted
 
-    async def admit_chat(self, body: ChatCompletionRequest) -> Admitted:
+    async def admit_chat(self, body: ChatCompletionRequest, media_scope: str = SHARED_SCOPE) -> Admitted:
+        """`media_scope`: whose media uuids the request's parts may name (gateway/media/uuids.py)."""
         parts = media_parts(body.messages) if body.has_media else []
         if parts:  # what no fetch can fix is refused first: a text model, the engine, limits
             self.check_model(body.model)
@@ -160,7 +162,7 @@ class Preflight:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         mm_inputs: tuple[MultiModalInput, ...] = ()
         if parts:
-            prompt = await self.media.build(body, parts, tools)
+            prompt = await self.media.build(body, parts, tools, media_scope)
             prompt_ids, mm_inputs = prompt.token_ids, prompt.mm_inputs
         else:
             prompt_ids = await asyncio.to_thread(

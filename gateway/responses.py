@@ -26,8 +26,8 @@ from gateway.generation import GenerationOutput
 from gateway.response_models import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
                                      CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                     CompletionResponse, Delta, FunctionCall, FunctionCallDelta, ToolCall,
-                                     ToolCallDelta, TopLogprob, Usage, now)
+                                     CompletionResponse, Delta, FunctionCall, FunctionCallDelta,
+                                     PromptTokensDetails, ToolCall, ToolCallDelta, TopLogprob, Usage, now)
 from gateway.token_text import TokenTexts
 from gateway.tool_parsers.calls import ToolParser
 from gateway.tool_parsers.stream import ToolCallStream, extract_tool_calls
@@ -36,9 +36,11 @@ from proto.messages import Logprobs
 MIN_LOGPROB = -9999.0  # what OpenAI reports for impossible tokens (JSON has no -Infinity)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    """`cached_tokens`: of the prompt tokens, those served from the prefix cache."""
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def _clamp(logprob: float) -> float:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 from gateway.errors import OpenAIError
 from gateway.generation_group import Generating
 from gateway.response_models import Usage, now
-from gateway.responses import ChoiceResult
+from gateway.responses import ChoiceResult, usage
 from gateway.tool_parsers.calls import ToolParser
 from gateway.tool_parsers.stream import ToolCallStream, extract_tool_calls
 
@@ -60,12 +60,20 @@ class FunctionCallItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
+class InputTokensDetails(BaseModel):
+    cached_tokens: int  # input tokens whose K/V came from the prefix cache (block-aligned)
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int
     output_tokens: int
     total_tokens: int
-    input_tokens_details: dict[str, int] = {"cached_tokens": 0}
-    output_tokens_details: dict[str, int] = {"reasoning_tokens": 0}
+    input_tokens_details: InputTokensDetails
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
 
 
 class ResponseObject(BaseModel):
@@ -95,9 +103,12 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _usage(usage: Usage) -> ResponseUsage:
-    return ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                         total_tokens=usage.total_tokens)
+def _usage(counts: Usage) -> ResponseUsage:
+    """Chat's usage in the Responses API's names."""
+    return ResponseUsage(input_tokens=counts.prompt_tokens, output_tokens=counts.completion_tokens,
+                         total_tokens=counts.total_tokens,
+                         input_tokens_details=InputTokensDetails(
+                             cached_tokens=counts.prompt_tokens_details.cached_tokens))
 
 
 class ResponsesFormat:
@@ -211,10 +222,9 @@ class ResponsesFormat:
                 yield events("response.function_call_arguments.done", item_id=item.id, output_index=index,
                              name=item.name, arguments=item.arguments)
                 yield events("response.output_item.done", output_index=index, item=item)
-            usage = ResponseUsage(input_tokens=num_prompt_tokens, output_tokens=num_tokens,
-                                  total_tokens=num_prompt_tokens + num_tokens)
+            used = _usage(usage(num_prompt_tokens, num_tokens, generation.num_cached_tokens))
             finish = self._finish(finish_reason)
-            yield events("response.completed", response=self._response(finish.pop("status"), output, usage, **finish))
+            yield events("response.completed", response=self._response(finish.pop("status"), output, used, **finish))
         except Exception as exc:  # the stream has started: report it inside, in the API's shape
             if not isinstance(exc, OpenAIError):
                 logger.exception("response stream %s failed", self.response_id)

@@ -47,7 +47,8 @@ async def stream_sse(generation: Generating, fmt: OutputFormat, *, include_usage
         async for index, output in generation.outputs():
             num_tokens[index] = output.num_tokens
             # A choice's first chunk goes out even when empty: it may carry the echo or ids.
-            so_far = usage(num_prompt_tokens, sum(num_tokens)) if continuous_usage else None
+            so_far = usage(num_prompt_tokens, sum(num_tokens), generation.num_cached_tokens) \
+                if continuous_usage else None
             if fmt.worth_a_chunk(output, first[index]) or (first[index] and output.finish_reason):
                 chunk = fmt.chunk(index, output, first[index])
                 if chunk is not None:
@@ -59,7 +60,8 @@ async def stream_sse(generation: Generating, fmt: OutputFormat, *, include_usage
                 chunk.usage = so_far
                 yield _event(chunk, include_usage)
         if include_usage:  # OpenAI's: the prompt once, the completion tokens of every choice
-            yield _event(fmt.usage_chunk(usage(num_prompt_tokens, sum(num_tokens))), include_usage)
+            yield _event(fmt.usage_chunk(usage(num_prompt_tokens, sum(num_tokens), generation.num_cached_tokens)),
+                         include_usage)
     except OpenAIError as exc:
         yield f"data: {json.dumps(exc.body())}\n\n"
     except Exception:
@@ -91,7 +93,7 @@ async def collect(generation: Generating, fmt: OutputFormat, *, num_prompt_token
         return Response(status_code=499)
     collecting.result()  # raises the generation's error
     num_tokens = sum(len(r.token_ids) for r in results)  # the prompt once, every choice's outputs
-    body = fmt.response(results, usage(num_prompt_tokens, num_tokens))
+    body = fmt.response(results, usage(num_prompt_tokens, num_tokens, generation.num_cached_tokens))
     return JSONResponse(body.model_dump(mode="json"))
 
 

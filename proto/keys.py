@@ -55,3 +55,9 @@ class RedisKeys:
         """A MediaItem (an image's encoded bytes, or one video frame's RGB pixels) under the
         sha256 hex of its content, with a TTL every reuse refreshes (gateway/media/store.py)."""
         return f"{self.prefix}:media:{content_hash}"
+
+    def media_uuid(self, scope: str, kind: str, uuid: str) -> str:
+        """The content hashes (a gateway-only msgpack record) of the media a client sent with
+        `uuid` (vLLM's per-part id), for later parts that name them without data; per client
+        `scope` and media `kind`, with the media's TTL (gateway/media/uuids.py)."""
+        return f"{self.prefix}:media-uuid:{scope}:{kind}:{uuid}"

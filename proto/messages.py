@@ -120,6 +120,11 @@ class TokenEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs] | None = None
     prompt_index: int = 0
+    # On the event of the first output token (index 0, token_ids not empty) only: the prompt
+    # tokens whose K/V came from the prefix cache when the scheduler first admitted the
+    # request (worker.proto NewRequestData.num_cached_tokens; a forked child's is its
+    # parent's). The gateway reports it as usage's cached tokens.
+    num_cached_tokens: int = 0
 
 
 class WorkerRegistration(msgspec.Struct, frozen=True):

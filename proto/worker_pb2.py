@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\npagedserve\"\x80\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pagedserve.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x02\x88\x01\x01\x12$\n\x07grammar\x18\x10 \x01(\x0b\x32\x13.pagedserve.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"%\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xf7\x01\n\x0eNewRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pagedserve.SamplingParams\x12\x15\n\rreply_channel\x18\x07 \x01(\t\x12.\n\tmm_inputs\x18\x08 \x03(\x0b\x32\x1b.pagedserve.MultiModalInput\"G\n\x0fMultiModalInput\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06length\x18\x03 \x01(\x05\"v\n\x11\x43\x61\x63hedRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x19\n\x11replace_block_ids\x18\x04 \x01(\x08\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\x99\x04\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\x12\x30\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1a.pagedserve.NewRequestData\x12\x36\n\x0f\x63\x61\x63hed_requests\x18\x04 \x03(\x0b\x32\x1d.pagedserve.CachedRequestData\x12M\n\x14num_scheduled_tokens\x18\x05 \x03(\x0b\x32/.pagedserve.StepRequest.NumScheduledTokensEntry\x12\x31\n\x12\x62locks_to_swap_out\x18\x06 \x03(\x0b\x32\x15.pagedserve.BlockPair\x12\x30\n\x11\x62locks_to_swap_in\x18\x07 \x03(\x0b\x32\x15.pagedserve.BlockPair\x12-\n\x0e\x62locks_to_copy\x18\x08 \x03(\x0b\x32\x15.pagedserve.BlockPair\x12\x1f\n\x17swapped_out_request_ids\x18\t \x03(\t\x12\x15\n\rafter_step_id\x18\n \x01(\x03\x12\x15\n\rfencing_token\x18\x0c \x01(\x04\x1a\x39\n\x17NumScheduledTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01J\x04\x08\x0b\x10\x0c\"K\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"\x91\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12)\n\x07sampled\x18\x02 \x03(\x0b\x32\x18.pagedserve.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12\x18\n\x0bgap_seconds\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_gap_secondsJ\x04\x08\x05\x10\x06\"\x11\n\x0f\x44\x65scribeRequest\"\x83\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x16\n\x0enum_cpu_blocks\x18\x08 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x1e\n\x16kv_cache_group_windows\x18\x0b \x03(\x05\x12\x1b\n\x13kv_cache_group_size\x18\x0c \x01(\x05J\x04\x08\n\x10\x0b\"\x0f\n\rHealthRequest\"/\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x14\n\x0cnum_requests\x18\x02 \x01(\x05\x32\xfe\x01\n\x06Worker\x12?\n\x08\x44\x65scribe\x12\x1b.pagedserve.DescribeRequest\x1a\x16.pagedserve.WorkerInfo\x12\x37\n\x04Step\x12\x17.pagedserve.StepRequest\x1a\x16.pagedserve.StepResult\x12<\n\x05Steps\x12\x17.pagedserve.StepRequest\x1a\x16.pagedserve.StepResult(\x01\x30\x01\x12<\n\x06Health\x12\x19.pagedserve.HealthRequest\x1a\x17.pagedserve.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\npagedserve\"\x80\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pagedserve.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x02\x88\x01\x01\x12$\n\x07grammar\x18\x10 \x01(\x0b\x32\x13.pagedserve.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"%\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\x92\x02\n\x0eNewRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pagedserve.SamplingParams\x12\x15\n\rreply_channel\x18\x07 \x01(\t\x12.\n\tmm_inputs\x18\x08 \x03(\x0b\x32\x1b.pagedserve.MultiModalInput\x12\x19\n\x11num_cached_tokens\x18\t \x01(\x05\"G\n\x0fMultiModalInput\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06length\x18\x03 \x01(\x05\"v\n\x11\x43\x61\x63hedRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x19\n\x11replace_block_ids\x18\x04 \x01(\x08\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\x99\x04\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\x12\x30\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1a.pagedserve.NewRequestData\x12\x36\n\x0f\x63\x61\x63hed_requests\x18\x04 \x03(\x0b\x32\x1d.pagedserve.CachedRequestData\x12M\n\x14num_scheduled_tokens\x18\x05 \x03(\x0b\x32/.pagedserve.StepRequest.NumScheduledTokensEntry\x12\x31\n\x12\x62locks_to_swap_out\x18\x06 \x03(\x0b\x32\x15.pagedserve.BlockPair\x12\x30\n\x11\x62locks_to_swap_in\x18\x07 \x03(\x0b\x32\x15.pagedserve.BlockPair\x12-\n\x0e\x62locks_to_copy\x18\x08 \x03(\x0b\x32\x15.pagedserve.BlockPair\x12\x1f\n\x17swapped_out_request_ids\x18\t \x03(\t\x12\x15\n\rafter_step_id\x18\n \x01(\x03\x12\x15\n\rfencing_token\x18\x0c \x01(\x04\x1a\x39\n\x17NumScheduledTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01J\x04\x08\x0b\x10\x0c\"K\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"\x91\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12)\n\x07sampled\x18\x02 \x03(\x0b\x32\x18.pagedserve.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12\x18\n\x0bgap_seconds\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_gap_secondsJ\x04\x08\x05\x10\x06\"\x11\n\x0f\x44\x65scribeRequest\"\x83\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x16\n\x0enum_cpu_blocks\x18\x08 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x1e\n\x16kv_cache_group_windows\x18\x0b \x03(\x05\x12\x1b\n\x13kv_cache_group_size\x18\x0c \x01(\x05J\x04\x08\n\x10\x0b\"\x0f\n\rHealthRequest\"/\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x14\n\x0cnum_requests\x18\x02 \x01(\x05\x32\xfe\x01\n\x06Worker\x12?\n\x08\x44\x65scribe\x12\x1b.pagedserve.DescribeRequest\x1a\x16.pagedserve.WorkerInfo\x12\x37\n\x04Step\x12\x17.pagedserve.StepRequest\x1a\x16.pagedserve.StepResult\x12<\n\x05Steps\x12\x17.pagedserve.StepRequest\x1a\x16.pagedserve.StepResult(\x01\x30\x01\x12<\n\x06Health\x12\x19.pagedserve.HealthRequest\x1a\x17.pagedserve.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,29 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GRAMMAR']._serialized_start=549
   _globals['_GRAMMAR']._serialized_end=586
   _globals['_NEWREQUESTDATA']._serialized_start=589
-  _globals['_NEWREQUESTDATA']._serialized_end=836
-  _globals['_MULTIMODALINPUT']._serialized_start=838
-  _globals['_MULTIMODALINPUT']._serialized_end=909
-  _globals['_CACHEDREQUESTDATA']._serialized_start=911
-  _globals['_CACHEDREQUESTDATA']._serialized_end=1029
-  _globals['_BLOCKPAIR']._serialized_start=1031
-  _globals['_BLOCKPAIR']._serialized_end=1068
-  _globals['_STEPREQUEST']._serialized_start=1071
-  _globals['_STEPREQUEST']._serialized_end=1608
-  _globals['_STEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_start=1545
-  _globals['_STEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_end=1602
-  _globals['_SAMPLEDTOKEN']._serialized_start=1610
-  _globals['_SAMPLEDTOKEN']._serialized_end=1685
-  _globals['_STEPRESULT']._serialized_start=1688
-  _globals['_STEPRESULT']._serialized_end=1833
-  _globals['_DESCRIBEREQUEST']._serialized_start=1835
-  _globals['_DESCRIBEREQUEST']._serialized_end=1852
-  _globals['_WORKERINFO']._serialized_start=1855
-  _globals['_WORKERINFO']._serialized_end=2114
-  _globals['_HEALTHREQUEST']._serialized_start=2116
-  _globals['_HEALTHREQUEST']._serialized_end=2131
-  _globals['_HEALTHREPLY']._serialized_start=2133
-  _globals['_HEALTHREPLY']._serialized_end=2180
-  _globals['_WORKER']._serialized_start=2183
-  _globals['_WORKER']._serialized_end=2437
+  _globals['_NEWREQUESTDATA']._serialized_end=863
+  _globals['_MULTIMODALINPUT']._serialized_start=865
+  _globals['_MULTIMODALINPUT']._serialized_end=936
+  _globals['_CACHEDREQUESTDATA']._serialized_start=938
+  _globals['_CACHEDREQUESTDATA']._serialized_end=1056
+  _globals['_BLOCKPAIR']._serialized_start=1058
+  _globals['_BLOCKPAIR']._serialized_end=1095
+  _globals['_STEPREQUEST']._serialized_start=1098
+  _globals['_STEPREQUEST']._serialized_end=1635
+  _globals['_STEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_start=1572
+  _globals['_STEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_end=1629
+  _globals['_SAMPLEDTOKEN']._serialized_start=1637
+  _globals['_SAMPLEDTOKEN']._serialized_end=1712
+  _globals['_STEPRESULT']._serialized_start=1715
+  _globals['_STEPRESULT']._serialized_end=1860
+  _globals['_DESCRIBEREQUEST']._serialized_start=1862
+  _globals['_DESCRIBEREQUEST']._serialized_end=1879
+  _globals['_WORKERINFO']._serialized_start=1882
+  _globals['_WORKERINFO']._serialized_end=2141
+  _globals['_HEALTHREQUEST']._serialized_start=2143
+  _globals['_HEALTHREQUEST']._serialized_end=2158
+  _globals['_HEALTHREPLY']._serialized_start=2160
+  _globals['_HEALTHREPLY']._serialized_end=2207
+  _globals['_WORKER']._serialized_start=2210
+  _globals['_WORKER']._serialized_end=2464
 # @@protoc_insertion_point(module_scope)

@@ -58,7 +58,7 @@ class Grammar(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "reply_channel", "mm_inputs")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "reply_channel", "mm_inputs", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class NewRequestData(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REPLY_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     MM_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -75,7 +76,8 @@ class NewRequestData(_message.Message):
     sampling: SamplingParams
     reply_channel: str
     mm_inputs: _containers.RepeatedCompositeFieldContainer[MultiModalInput]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reply_channel: _Optional[str] = ..., mm_inputs: _Optional[_Iterable[_Union[MultiModalInput, _Mapping]]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reply_channel: _Optional[str] = ..., mm_inputs: _Optional[_Iterable[_Union[MultiModalInput, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class MultiModalInput(_message.Message):
     __slots__ = ("content_hash", "offset", "length")

@@ -27,7 +27,7 @@ from scheduler_svc.request import SchedulerRequest
 
 def make_children(parent: SchedulerRequest) -> list[SchedulerRequest]:
     """The parent's n children, each where the parent is (tokens, computed tokens, hashes,
-    the images of the prompt they share)."""
+    the prefix-cache hit its admission reported, the images of the prompt they share)."""
     seed = parent.sampling.seed
     return [SchedulerRequest(
         request_id=child_request_id(parent.request_id, i), token_ids=list(parent.token_ids),
@@ -37,7 +37,7 @@ def make_children(parent: SchedulerRequest) -> list[SchedulerRequest]:
         reply_channel=parent.reply_channel, arrival_time=parent.arrival_time,
         priority=parent.priority, num_computed_tokens=parent.num_computed_tokens,
         block_hashes=list(parent.block_hashes), parent_id=parent.request_id,
-        mm_inputs=parent.mm_inputs) for i in range(parent.n)]
+        num_cached_tokens=parent.num_cached_tokens, mm_inputs=parent.mm_inputs) for i in range(parent.n)]
 
 
 class ForkManager:

@@ -108,10 +108,13 @@ class RequestQueues:
 
     def admit_head(self, num_computed_tokens: int) -> SchedulerRequest:
         """The head of the waiting queue starts running, its first `num_computed_tokens`
-        already computed (a prefix-cache hit)."""
+        already computed (a prefix-cache hit). Its first admission's hit is the one the
+        client is told of (`num_cached_tokens`: prompt tokens only)."""
         req = self._waiting.pop(0)
         req.status = _RUNNING
         req.num_computed_tokens = num_computed_tokens
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = min(num_computed_tokens, req.num_prompt_tokens)
         bisect.insort(self._running, req, key=by_sort_key)
         return req
 

@@ -64,6 +64,11 @@ class SchedulerRequest:
     # steps planned ahead, a step computes the token the step before it samples, which
     # the worker has and the scheduler does not yet.
     num_pending: int = 0
+    # Prompt tokens its first admission took from the prefix cache (None until then): what
+    # the client's usage reports as cached (vLLM's num_cached_tokens). Set once, by
+    # RequestQueues.admit_head; kept across preemptions and re-routing; a forked child has
+    # its parent's (the prompt is counted once).
+    num_cached_tokens: int | None = None
     # Images of the prompt (NewRequest.mm_inputs; a child's are its parent's): well-formed
     # ranges in prompt order (image_ranges.why_invalid), never changed.
     mm_inputs: tuple[MultiModalInput, ...] = ()

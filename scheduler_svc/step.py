@@ -110,7 +110,8 @@ class StepBuilder:
             new = step.new_requests.add(
                 request_id=req.request_id, token_ids=req.token_ids, num_prompt_tokens=req.num_prompt_tokens,
                 block_ids=block_ids, num_computed_tokens=req.num_computed_tokens,
-                sampling=to_pb_sampling(req.sampling), reply_channel=req.reply_channel)
+                sampling=to_pb_sampling(req.sampling), reply_channel=req.reply_channel,
+                num_cached_tokens=req.num_cached_tokens or 0)
             if req.mm_inputs:
                 new.mm_inputs.extend(to_pb_mm_inputs(req.mm_inputs))
             scheduled[req.request_id] = num_new

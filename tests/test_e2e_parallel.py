@@ -62,7 +62,10 @@ def test_n4_greedy_choices_equal_transformers_through_shared_blocks(stack, clien
     for i in range(4):
         assert [t for c in chunks if c.choices and c.choices[0].index == i
                 for t in c.choices[0].model_extra["token_ids"]] == expected
-    assert chunks[-1].usage == full.usage
+    # The same counts; the prompt's 2 full blocks now come from the prefix cache (counted once)
+    streamed = chunks[-1].usage
+    assert (streamed.prompt_tokens, streamed.completion_tokens) == (full.usage.prompt_tokens, 4 * 12)
+    assert streamed.prompt_tokens_details.cached_tokens == 32
     # One prompt computed, forked into 4 sequences; 3 copied the partly filled last block.
     assert grew(before, counters(stack)) == {"forks": 8, "copies": 6, "aborted": 0}
 

@@ -48,7 +48,8 @@ async def test_completion(config, tokenizer):
     assert body["choices"] == [{"index": 0, "text": " and 日本語 too", "logprobs": None, "finish_reason": "length"}]
     prompt_ids = tokenizer.encode_text("Hello")
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                             "total_tokens": len(prompt_ids) + len(ids)}
+                             "total_tokens": len(prompt_ids) + len(ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     [request] = worker.messages
     assert isinstance(request, NewRequest) and request.request_id == body["id"]
     assert request.prompt_token_ids == prompt_ids and request.priority == 0

@@ -43,6 +43,11 @@ URL0 = "messages[0].content[1].image_url.url"
     (user(VIDEO, VIDEO), "too_many_media_items", ["At most 1 video(s)"], "messages[0].content[2].video_url.url"),
     (user(image_part(0), {"type": "image_url", "image_url": {}}),
      "missing_required_parameter", ["messages[0].content[2].image_url.url"], "messages[0].content[2].image_url.url"),
+    (user({"type": "image_url", "image_url": None}),  # neither data nor a uuid naming media sent before
+     "invalid_value", ["needs 'image_url'", "'uuid'"], "messages[0].content[1]"),
+    (user({"type": "video_url", "uuid": None}), "invalid_value", ["needs 'video_url'"], "messages[0].content[1]"),
+    (user({"type": "image_url", "image_url": None, "uuid": "never-sent"}),
+     "media_not_found", ["uuid 'never-sent'", "Send it again"], "messages[0].content[1].uuid"),
     (user({"type": "image_url", "image_url": {"url": "x", "detail": "max"}}),
      "invalid_value", ["'auto', 'low' or 'high'"], "messages[0].content[1].image_url.detail"),
     (user({"type": "input_audio", "input_audio": {}}),
@@ -64,7 +69,7 @@ URL0 = "messages[0].content[1].image_url.url"
     ({"messages": [{"role": "user", "content": "a <image_soft_token> without an image"}]},
      "invalid_image_tokens", ["image soft token"], "messages"),
 ], ids=["bad base64", "not an image", "truncated image", "local file", "bad video", "9 images", "2 videos",
-        "no url", "bad detail", "audio part", "system image", "assistant video", "pan and scan",
+        "no url", "no data nor uuid", "no video nor uuid", "unknown uuid", "bad detail", "audio part", "system image", "assistant video", "pan and scan",
         "bad sampling", "truncation", "typed start_of_image", "typed soft token", "soft token in text"])
 async def test_bad_chat_input_is_refused_before_queueing(config, body, code, words, param):
     await refused(config, "/v1/chat/completions", body, code, *words, param=param)

@@ -189,6 +189,13 @@ async def test_openapi_publishes_the_content_parts(config):
     assert {"$ref": "#/components/schemas/ImageURLPart"} in content["anyOf"][1]["items"]["oneOf"]
     assert schemas["ImageURLPart"]["properties"]["type"]["const"] == "image_url"
     assert set(schemas["ImageURL"]["properties"]["detail"]["anyOf"][0]["enum"]) == {"auto", "low", "high"}
-    assert schemas["VideoURLPart"]["properties"]["video_url"] == {"$ref": "#/components/schemas/VideoURL"}
+    # data, or (null or absent) the media sent before under a uuid: one or the other at least
+    assert schemas["VideoURLPart"]["properties"]["video_url"]["anyOf"] == [
+        {"$ref": "#/components/schemas/VideoURL"}, {"type": "null"}]
+    for part, data in (("ImageURLPart", "image_url"), ("VideoURLPart", "video_url")):
+        assert schemas[part]["required"] == ["type"]
+        assert schemas[part]["properties"]["uuid"]["anyOf"] == [{"type": "string"}, {"type": "null"}]
+        assert schemas[part]["anyOf"] == [{"properties": {data: {"not": {"type": "null"}}}, "required": [data]},
+                                          {"properties": {"uuid": {"type": "string"}}, "required": ["uuid"]}]
 
 

@@ -276,7 +276,7 @@ async def test_loader_refusals_name_the_part(redis_url):
         refused(exc_info, "invalid_image", param="messages[0].content[4].image_url.url")
         with pytest.raises(OpenAIError) as exc_info:
             await loader.load([MediaPart("image", "", "messages[0].content[0].image_url.url", uuid="u")])
-        refused(exc_info, "invalid_media_url", "uuid alone", param="messages[0].content[0].image_url.url")
+        refused(exc_info, "invalid_media_url", "empty", param="messages[0].content[0].image_url.url")
     finally:
         await loader.aclose()
         await client.aclose()

@@ -18,7 +18,8 @@ No transport here (the gRPC server and Redis publishing wrap it). One step:
 4. sample one token for each of those, append it, apply the finish rule (worker_svc/stop.py);
    logprobs of sampled tokens, and of prompt tokens for requests that ask (worker_svc/logprobs.py);
 5. return a SampledToken per sampled token, and a TokenEvent per token (or per prompt-logprobs
-   chunk) grouped by the request's reply channel.
+   chunk) grouped by the request's reply channel; the event of a request's first output
+   token also carries the prompt tokens it took from the prefix cache (num_cached_tokens).
 
 Requests that finished keep their state until the scheduler forgets them, but are never
 computed or sampled again (a scheduler that still lists them gets nothing for them).
@@ -262,12 +263,14 @@ class ModelRunner:
                     result.sampled.add(request_id=state.request_id, token_id=out.token_id,
                                        finish_reason=reason or "")
                 sampled = [out.token_id] if out.token_id is not None else []
+                index = state.num_output_tokens - len(sampled)
                 events.setdefault(state.reply_channel, []).append(TokenEvent(
-                    request_id=state.request_id, index=state.num_output_tokens - len(sampled),
+                    request_id=state.request_id, index=index,
                     token_ids=sampled, finish_reason=reason,
                     error=(state.grammar.error or None) if reason == "error" else None,
                     logprobs=[out.logprobs] if out.logprobs is not None else None,
-                    prompt_logprobs=out.prompt_logprobs or None, prompt_index=out.prompt_index))
+                    prompt_logprobs=out.prompt_logprobs or None, prompt_index=out.prompt_index,
+                    num_cached_tokens=state.num_cached_tokens if sampled and index == 0 else 0))
         result.execute_seconds = time.perf_counter() - start
         return StepOutput(result=result, events=events, vision=vision)
 

@@ -30,7 +30,8 @@ class RequestState:
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_tables",
                  "num_computed_tokens", "sampling", "generator", "reply_channel",
-                 "finish_reason", "grammar", "image_ranges", "image_hashes", "images_end", "failure")
+                 "finish_reason", "grammar", "image_ranges", "image_hashes", "images_end", "failure",
+                 "num_cached_tokens")
 
     def __init__(self, new: worker_pb2.NewRequestData, device: torch.device, num_groups: int = 1):
         if not new.token_ids:
@@ -46,6 +47,9 @@ class RequestState:
         self.num_computed_tokens: int = new.num_computed_tokens
         self.sampling: worker_pb2.SamplingParams = new.sampling
         self.reply_channel: str = new.reply_channel
+        # Prompt tokens the scheduler took from the prefix cache when it first admitted the
+        # request: published with its first output token (TokenEvent.num_cached_tokens).
+        self.num_cached_tokens: int = new.num_cached_tokens
         self.finish_reason: str | None = None
         # The images of the prompt (the scheduler re-sends them with every NewRequestData).
         self.image_ranges: tuple[PlaceholderRange, ...] = tuple(

@@ -7,6 +7,8 @@ and a worker on any host reads what it must encode (DESIGN.md "Images and video"
     images.py    PIL: format, pixel cap, full decode; the file is what is stored
     video.py     PyAV: frame cap, sampling by num_frames / fps, frames as RGB8 + timestamps
     store.py     MediaStore: MediaItem under RedisKeys.media(sha256), TTL refreshed on reuse
+    uuids.py     MediaUUIDs: a part's uuid → what it loaded to, for parts by uuid alone (no data)
+    loaded.py    MediaPart in, LoadedImage / LoadedVideo out
     loader.py    MediaLoader: one request's parts → LoadedImage / LoadedVideo, limits, concurrency
 
 Imports nothing here: gateway/config.py reads options.py, and must stay stdlib-only.

@@ -13,9 +13,11 @@ the event loop). The first part that fails cancels the others and its 400 is the
 items already stored simply expire.
 
 An image is stored as its file (`MediaItem` "encoded"), a video as its sampled frames
-(`MediaItem` "rgb8", one per frame); the request then carries only their hashes. A part's
-`uuid` (vLLM's client-given id of an item) travels along but is not trusted as an identity:
-the content hash is computed from the bytes every time.
+(`MediaItem` "rgb8", one per frame); the request then carries only their hashes, computed
+from the bytes every time. A part's `uuid` (vLLM's client-given id of an item) is recorded
+for later parts (gateway/media/uuids.py); a part with a uuid and no data is that record,
+read back before anything is fetched (an unknown uuid fails the request at once): no fetch,
+no decode, the same hashes. Such parts count against `--limit-mm-per-prompt` as any.
 """
 
 from __future__ import annotations
@@ -23,65 +25,19 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
-
+from dataclasses import dataclass, field, replace
 import redis.asyncio as aioredis
 
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, invalid
-from gateway.media.fetch import FetchPolicy, MediaFetcher, MediaKind
+from gateway.media.fetch import FetchPolicy, MediaFetcher
 from gateway.media.images import check_image
+from gateway.media.loaded import LoadedFrame, LoadedImage, LoadedMedia, LoadedVideo, MediaPart
 from gateway.media.options import VideoSampling, parse_limits, parse_video_sampling
 from gateway.media.store import MediaStore
+from gateway.media.uuids import SHARED_SCOPE, MediaUUIDs
 from gateway.media.video import decode_video
 from proto.keys import RedisKeys
-
-
-@dataclass(frozen=True)
-class MediaPart:
-    """One media content part of a request, as the preflight finds it."""
-
-    kind: MediaKind
-    url: str
-    param: str  # where it is in the body, for errors: "messages[0].content[1].image_url.url"
-    uuid: str | None = None
-
-
-@dataclass(frozen=True)
-class LoadedImage:
-    content_hash: str
-    width: int
-    height: int
-    mime: str
-    param: str
-    uuid: str | None = None
-    kind: Literal["image"] = "image"
-
-
-@dataclass(frozen=True)
-class LoadedFrame:
-    """One kept frame of a video: an image of its own in the prompt, with its time."""
-
-    content_hash: str
-    width: int
-    height: int
-    timestamp_s: float  # from the video's first frame
-    index: int  # among the video's frames
-
-
-@dataclass(frozen=True)
-class LoadedVideo:
-    frames: tuple[LoadedFrame, ...]
-    total_frames: int
-    fps: float
-    duration_s: float
-    param: str
-    uuid: str | None = None
-    kind: Literal["video"] = "video"
-
-
-LoadedMedia = LoadedImage | LoadedVideo
 
 
 @dataclass(frozen=True)
@@ -113,13 +69,16 @@ class LoaderStats:
     images: int = 0
     videos: int = 0
     video_frames: int = 0  # kept after sampling
+    by_uuid: int = 0  # parts without data, named by a uuid sent before (nothing fetched or decoded)
 
 
 class MediaLoader:
     def __init__(self, settings: MediaSettings, store: MediaStore, fetcher: MediaFetcher | None = None, *,
-                 fetch_concurrency: int = 4, decode_threads: int | None = None):
+                 uuids: MediaUUIDs | None = None, fetch_concurrency: int = 4, decode_threads: int | None = None):
+        """`uuids`: where parts' uuids are recorded (by default beside `store`'s items)."""
         self.settings = settings
         self.store = store
+        self.uuids = uuids or MediaUUIDs(store.client, store.keys, settings.ttl_s)
         self.fetcher = fetcher or MediaFetcher(settings.fetch)
         self.stats = LoaderStats()
         self._fetch_concurrency = fetch_concurrency
@@ -152,26 +111,43 @@ class MediaLoader:
                            f"request has {total}.")
                 raise invalid(message, param=part.param, code="too_many_media_items")
 
-    async def load(self, parts: Sequence[MediaPart], sampling: VideoSampling | None = None) -> list[LoadedMedia]:
-        """Every part fetched, checked and stored, in order (`sampling`: this request's
-        video sampling, the server's by default)."""
+    async def load(self, parts: Sequence[MediaPart], sampling: VideoSampling | None = None,
+                   scope: str = SHARED_SCOPE) -> list[LoadedMedia]:
+        """Every part fetched, checked and stored, or (without data) named by its uuid, in
+        order (`sampling`: this request's video sampling, the server's by default; `scope`:
+        whose uuids, gateway/media/uuids.py)."""
         self.check_limits(parts)
         if not parts:
             return []
+        # a uuid a part with data sends in this request: its last such part, for the others
+        sent = {(p.kind, p.uuid): i for i, p in enumerate(parts) if not p.by_uuid and p.uuid is not None}
+        earlier = [p for p in parts if p.by_uuid and (p.kind, p.uuid) not in sent]
+        recalled = iter(await self.uuids.recall(scope, earlier))  # first: an unknown uuid fetches nothing
+        data = [i for i, p in enumerate(parts) if not p.by_uuid]
         fetching = asyncio.Semaphore(self._fetch_concurrency)
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._load_one(part, fetching, sampling or self.settings.sampling))
-                         for part in parts]
+                tasks = [group.create_task(self._load_one(parts[i], fetching, sampling or self.settings.sampling))
+                         for i in data]
         except BaseExceptionGroup as failed:
             raise _first_error(failed) from None
-        return [task.result() for task in tasks]
+        loaded = {i: task.result() for i, task in zip(data, tasks)}
+        await self.uuids.remember(scope, [(parts[i], loaded[i]) for i in sent.values()])
+        self.stats.by_uuid += len(parts) - len(data)
+        out: list[LoadedMedia] = []
+        for i, part in enumerate(parts):
+            if i in loaded:
+                out.append(loaded[i])
+            elif (part.kind, part.uuid) in sent:
+                out.append(replace(loaded[sent[(part.kind, part.uuid)]], param=part.param, uuid=part.uuid))
+            else:
+                out.append(next(recalled))
+        return out
 
     async def _load_one(self, part: MediaPart, fetching: asyncio.Semaphore,
                         sampling: VideoSampling) -> LoadedMedia:
         if not part.url:
-            raise invalid(f"The {part.kind} part has no URL (media by uuid alone are not supported).",
-                          param=part.param, code="invalid_media_url")
+            raise invalid(f"The {part.kind} part's URL is empty.", param=part.param, code="invalid_media_url")
         async with fetching:
             fetched = await self.fetcher.fetch(part.url, part.kind, part.param)
         if part.kind == "image":

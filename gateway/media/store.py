@@ -56,6 +56,14 @@ class MediaStore:
         self._encoder = msgspec.msgpack.Encoder()
         self.stats = StoreStats()
 
+    @property
+    def client(self) -> aioredis.Redis:
+        return self._client
+
+    @property
+    def keys(self) -> RedisKeys:
+        return self._keys
+
     async def put(self, item: MediaItem) -> str:
         """Store `item` (or refresh the TTL of its stored copy); its content hash. Redis
         unreachable: a 503, as for the rest of a request's admission."""
