@@ -2,12 +2,14 @@
 cgroup quota (v1 and v2 trees written here), `--threads` when given, and while serving from
 what other processes take of the CPUs; the runner applies it on its compute thread."""
 
+import time
 from pathlib import Path
 
 import torch
 from runner_helpers import make_runner
 
-from worker_svc.cpu_threads import DOWN_READINGS, CpuShare, cgroup_cpu_quota, choose_threads, read_busy_seconds
+from worker_svc.cpu_threads import (DOWN_S, DOWN_WHOLE_S, READING_S, UP_S, CpuShare, cgroup_cpu_quota, choose_threads,
+                                   read_busy_seconds)
 
 
 def test_the_quota_caps_the_affinity_and_threads_given_win():
@@ -66,29 +68,65 @@ class FakeCounters:
         self.busy += (own_cores + other_cores) * seconds
 
 
-def test_threads_follow_what_other_processes_take_for_a_few_readings_in_a_row():
+def _share(c: FakeCounters) -> CpuShare:
+    return CpuShare(choose_threads(None, cpus={0, 1}, quota=None), cpus={0, 1},
+                    busy_seconds=lambda: c.busy, own_seconds=lambda: c.own, clock=lambda: c.t)
+
+
+def _readings(share: CpuShare, c: FakeCounters, seconds: float, own: float, other: float) -> list[tuple[float, int]]:
+    """Readings every READING_S over `seconds` with these loads, each followed by a step:
+    each count the step changed to, and how long after the first of these readings."""
+    said, start = [], c.t
+    for _ in range(round(seconds / READING_S)):
+        c.run(READING_S, own, other)
+        share.read()
+        if (threads := share.threads()) is not None:
+            said.append((round(c.t - start, 6), threads))
+    return said
+
+
+def test_a_neighbour_holding_a_core_takes_a_thread_within_a_second_and_gives_it_back():
     c = FakeCounters()
-    share = CpuShare(choose_threads(None, cpus={0, 1}, quota=None), cpus={0, 1}, interval_s=0.9,
-                     busy_seconds=lambda: c.busy, own_seconds=lambda: c.own, clock=lambda: c.t)
+    share = _share(c)
     assert share.current == 2
-    c.run(0.5, 1.9, 0.05)
-    assert share.threads() is None  # not an interval yet
-    c.run(0.6, 1.9, 0.05)
-    assert share.threads() is None and share.taken < 0.1  # alone: keeps two
-    for _ in range(DOWN_READINGS - 1):  # a burst of a few seconds: ignored
-        c.run(1.0, 1.0, 1.0)
-        assert share.threads() is None and round(share.taken, 6) == 1.0
-    c.run(1.0, 1.9, 0.1)
-    assert share.threads() is None
-    for _ in range(DOWN_READINGS - 1):  # a process keeps a core: one thread, after DOWN_READINGS
-        c.run(1.0, 1.0, 1.0)
-        assert share.threads() is None
-    c.run(1.0, 1.0, 1.0)
-    assert share.threads() == 1 and share.current == 1
-    c.run(1.0, 1.0, 0.3)  # a light neighbour: two again, after UP_READINGS
-    assert share.threads() is None
-    c.run(1.0, 1.0, 0.3)
-    assert share.threads() == 2
+    assert _readings(share, c, 3.0, 1.9, 0.05) == [] and share.taken < 0.1  # alone: keeps two
+    assert _readings(share, c, 2.0, 1.0, 1.0) == [(DOWN_WHOLE_S, 1)]  # a hog: one thread, after a second
+    assert share.current == 1 and round(share.taken, 6) == 1.0
+    assert _readings(share, c, 3.0, 1.0, 0.3) == [(UP_S, 2)]  # a light neighbour: two again
+
+
+def test_part_of_a_core_for_a_few_seconds_is_not_worth_a_thread():
+    c = FakeCounters()
+    share = _share(c)
+    assert _readings(share, c, DOWN_S - READING_S, 1.2, 0.75) == []  # a client starting up: ignored
+    assert _readings(share, c, 1.0, 1.9, 0.05) == []
+    assert _readings(share, c, DOWN_S + 1, 1.2, 0.75) == [(DOWN_S, 1)]  # for longer: one thread
+    share = _share(c := FakeCounters())  # part of a core among whole ones: DOWN_S again
+    assert _readings(share, c, 0.5, 1.2, 0.75) + _readings(share, c, 3.0, 1.0, 1.0) == []
+
+
+def test_readings_go_on_while_the_worker_is_idle():
+    """A neighbour busy before the first step of a burst: that step already has one thread
+    (a first prefill step with two threads and a busy neighbour took 20 s, measured)."""
+    c = FakeCounters()
+    share = _share(c)
+    for _ in range(4):  # idle: no steps, the reading thread alone
+        c.run(READING_S, 0.0, 1.0)
+        share.read()
+    assert share.threads() == 1
+
+
+def test_the_reading_thread_reads_and_ends_with_its_share():
+    share = CpuShare(choose_threads(None, cpus={0, 1}, quota=None), cpus={0, 1}, interval_s=0.01)
+    first = share._last.wall
+    thread = share.start()
+    deadline = time.monotonic() + 10
+    while share._last.wall == first:  # until the thread has read
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    del share
+    thread.join(timeout=10)
+    assert not thread.is_alive()
 
 
 def test_the_runner_computes_with_the_threads_it_chose(family_model_dir):

@@ -10,12 +10,16 @@ to one CPU of two then runs two threads that the CFS throttles in turn.
 
 While serving (`CpuShare`, when the count was not given): the threads of one parallel
 region wait for each other at its end, so a thread whose core another process took stalls
-every region (hundreds a step) for a scheduler time slice. Between steps, about once a
-second, the worker reads how busy its CPUs were (/proc/stat, steal included) against its own
-CPU time: what other processes took, in cores, leaves `allowed - taken`, and the worker
-computes with that many threads (rounded, at least one) once `DOWN_READINGS` readings in a
-row ask for fewer (a neighbour's burst of a few seconds, such as a client starting, is not
-worth halving the threads for) or `UP_READINGS` ask for more.
+every region (hundreds a step) for a scheduler time slice -- a step of a few hundred
+milliseconds alone then takes tens of seconds. A thread of the worker's own reads, every
+`READING_S`, how busy its CPUs were (/proc/stat, steal included) against the process's own
+CPU time: what other processes took, in cores, leaves `allowed - taken`, and that many threads
+(rounded, at least one) become the target once the readings have asked for that count long
+enough: `DOWN_WHOLE_S` when others held whole cores all along (a CPU hog, a busy benchmark
+client), `DOWN_S` when they took part of one (a client's start-up burst of a few seconds is
+not worth halving the threads for), `UP_S` to take a thread back. It reads while the worker
+is idle too, so the first step of a burst of requests already computes with what the other
+processes leave. The compute thread takes up the target between steps (`threads()`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import logging
 import math
 import os
 import resource
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +38,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-DOWN_READINGS = 4  # one-second readings in a row that ask for fewer threads before the worker drops one
-UP_READINGS = 2
+READING_S = 0.5  # how often the counters are read (between steps)
+DOWN_WHOLE_S = 1.0  # readings in a row asking for fewer threads, others holding whole cores
+DOWN_S = 4.0  # the same, others taking part of a core (a client starting: 0.75 of one for ~2 s)
+UP_S = 2.0  # readings in a row asking for more threads
+WHOLE = 0.9  # others "hold whole cores" when they take at least this much of each thread given up
 
 
 @dataclass(frozen=True)
@@ -145,49 +154,74 @@ def own_cpu_seconds() -> float:
 
 
 class CpuShare:
-    """Between steps, `threads()` says how many threads to compute with now, from what
-    other processes took of the `choice.allowed` CPUs over the last `interval_s` (None:
-    keep the current count). Reading the counters costs tens of microseconds, once per
-    interval."""
+    """`read()` (every `interval_s`, on the thread `start()` runs) decides how many threads
+    to compute with, from what other processes took of the `choice.allowed` CPUs; `threads()`
+    (on the compute thread, between steps) says when to change to it (None: keep the
+    current count). A reading costs tens of microseconds."""
 
-    def __init__(self, choice: ThreadChoice, cpus: set[int] | None = None, interval_s: float = 1.0,
+    def __init__(self, choice: ThreadChoice, cpus: set[int] | None = None, interval_s: float = READING_S,
                  busy_seconds: Callable[[], float] | None = None,
                  own_seconds: Callable[[], float] = own_cpu_seconds,
                  clock: Callable[[], float] = time.monotonic):
         cpus = affinity_cpus() if cpus is None else cpus
         self._allowed = choice.allowed
-        self.current = choice.threads
+        self.current = choice.threads  # the compute thread's count (threads() changes it)
+        self.target = choice.threads  # what the readings decided (read() changes it)
         self._interval_s = interval_s
         self._busy = busy_seconds or (lambda: read_busy_seconds(cpus))
         self._own, self._clock = own_seconds, clock
         self._last = self._sample()
-        self._pending: int | None = None  # the count the last readings asked for
-        self._readings = 0  # how many in a row
-        self.taken = 0.0  # cores other processes took over the last interval
+        self._pending: int | None = None  # the count the readings since `_since` ask for
+        self._since = 0.0
+        self._whole = True  # and whether others held whole cores in every one of them
+        self.taken = 0.0  # cores other processes took over the last reading
 
     def _sample(self) -> _Sample:
         return _Sample(self._clock(), self._busy(), self._own())
 
-    def threads(self) -> int | None:
-        now = self._clock()
-        if now - self._last.wall < self._interval_s:
-            return None
-        sample = self._sample()
-        elapsed = sample.wall - self._last.wall
+    def read(self) -> None:
+        """One reading: what others took since the last, and the target it leads to."""
+        sample, start = self._sample(), self._last.wall
+        if sample.wall <= start:
+            return
         others = (sample.busy - self._last.busy) - (sample.own - self._last.own)
         self._last = sample
-        self.taken = max(0.0, others / elapsed)
+        self.taken = max(0.0, others / (sample.wall - start))
         want = max(1, min(self._allowed, round(self._allowed - self.taken)))
-        if want == self.current:
-            self._pending, self._readings = None, 0
-            return None
+        if want == self.target:
+            self._pending = None
+            return
+        whole = self.taken >= WHOLE * (self._allowed - want)
         if self._pending != want:
-            self._pending, self._readings = want, 0
-        self._readings += 1
-        if self._readings < (DOWN_READINGS if want < self.current else UP_READINGS):
+            self._pending, self._since, self._whole = want, start, whole
+        self._whole = self._whole and whole
+        need = UP_S if want > self.target else DOWN_WHOLE_S if self._whole else DOWN_S
+        if sample.wall - self._since >= need - 1e-9:
+            self._pending, self.target = None, want
+
+    def threads(self) -> int | None:
+        """The count to compute with from now on, when it changed; else None."""
+        target = self.target
+        if target == self.current:
             return None
-        self._pending, self._readings = None, 0
         log.info("compute threads %d -> %d: other processes took %.2f of %d CPUs",
-                 self.current, want, self.taken, self._allowed)
-        self.current = want
-        return want
+                 self.current, target, self.taken, self._allowed)
+        self.current = target
+        return target
+
+    def start(self) -> threading.Thread:
+        """Read every `interval_s` on a daemon thread, until this object is gone."""
+        thread = threading.Thread(target=_read_while_alive, args=(weakref.ref(self), self._interval_s),
+                                  name="cpu-share", daemon=True)
+        thread.start()
+        return thread
+
+
+def _read_while_alive(ref: weakref.ref, interval_s: float) -> None:
+    while True:
+        time.sleep(interval_s)
+        share = ref()
+        if share is None:
+            return
+        share.read()
+        del share

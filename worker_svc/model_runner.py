@@ -104,6 +104,7 @@ class ModelRunner:
             log.info("compute threads: %d (%s)", choice.threads, choice.why)
             if not choice.fixed and choice.allowed > 1:
                 self.cpu_share = CpuShare(choice)
+                self.cpu_share.start()  # reads while the worker is idle too
         self.dtype, why = resolve_dtype(config.dtype, cfg, self.device)
         log.info("serving in %s (%s)", str(self.dtype).removeprefix("torch."), why)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
