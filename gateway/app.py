@@ -17,6 +17,9 @@ from pydantic import ValidationError
 from gateway.backend import RedisBackend
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, from_validation_errors, install_error_handlers
+from gateway.files.references import FileReferences
+from gateway.files.routes import install_files_api
+from gateway.files.store import FileSettings, FileStore
 from gateway.generation import Generation
 from gateway.generation_group import Generating, GenerationGroup
 from gateway.health import router as health_router
@@ -54,13 +57,15 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
     """The gateway app. Loads the tokenizer now (a folder, or a Hub id from the cache, found
     the way the worker finds it), and a vision checkpoint's image tokens; connects to Redis
     in the lifespan, where a vision checkpoint's MediaLoader stores media through the
-    backend's client. A backend without Redis (the in-process engine's) gets no loader:
-    images and video are then refused with a 400 that points at the stack."""
+    backend's client, as the Files API (gateway/files/) stores uploads. A backend without
+    Redis (the in-process engine's) gets no loader and no Files API: images and video are
+    then refused with a 400 that points at the stack."""
     model_dir = resolve_model(config.model)
     tokenizer = PromptTokenizer(model_dir, config.chat_template)
     sampling_defaults = SamplingDefaults.load(config.generation_config, model_dir)
     token_texts = TokenTexts(tokenizer)
     image_tokens = ImageTokens.read(model_dir, tokenizer.hf)  # None: a text model
+    file_settings = FileSettings.from_config(config) if backend_factory is None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,8 +77,12 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
         app.state.backend = backend
         loader: MediaLoader | None = None
         try:
-            if image_tokens is not None and isinstance(backend, RedisBackend):
-                loader = MediaLoader.from_config(config, backend.redis)
+            if file_settings is not None and isinstance(backend, RedisBackend):
+                keys = RedisKeys(config.key_prefix)
+                app.state.files = FileStore(backend.redis, keys, file_settings)
+                if image_tokens is not None:
+                    loader = MediaLoader.from_config(
+                        config, backend.redis, files=FileReferences(backend.redis, keys, config.media_ttl_s))
             media = MediaPrompts(config.model_name, tokenizer, image_tokens, loader)
             app.state.preflight = Preflight(config, backend, tokenizer, sampling_defaults, media)
             metrics.media.loader = loader
@@ -88,6 +97,8 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
     app.state.tokenizer = tokenizer
     install_error_handlers(app)
     app.include_router(health_router)
+    if file_settings is not None:  # the stack: files live in Redis
+        install_files_api(app, config)
     app.add_middleware(APIKeyMiddleware, keys=APIKeys(config.api_keys),
                        protect_metrics=config.protect_metrics)
     metrics = GatewayMetrics(config.model_name)
@@ -200,12 +211,13 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
     async def responses(request: Request) -> Response:
         """OpenAI's Responses API, stateless: served as the chat request it amounts to."""
         body = parse(ResponsesRequest, await read_body(request, config.max_body_bytes))
+        scope = media_scope(request.headers.get("authorization"), keyed=bool(config.api_keys))
         try:
             try:
                 chat = ChatCompletionRequest.model_validate(chat_body(body))
             except ValidationError as exc:
                 raise from_validation_errors(list(exc.errors(include_url=False))) from None
-            admitted = await request.app.state.preflight.admit_chat(chat)
+            admitted = await request.app.state.preflight.admit_chat(chat, scope)
         except OpenAIError as exc:
             raise as_responses_error(exc, body) from None
         echo = {key: value for key, value in (

@@ -65,6 +65,11 @@ class GatewayConfig:
     max_image_pixels: int = 2**25  # width * height of an image or a video frame (~33.5 MP)
     max_video_frames: int = 9000  # frames in a video, before sampling (5 min at 30 fps)
     media_ttl_s: float = 3600.0  # stored media expire this long after their last use
+    # The Files API (gateway/files/): an uploaded file lives this long (a client may ask for
+    # less), and all stored files together take at most this many bytes (one file: at most
+    # max_media_bytes).
+    file_ttl_s: float = 3600.0
+    max_file_storage_bytes: int = 2**30
 
     @property
     def model_name(self) -> str:
@@ -112,6 +117,9 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--max-image-pixels": ("max_image_pixels", int, "most pixels of an image or video frame"),
     "--max-video-frames": ("max_video_frames", int, "most frames of a video, before sampling"),
     "--media-ttl-s": ("media_ttl_s", float, "seconds stored media live after their last use"),
+    "--file-ttl-s": ("file_ttl_s", float, "seconds an uploaded file (/v1/files) lives at most"),
+    "--max-file-storage-bytes": ("max_file_storage_bytes", int, "most bytes all uploaded files "
+                                                                "(/v1/files) take together"),
 }
 
 

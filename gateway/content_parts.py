@@ -4,6 +4,7 @@
     {"type": "image_url", "image_url": {"url": "...", "detail": "auto" | "low" | "high"}, "uuid": "..."}
     {"type": "video_url", "video_url": {"url": "..."}, "uuid": "..."}
     {"type": "image_url", "image_url": null, "uuid": "..."}    # media sent before under the uuid
+    {"type": "file", "file": {"file_id": "file-...", "filename": "..."}}  # an uploaded image file
 
 A URL is `data:<mime>;base64,...`, `http(s)://...`, or a local file where the server allows
 one (gateway/media/fetch.py). `detail` is accepted and ignored, as vLLM does: Gemma 3 sees
@@ -11,6 +12,11 @@ every image at its tower's one resolution. `uuid` is vLLM's client-given id of a
 data it names them for later parts; without data (`image_url` / `video_url` null, as vLLM
 takes it, or absent) the part is what was sent before under it (gateway/media/uuids.py). A
 part has data or a uuid, or both; the content hash, not the uuid, identifies an item.
+
+A `file` part is OpenAI's chat part for an uploaded file (OpenAI takes PDFs there): here it
+names an image uploaded through the Files API (gateway/files/), the only kind of file this
+server keeps, by `file_id`; `filename` is accepted and ignored, `file_data` (a file inline)
+is refused: send an image inline as an image_url part.
 
 `normalize_content` is ChatMessage.content's before-validator: a list of text parts only
 becomes one string (the parts joined with newlines: the text path as it always was); a list
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails
 
 from gateway.request_part import RequestPart
@@ -111,9 +117,52 @@ class VideoURLPart(RequestPart):
         return None if self.video_url is None else self.video_url.url
 
 
-MediaContentPart = ImageURLPart | VideoURLPart
-ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
-_PART_MODELS: dict[str, type[RequestPart]] = {"text": TextPart, "image_url": ImageURLPart, "video_url": VideoURLPart}
+class FileRef(RequestPart):
+    file_id: str = Field(min_length=1, description="The id of an image uploaded to /v1/files (a 400 "
+                                                   "`file_not_found` when no such file is there for this "
+                                                   "API key: never uploaded, deleted or expired).")
+    filename: str | None = Field(None, description="Accepted, ignored.")
+    file_data: None = Field(None, description="Refused (400) unless null: send an image inline as an "
+                                              "image_url part.")
+
+    @field_validator("file_data", mode="before")
+    @classmethod
+    def _no_inline_file(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("a file inline is not supported: send an image as an image_url part (a data: "
+                             "URL), or upload it to /v1/files and name it by 'file_id'")
+        return value
+
+
+class FilePart(RequestPart):
+    """OpenAI's chat part for an uploaded file: here an image file, by its id."""
+
+    model_config = ConfigDict(json_schema_extra={"x-media": True})
+
+    type: Literal["file"]
+    file: FileRef
+
+    @property
+    def kind(self) -> Literal["image"]:
+        return "image"
+
+    @property
+    def url(self) -> None:
+        return None
+
+    @property
+    def uuid(self) -> None:
+        return None
+
+    @property
+    def file_id(self) -> str:
+        return self.file.file_id
+
+
+MediaContentPart = ImageURLPart | VideoURLPart | FilePart
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart | FilePart, Field(discriminator="type")]
+_PART_MODELS: dict[str, type[RequestPart]] = {"text": TextPart, "image_url": ImageURLPart, "video_url": VideoURLPart,
+                                              "file": FilePart}
 
 
 def normalize_content(value: Any) -> Any:
@@ -128,7 +177,8 @@ def normalize_content(value: Any) -> Any:
         kind = part.get("type") if isinstance(part, dict) else None
         model = _PART_MODELS.get(kind) if isinstance(kind, str) else None
         if model is None:
-            raise ValueError(f"content part {i} has type {kind!r}: expected 'text', 'image_url' or 'video_url'")
+            raise ValueError(f"content part {i} has type {kind!r}: expected 'text', 'image_url' or 'video_url', "
+                             "or 'file' (an image uploaded to /v1/files)")
         if model is TextPart and (set(part) - {"type", "text"} or not isinstance(part.get("text"), str)):
             raise ValueError(f"content part {i} must be {{'type': 'text', 'text': <string>}}")
         try:

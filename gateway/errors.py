@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,19 @@ async def _http_handler(request: Request, exc: Exception) -> JSONResponse:
     response = error.response()
     if exc.headers:
         response.headers.update(exc.headers)
+    if exc.status_code == 405:
+        response.headers["Allow"] = ", ".join(_allowed_methods(request, response.headers.get("Allow", "")))
     return response
+
+
+def _allowed_methods(request: Request, allowed: str) -> list[str]:
+    """`allowed` and the methods of every other route of the app at this path (Starlette's
+    405 names the first route's only, and a path such as /v1/files has one route per method)."""
+    methods = {m.strip() for m in allowed.split(",") if m.strip()}
+    for route in request.app.router.routes:
+        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] != Match.NONE:
+            methods.update(route.methods)
+    return sorted(methods)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -2,7 +2,7 @@
 token ids Gemma3Processor would make from the same messages, and where each image's soft
 tokens sit in them (`NewRequest.mm_inputs`). Text-only requests never come here.
 
-    parts = media_parts(body.messages)         # every image_url / video_url part, in order
+    parts = media_parts(body.messages)         # every image_url / video_url / file part, in order
     prompts.check(body, parts)                 # refusals that need no fetching (400)
     prompt = await prompts.build(body, parts, tools)
     # → MediaPrompt(token_ids, mm_inputs=(MultiModalInput(content_hash, offset, length), ...))
@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.content_parts import FilePart, MediaContentPart
 from gateway.errors import OpenAIError, invalid
 from gateway.image_tokens import ImageTokens
 from gateway.media.loader import LoadedMedia, MediaLoader, MediaPart
@@ -51,10 +52,16 @@ class MediaPrompt:
 
 def media_parts(messages: Sequence[ChatMessage]) -> list[MediaPart]:
     """Every image and video part of the messages, in prompt order, named for errors (a part
-    without data by its uuid)."""
-    return [MediaPart(part.kind, part.url, f"messages[{i}].content[{j}]."
-                      + (f"{part.type}.url" if part.url is not None else "uuid"), part.uuid)
+    without data by its uuid, an uploaded file by its file_id)."""
+    return [MediaPart(part.kind, part.url, f"messages[{i}].content[{j}]." + _where(part), part.uuid,
+                      part.file_id if isinstance(part, FilePart) else None)
             for i, message in enumerate(messages) for j, part in message.media_parts]
+
+
+def _where(part: MediaContentPart) -> str:
+    if isinstance(part, FilePart):
+        return "file.file_id"
+    return f"{part.type}.url" if part.url is not None else "uuid"
 
 
 def frame_label(seconds: float) -> str:

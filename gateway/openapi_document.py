@@ -31,7 +31,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from gateway.openapi_responses import MEDIA_CODES, ErrorBody, error_responses
+from gateway.openapi_responses import FILES_PATH, MEDIA_CODES, ErrorBody, error_responses
 from gateway.schema_rules import min_tokens_within_default
 
 JsonSchema = dict[str, Any]
@@ -114,9 +114,12 @@ def _fill_markers(schema: JsonSchema, facts: ServedFacts) -> None:
                            or components.get(s.get("$ref", "").removeprefix(_REF), {}).get("x-media") is True)
         for name in [n for n, s in components.items() if s.get("x-media") is True]:
             del components[name]
-        for node in _nodes(schema["paths"]):
-            if isinstance(node.get("x-beyond-schema"), list):
-                node["x-beyond-schema"] = [c for c in node["x-beyond-schema"] if c not in MEDIA_CODES]
+        for path, operations in schema["paths"].items():
+            if path.startswith(FILES_PATH):  # the Files API checks its images on any model
+                continue
+            for node in _nodes(operations):
+                if isinstance(node.get("x-beyond-schema"), list):
+                    node["x-beyond-schema"] = [c for c in node["x-beyond-schema"] if c not in MEDIA_CODES]
     _text_only_tokenize(components)
     for node in list(_nodes(schema)):
         node.pop("x-media", None)

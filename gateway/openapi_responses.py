@@ -73,7 +73,7 @@ MEDIA_BEYOND_SCHEMA: tuple[tuple[str, str], ...] = tuple((code, "an image or vid
     "invalid_media_url", "invalid_media_type", "media_fetch_failed", "media_too_large", "media_domain_not_allowed",
     "local_media_not_allowed", "invalid_image", "image_too_large", "unsupported_image_format", "invalid_video",
     "video_too_large", "video_too_long", "too_many_media_items", "invalid_image_tokens",
-    "chat_template_dropped_images", "media_not_found"))
+    "chat_template_dropped_images", "media_not_found", "file_not_found"))
 MEDIA_CODES = tuple(code for code, _ in MEDIA_BEYOND_SCHEMA)
 COMPLETION_BEYOND = ("context_length_exceeded", "min_tokens_above_max_tokens", "invalid_json_schema",
                      "invalid_grammar", "request_rejected", "conflicting_parameters", "too_many_choices")
@@ -82,6 +82,9 @@ CHAT_BEYOND = tuple(code for code, _ in BEYOND_SCHEMA if code != "too_many_choic
 RESPONSES_BEYOND = tuple(code for code in CHAT_BEYOND if code not in (
     "final_message_not_assistant", "conflicting_parameters", "missing_tools"))
 TOKENIZE_BEYOND = ("chat_template_error",)
+# POST /v1/files: what the file holds (gateway/media/images.py's refusals), on any model.
+FILES_PATH = "/v1/files"
+FILE_UPLOAD_BEYOND = ("invalid_image", "image_too_large", "unsupported_image_format")
 
 _DESCRIPTIONS = MappingProxyType({
     400: "The request is malformed or asks for something this server does not do (`param` names the "
@@ -105,12 +108,14 @@ _HEADERS = MappingProxyType({
 })
 
 
-def error_responses(*statuses: int, beyond: tuple[str, ...] = ()) -> dict[int | str, dict[str, Any]]:
+def error_responses(*statuses: int, beyond: tuple[str, ...] = (),
+                    described: dict[int, str] | None = None) -> dict[int | str, dict[str, Any]]:
     """`responses=` entries for these error statuses, each with the OpenAI error body;
-    `beyond`: the codes of the 400s a valid body may still get here."""
+    `beyond`: the codes of the 400s a valid body may still get here; `described`: a route's
+    own descriptions of some statuses (the Files API's 404 is a file's, not a model's)."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in sorted(statuses):
-        out[status] = {"model": ErrorBody, "description": _DESCRIPTIONS[status]}
+        out[status] = {"model": ErrorBody, "description": (described or {}).get(status, _DESCRIPTIONS[status])}
         if status in _HEADERS:
             out[status]["headers"] = copy.deepcopy(_HEADERS[status])
     if beyond and 400 in out:

@@ -6,8 +6,9 @@ scheduler path as /v1/chat/completions (gateway/responses_output.py shapes the a
     input: "text"                       one user message
     input: [items]                      messages ({"role", "content": text or input_text /
                                         output_text / input_image parts}; an input_image's
-                                        image_url becomes chat's image_url part, one by
-                                        file_id is refused), "function_call" items (an
+                                        image_url becomes chat's image_url part, its file_id
+                                        chat's file part (an image uploaded to /v1/files)),
+                                        "function_call" items (an
                                         assistant turn's tool_calls), "function_call_output"
                                         items (tool messages)
     tools: [{"type": "function", "name", "parameters", ...}]   chat's tools
@@ -96,14 +97,20 @@ def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
 
 def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
     """`{"type": "input_image", "image_url": URL, "detail": ...}` → chat's image_url part
-    (`detail` is ignored there anyway). Images by `file_id` need the Files API: refused."""
-    if part.get("file_id") is not None:
-        raise invalid(f"{where}: an input_image by 'file_id' is not supported yet (this server keeps no "
-                      "files); send the image in 'image_url', as an http(s) URL or a data: URL.",
-                      param=f"{where}.file_id", code="unsupported_parameter")
-    url = part.get("image_url")
+    (`detail` is ignored there anyway); `{"type": "input_image", "file_id": "file-..."}` (an
+    image uploaded to /v1/files) → chat's file part. One of the two, not both."""
+    url, file_id = part.get("image_url"), part.get("file_id")
+    if url is not None and file_id is not None:
+        raise invalid(f"{where}: an input_image takes 'image_url' or 'file_id', not both.",
+                      param=f"{where}.file_id", code="invalid_value")
+    if file_id is not None:
+        if not isinstance(file_id, str) or not file_id:
+            raise invalid(f"{where}: 'file_id' must be the id of an uploaded file.", param=f"{where}.file_id",
+                          code="invalid_value")
+        return {"type": "file", "file": {"file_id": file_id}}
     if not isinstance(url, str) or not url:
-        raise invalid(f"{where}: an input_image needs 'image_url' (an http(s) URL or a data: URL).",
+        raise invalid(f"{where}: an input_image needs 'image_url' (an http(s) URL or a data: URL) or "
+                      "'file_id' (an image uploaded to /v1/files).",
                       param=f"{where}.image_url", code="missing_required_parameter")
     return {"type": "image_url", "image_url": {"url": url}}
 
@@ -197,8 +204,9 @@ def _item_param(param: str, sources: list[str]) -> str:
     source = sources[int(found[1])]
     if not source.startswith("input["):  # the whole input string, or the instructions
         return source
-    # an input_image's image_url is the URL itself, where chat's is {"url": ...}
-    return source + found[2].replace(".image_url.url", ".image_url")
+    # an input_image's image_url is the URL itself, where chat's is {"url": ...}; its file_id
+    # is chat's file.file_id
+    return source + found[2].replace(".image_url.url", ".image_url").replace(".file.file_id", ".file_id")
 
 
 def chat_body(body: ResponsesRequest) -> dict[str, Any]:

@@ -16,16 +16,23 @@ from gateway.schema_rules import JsonSchema
 _TEXT_PART: JsonSchema = {"type": "object", "properties": {
     "type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}},
     "required": ["type", "text"]}
-_IMAGE_PART: JsonSchema = {
+_IMAGE_BY_URL: JsonSchema = {
     "type": "object", "x-media": True,
-    "description": "An image by URL (http(s):// or data:); `detail` is ignored; by `file_id` it is refused.",
+    "description": "An image by URL (http(s):// or data:); `detail` is ignored.",
     "properties": {"type": {"const": "input_image"}, "image_url": {"type": "string", "minLength": 1},
                    "file_id": {"type": "null"}},
     "required": ["type", "image_url"]}
+_IMAGE_BY_FILE: JsonSchema = {
+    "type": "object", "x-media": True,
+    "description": "An image uploaded to /v1/files, by its id (a 400 `file_not_found` when no such file is "
+                   "there for this API key); `detail` is ignored.",
+    "properties": {"type": {"const": "input_image"}, "file_id": {"type": "string", "minLength": 1},
+                   "image_url": {"type": "null"}},
+    "required": ["type", "file_id"]}
 
 
 def _content(media: bool) -> JsonSchema:
-    parts = [_TEXT_PART, _IMAGE_PART] if media else [_TEXT_PART]
+    parts = [_TEXT_PART, _IMAGE_BY_URL, _IMAGE_BY_FILE] if media else [_TEXT_PART]
     return {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": parts}}]}
 
 

@@ -61,3 +61,25 @@ class RedisKeys:
         `uuid` (vLLM's per-part id), for later parts that name them without data; per client
         `scope` and media `kind`, with the media's TTL (gateway/media/uuids.py)."""
         return f"{self.prefix}:media-uuid:{scope}:{kind}:{uuid}"
+
+    def file(self, scope: str, file_id: str) -> str:
+        """An uploaded file's record (a gateway-only msgpack `FileRecord`: name, purpose, size,
+        times, the content hash of its `media(...)` item), per client `scope`, with a TTL that
+        ends at its `expires_at` (gateway/files/store.py)."""
+        return f"{self.prefix}:file:{scope}:{file_id}"
+
+    def files(self, scope: str) -> str:
+        """Sorted set of one scope's file ids, scored by expiry (ms); expired ones are pruned
+        when it is read or written (gateway/files/store.py)."""
+        return f"{self.prefix}:files:{scope}"
+
+    @property
+    def file_storage(self) -> str:
+        """Sorted set of every stored file, all scopes together, as `<scope>/<file id>/<bytes>`
+        scored by expiry (ms): what --max-file-storage-bytes bounds (gateway/files/ledger.py)."""
+        return f"{self.prefix}:file-storage"
+
+    @property
+    def file_storage_bytes(self) -> str:
+        """The bytes of the files `file_storage` holds that have not expired (gateway/files/ledger.py)."""
+        return f"{self.prefix}:file-storage-bytes"

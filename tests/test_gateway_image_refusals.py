@@ -102,8 +102,8 @@ async def test_completions_token_ids_cannot_carry_soft_tokens(config, processor)
 
 
 @pytest.mark.parametrize("part, code, words, param", [
-    ({"type": "input_image", "file_id": "file-123"}, "unsupported_parameter",
-     ["'file_id' is not supported yet", "image_url"], "input[0].content[1].file_id"),
+    ({"type": "input_image", "file_id": "file-123"}, "file_not_found",  # no such upload (tests/test_gateway_files.py)
+     ["'file-123'", "/v1/files"], "input[0].content[1].file_id"),
     ({"type": "input_image"}, "missing_required_parameter", ["needs 'image_url'"], "input[0].content[1].image_url"),
     ({"type": "input_file", "file_id": "f"}, None, ["only input_text and input_image parts"], "input[0].content"),
 ])

@@ -3,7 +3,7 @@
 `schemathesis` (its CLI, as a user runs it) reads the gateway's own /openapi.json and tests
 every operation of a real stack (redis-server, a gRPC worker, the scheduler, the gateway
 under uvicorn) on the tiny text model, and on the tiny Gemma 3 vision checkpoint the
-operations whose document offers image and video parts, in all its phases (coverage,
+operations whose document offers image and video parts and the Files API, in all its phases (coverage,
 fuzzing, stateful) with every conformance check:
 no 5xx; only documented status codes, media types (JSON, or `text/event-stream` when
 streamed), headers and response bodies (each SSE event too); bodies the document calls
@@ -38,9 +38,10 @@ from tests.stack_helpers import running_stack
 
 SEED = 20251103
 # (model, max_model_len: short generations, the point is the API surface; examples per
-# operation and phase; the operations: on the vision checkpoint those that take images)
-RUNS = {"text": ("tiny_model_dir", 64, 40, None, 10),
-        "vision": ("vision_dir", 128, 20, "^/(v1/chat/completions|v1/responses|tokenize)$", 3)}
+# operation and phase; the operations: on the vision checkpoint those that take images, and
+# the Files API, whose links the stateful phase follows)
+RUNS = {"text": ("tiny_model_dir", 64, 40, None, 15),
+        "vision": ("vision_dir", 128, 20, "^/(v1/chat/completions|v1/responses|tokenize|v1/files.*)$", 8)}
 HOOKS = Path(__file__).with_name("openapi_contract_hooks.py")
 TOOLS_TEMPLATE = ("{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m['role'] }}: "
                   "{{ m['content'] }}\n{% endfor %}")
@@ -68,7 +69,7 @@ def schemathesis(url: str, workdir: Path, *args: str) -> subprocess.CompletedPro
 @pytest.mark.parametrize("stack", list(RUNS), indirect=True)
 def test_schemathesis_finds_nothing(stack, tmp_path):
     """Every operation on the tiny text model; on the tiny Gemma 3 vision checkpoint, the
-    ones whose document offers image and video parts."""
+    ones whose document offers image and video parts, and the Files API."""
     kind, running = stack
     _, _, examples, paths, operations = RUNS[kind]
     url = running.base_url.removesuffix("/v1") + "/openapi.json"
@@ -78,8 +79,8 @@ def test_schemathesis_finds_nothing(stack, tmp_path):
     assert run.returncode == 0, out[-30000:]
     assert "No issues found" in out, out[-30000:]
     assert f"Tested: {operations}" in out, out[-3000:]
-    # (the stateful phase follows links between operations: the three POSTs have none)
-    for phase in ("Coverage", "Fuzzing") + (("Stateful",) if paths is None else ()):
+    # (the stateful phase follows links between operations: the Files API's, on both)
+    for phase in ("Coverage", "Fuzzing", "Stateful"):
         assert re.search(rf"✅ {phase}", out), (phase, out[-3000:])
     generated = int(re.search(r"(\d+) generated", out)[1])
     assert generated >= 100 * operations, out[-3000:]
@@ -106,7 +107,7 @@ def test_every_route_documents_its_answers(text_doc):
                 if status != "200":
                     schema = response["content"]["application/json"]["schema"]
                     assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (path, status)
-            if method == "post":
+            if method == "post" and path != "/v1/files":  # (an upload names no model)
                 assert {"400", "404", "413", "500"} <= set(responses), path
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         responses = paths[path]["post"]["responses"]
@@ -184,7 +185,7 @@ def test_a_vision_model_documents_images_and_video(vision_dir):
     for part in ("ImageURLPart", "VideoURLPart"):
         assert {"$ref": f"#/components/schemas/{part}"} in items
     assert "invalid_image" in doc["paths"]["/v1/chat/completions"]["post"]["responses"]["400"]["x-beyond-schema"]
-    assert "x-media" not in json.dumps(doc)
+    assert '"x-media"' not in json.dumps(doc)  # the marker (not --max-media-bytes)
 
 
 def request_bodies(doc: dict) -> dict[str, dict]:
@@ -194,8 +195,8 @@ def request_bodies(doc: dict) -> dict[str, dict]:
     for path, methods in doc["paths"].items():
         body = methods.get("post", {}).get("requestBody")
         if body:
-            schema = json.loads(json.dumps(body["content"]["application/json"]["schema"])
-                                .replace("#/components/schemas/", "#/$defs/"))
+            (media,) = body["content"].values()  # JSON, or the Files API's multipart upload
+            schema = json.loads(json.dumps(media["schema"]).replace("#/components/schemas/", "#/$defs/"))
             out[path] = {**schema, "$defs": defs}
     return out
 

@@ -26,6 +26,7 @@ ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # PIL's JPEG plugin als
 _SIGNATURES = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF87a": "GIF", b"GIF89a": "GIF"}
 _MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "WEBP": "image/webp",
          "GIF": "image/gif", "BMP": "image/bmp"}
+MIME_TYPES = tuple(dict.fromkeys(_MIME.values()))  # what a stored image's bytes are, as HTTP types them
 
 
 @dataclass(frozen=True)

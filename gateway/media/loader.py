@@ -17,7 +17,10 @@ An image is stored as its file (`MediaItem` "encoded"), a video as its sampled f
 from the bytes every time. A part's `uuid` (vLLM's client-given id of an item) is recorded
 for later parts (gateway/media/uuids.py); a part with a uuid and no data is that record,
 read back before anything is fetched (an unknown uuid fails the request at once): no fetch,
-no decode, the same hashes. Such parts count against `--limit-mm-per-prompt` as any.
+no decode, the same hashes. A part naming an uploaded file (`file_id`, the Files API) is
+read from the file's record the same way, by `files` (gateway/files/references.py): an
+unknown, deleted or expired id fails the request at once. Such parts count against
+`--limit-mm-per-prompt` as any.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import asyncio
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
+
 import redis.asyncio as aioredis
 
 from gateway.config import GatewayConfig
@@ -72,27 +77,40 @@ class LoaderStats:
     by_uuid: int = 0  # parts without data, named by a uuid sent before (nothing fetched or decoded)
 
 
+class FileImages(Protocol):
+    """The images of uploaded files (gateway/files/references.py: `FileReferences`)."""
+
+    async def recall(self, scope: str, parts: Sequence[MediaPart]) -> list[LoadedImage]:
+        """The image each part's `file_id` names in `scope`; a 400 `file_not_found` for the
+        first one that names none."""
+        ...
+
+
 class MediaLoader:
     def __init__(self, settings: MediaSettings, store: MediaStore, fetcher: MediaFetcher | None = None, *,
-                 uuids: MediaUUIDs | None = None, fetch_concurrency: int = 4, decode_threads: int | None = None):
-        """`uuids`: where parts' uuids are recorded (by default beside `store`'s items)."""
+                 uuids: MediaUUIDs | None = None, files: FileImages | None = None, fetch_concurrency: int = 4,
+                 decode_threads: int | None = None):
+        """`uuids`: where parts' uuids are recorded (by default beside `store`'s items);
+        `files`: the uploaded files parts may name (None: a part by file_id is refused)."""
         self.settings = settings
         self.store = store
         self.uuids = uuids or MediaUUIDs(store.client, store.keys, settings.ttl_s)
+        self.files = files
         self.fetcher = fetcher or MediaFetcher(settings.fetch)
         self.stats = LoaderStats()
         self._fetch_concurrency = fetch_concurrency
         self._decoding = asyncio.Semaphore(decode_threads or min(4, os.cpu_count() or 1))
 
     @classmethod
-    def from_config(cls, config: GatewayConfig, client: aioredis.Redis) -> MediaLoader:
+    def from_config(cls, config: GatewayConfig, client: aioredis.Redis,
+                    files: FileImages | None = None) -> MediaLoader:
         """The gateway's loader, storing through `client` (flags checked again: a bad value
         set on a GatewayConfig built in code fails here, at startup)."""
         try:
             settings = MediaSettings.from_config(config)
         except ValueError as exc:
             raise ValueError(f"gateway media settings: {exc}") from None
-        return cls(settings, MediaStore(client, RedisKeys(config.key_prefix), settings.ttl_s))
+        return cls(settings, MediaStore(client, RedisKeys(config.key_prefix), settings.ttl_s), files=files)
 
     async def aclose(self) -> None:
         await self.fetcher.aclose()
@@ -123,7 +141,8 @@ class MediaLoader:
         sent = {(p.kind, p.uuid): i for i, p in enumerate(parts) if not p.by_uuid and p.uuid is not None}
         earlier = [p for p in parts if p.by_uuid and (p.kind, p.uuid) not in sent]
         recalled = iter(await self.uuids.recall(scope, earlier))  # first: an unknown uuid fetches nothing
-        data = [i for i, p in enumerate(parts) if not p.by_uuid]
+        uploaded = iter(await self._recall_files(scope, [p for p in parts if p.by_file]))
+        data = [i for i, p in enumerate(parts) if not (p.by_uuid or p.by_file)]
         fetching = asyncio.Semaphore(self._fetch_concurrency)
         try:
             async with asyncio.TaskGroup() as group:
@@ -133,16 +152,26 @@ class MediaLoader:
             raise _first_error(failed) from None
         loaded = {i: task.result() for i, task in zip(data, tasks)}
         await self.uuids.remember(scope, [(parts[i], loaded[i]) for i in sent.values()])
-        self.stats.by_uuid += len(parts) - len(data)
+        self.stats.by_uuid += sum(p.by_uuid for p in parts)
         out: list[LoadedMedia] = []
         for i, part in enumerate(parts):
             if i in loaded:
                 out.append(loaded[i])
+            elif part.by_file:
+                out.append(next(uploaded))
             elif (part.kind, part.uuid) in sent:
                 out.append(replace(loaded[sent[(part.kind, part.uuid)]], param=part.param, uuid=part.uuid))
             else:
                 out.append(next(recalled))
         return out
+
+    async def _recall_files(self, scope: str, parts: Sequence[MediaPart]) -> list[LoadedImage]:
+        if not parts:
+            return []
+        if self.files is None:
+            raise invalid("This server keeps no files: send the image in the part itself.",
+                          param=parts[0].param, code="file_not_found")
+        return await self.files.recall(scope, parts)
 
     async def _load_one(self, part: MediaPart, fetching: asyncio.Semaphore,
                         sampling: VideoSampling) -> LoadedMedia:

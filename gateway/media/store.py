@@ -2,9 +2,12 @@
 
 `MediaStore.put(item)` writes a `MediaItem` (msgpack) to `RedisKeys.media(content_hash)`
 with a TTL and returns the hash; the request then carries only the hash. Storing what is
-there already costs one round trip and no upload: `PEXPIRE` first (the item exists: its
+there already costs one round trip and no upload: `PEXPIRE ... GT` first (the item exists: its
 TTL starts again, so media in use do not expire under a request), and only when that finds
 nothing `SET ... NX PX` (NX: two gateways storing the same bytes at once write it once).
+A TTL is only ever lengthened (GT): an image uploaded as a file (gateway/files/) is stored
+for as long as the file lives, which a later request sending the same bytes with the
+shorter --media-ttl-s must not cut short.
 
 Content hash (`content_hash`): sha256 hex of an encoded image's file bytes; of
 `b"rgb8:<width>x<height>:" + pixels` for a raw frame (the header keeps two frames with the
@@ -64,21 +67,23 @@ class MediaStore:
     def keys(self) -> RedisKeys:
         return self._keys
 
-    async def put(self, item: MediaItem) -> str:
-        """Store `item` (or refresh the TTL of its stored copy); its content hash. Redis
-        unreachable: a 503, as for the rest of a request's admission."""
+    async def put(self, item: MediaItem, ttl_s: float | None = None) -> str:
+        """Store `item` (or refresh the TTL of its stored copy, never shortening it); its
+        content hash. `ttl_s`: this store's TTL unless given. Redis unreachable: a 503, as
+        for the rest of a request's admission."""
         digest = content_hash(item)
         key = self._keys.media(digest)
+        ttl_ms = self._ttl_ms if ttl_s is None else max(1, int(ttl_s * 1000))
         try:
-            if await self._client.pexpire(key, self._ttl_ms):
+            if await self._client.pexpire(key, ttl_ms, gt=True):
                 self.stats.items_reused += 1
                 return digest
             value = self._encoder.encode(item)
-            if await self._client.set(key, value, nx=True, px=self._ttl_ms):
+            if await self._client.set(key, value, nx=True, px=ttl_ms):
                 self.stats.items_written += 1
                 self.stats.bytes_written += len(value)
-            else:  # another gateway stored it between the two commands
-                await self._client.pexpire(key, self._ttl_ms)
+            else:  # there with a longer TTL, or another gateway stored it between the two commands
+                await self._client.pexpire(key, ttl_ms, gt=True)
                 self.stats.items_reused += 1
         except (RedisError, OSError) as exc:
             raise OpenAIError(503, f"The media store is unreachable: {exc}", code="redis_unavailable") from exc

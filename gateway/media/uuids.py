@@ -11,7 +11,7 @@ size; a video's sampled frames, their hashes and times) under
 `RedisKeys.media_uuid(scope, kind, uuid)`, with the media items' TTL (`--media-ttl-s`). A part
 without data is that record, read back: no fetch, no decode, the same hashes, hence the same
 prompt, the same encoder-cache entries and the same prefix-cache keys downstream. Reading
-it refreshes the TTL of the record and of every item it names (`GETEX`, then `PEXPIRE`s),
+it refreshes the TTL of the record and of every item it names (`GETEX`, then `PEXPIRE GT`s),
 as storing media again does; a record whose uuid was never sent, or whose record or items
 expired, is a 400 `media_not_found` at once.
 
@@ -148,9 +148,10 @@ class MediaUUIDs:
             records = [self._decode(part, value) for part, value in zip(parts, values)]
             hashes = [content_hashes(loaded_from(r, p)) for r, p in zip(records, parts)]
             async with self._client.pipeline(transaction=False) as pipe:
-                for h in (h for item in hashes for h in item):
-                    pipe.pexpire(self._keys.media(h), self._ttl_ms)
-                alive = iter(await pipe.execute())
+                for h in (h for item in hashes for h in item):  # never shortened (an uploaded file's)
+                    pipe.pexpire(self._keys.media(h), self._ttl_ms, gt=True)
+                    pipe.exists(self._keys.media(h))
+                alive = iter((await pipe.execute())[1::2])
         except (RedisError, OSError) as exc:
             raise _unreachable(exc) from exc
         for part, item in zip(parts, hashes):
