@@ -68,10 +68,10 @@ def image_messages(request: ImageRequest) -> list[dict]:
 
 
 async def one(client: httpx.AsyncClient, args, prompt, num_prompt_tokens: int, max_tokens: int) -> RequestResult:
-    """One streamed request: a completion of `prompt` (ids or text), or with
-    --images-per-request a chat completion whose `prompt` is its messages."""
+    """One streamed request: a completion of `prompt` (ids or text), or a chat completion
+    when `prompt` is messages (a list of dicts: --images-per-request, bench/cameras.py)."""
     result = RequestResult(prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, started_at=time.time())
-    chat = args.images_per_request > 0
+    chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
     body = {"model": args.model, ("messages" if chat else "prompt"): prompt, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:

@@ -1,0 +1,104 @@
+"""bench/cameras.py, the camera-stream benchmark: its schedule and frames, and short runs
+against the real stack on the tiny gemma3-vision checkpoint in each mode (uuid, --no-uuid,
+--text-only), whose counts the gateway's and the worker's /metrics must agree with."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from proto.metrics_scrape import parse_samples
+from tests.stack_helpers import running_stack
+from tests.test_bench_compare import BENCH, bench_module
+
+
+@pytest.fixture(scope="module")
+def cameras():
+    return bench_module("cameras")
+
+
+def test_the_schedule_staggers_the_cameras_and_frames_are_distinct(cameras):
+    args = cameras.build_parser().parse_args(["--cameras", "2", "--fps", "2", "--ask-every", "1",
+                                              "--frames", "3", "--duration", "2.2"])
+    assert cameras.schedule(args) == [(0.0, 0, 0), (0.5, 1, 0), (1.0, 0, 1), (1.5, 1, 1), (2.0, 0, 2)]
+    assert [cameras.newest_frame(args, t) for t in (0.0, 0.5, 1.0, 2.0)] == [2, 3, 4, 6]  # N frames at once
+    frames = cameras.draw_frames(3, 1, 4, 80, 60, 85)
+    assert len(set(frames)) == 4 and not set(frames) & set(cameras.draw_frames(4, 1, 4, 80, 60, 85))
+    image = Image.open(io.BytesIO(base64.b64decode(frames[0])))
+    assert image.format == "JPEG" and image.size == (80, 60)
+
+
+def test_server_counters_add_up_every_page_that_exports_them(cameras):
+    def page(encoded: int, stored: int | None = None) -> str:
+        text = f'pagedserve:mm_items_encoded_total{{worker="w"}} {encoded}\n'
+        return text + (f'pagedserve:mm_items_stored_total{{model_name="m"}} {stored}\n' if stored is not None else "")
+
+    before = [parse_samples(page(2, 5)), parse_samples(page(1))]
+    after = [parse_samples(page(7, 9)), parse_samples(page(4))]
+    counters = cameras.server_counters(before, after)
+    assert counters["encoded"] == 8 and counters["stored"] == 4 and counters["encoder_s"] is None
+
+
+def test_a_question_names_frames_sent_before_by_uuid(cameras):
+    args = cameras.build_parser().parse_args(["--seed", "5"])
+    q = cameras.Question(1, 3, 0.0)
+    (message,) = cameras.image_messages(args, ["AAAA", "BBBB", "CCCC"], 1, 3, range(3), {0, 1}, q)
+    images = message["content"][1:-1]
+    assert [p["uuid"] for p in images] == ["s5-cam1-0", "s5-cam1-1", "s5-cam1-2"]
+    assert [p["image_url"] for p in images[:2]] == [None, None]
+    assert images[2]["image_url"] == {"url": "data:image/jpeg;base64,CCCC"}
+    assert (q.with_data, q.by_uuid, q.upload_bytes) == (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def stack(vision_dir, redis_url, tmp_path_factory):
+    with running_stack(vision_dir, redis_url, tmp_path_factory.mktemp("bench-cameras")) as s:
+        yield s
+
+
+def bench(stack, tmp_path, *mode: str) -> dict:
+    out = tmp_path / f"cameras{''.join(mode)}.json"
+    urls = stack.metrics_urls
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "cameras.py"), "--base-url", stack.base_url, "--model", stack.served_model_name,
+         "--cameras", "2", "--fps", "1", "--ask-every", "1", "--frames", "4", "--duration", "4",
+         "--width", "160", "--height", "120", "--max-tokens", "4", "--metrics-url", urls["gateway"],
+         urls["worker-0"], "--json", str(out), *mode],
+        capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "questions" in done.stdout and "TTFT" in done.stdout
+    return json.loads(out.read_text())
+
+
+@pytest.mark.e2e
+def test_camera_streams_against_the_stack(stack, tmp_path):
+    uuid = bench(stack, tmp_path)  # a new seed each run: no frame of one run is in another
+    assert uuid["questions_failed"] == 0, uuid["errors"]
+    assert uuid["questions_sent"] + uuid["questions_skipped"] == uuid["questions_scheduled"] == 8
+    assert uuid["output_tokens"] == 4 * uuid["questions_sent"]
+    server = uuid["server"]
+    # every frame sent with its data once, then by uuid; each decoded, stored and encoded once
+    assert uuid["frames_with_data"] == uuid["frames_distinct"] == server["received"] == server["stored"]
+    assert server["encoded"] == uuid["frames_distinct"] and uuid["encoded_once"] is True, server
+    assert uuid["frames_by_uuid"] == server["by_uuid"] > 0 and server["reused"] == 0
+    assert server["cache_hits"] >= uuid["frames_by_uuid"] and server["encoder_s"] > 0
+
+    again = bench(stack, tmp_path, "--no-uuid")  # every frame's data each time: the hash dedups
+    assert again["questions_failed"] == 0, again["errors"]
+    server = again["server"]
+    assert again["frames_by_uuid"] == server["by_uuid"] == 0
+    assert again["frames_with_data"] == server["received"] == 4 * again["questions_sent"]
+    assert server["stored"] == again["frames_distinct"] == server["encoded"] and again["encoded_once"] is True
+    assert server["reused"] == again["frames_with_data"] - again["frames_distinct"]
+
+    text = bench(stack, tmp_path, "--text-only")  # a prompt as long as the frames', no frame
+    assert text["questions_failed"] == 0, text["errors"]
+    assert text["server"]["encoded"] == 0 and text["frames_with_data"] == 0 and text["encoded_once"] is None
+    target = sum(text["warmup_image_prompt_tokens"]) / 2
+    assert abs(text["prompt_tokens_mean"] - target) <= 2, (text["prompt_tokens_mean"], text["text_filler"])
