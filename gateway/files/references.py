@@ -24,8 +24,8 @@ from redis.exceptions import RedisError
 
 from gateway.errors import OpenAIError, invalid
 from gateway.files.models import FileRecord, is_file_id, record_decoder
-from gateway.files.store import unreachable
 from gateway.media.loaded import LoadedImage, MediaPart
+from gateway.media.store import store_unreachable
 from proto.keys import RedisKeys
 
 
@@ -57,7 +57,7 @@ class FileReferences:
                     pipe.exists(self._keys.media(record.content_hash))
                 alive = (await pipe.execute())[1::2]
         except (RedisError, OSError) as exc:
-            raise unreachable(exc) from exc
+            raise store_unreachable("file", exc) from exc
         for part, there in zip(parts, alive):
             if not there:
                 raise not_found(part, "its image is no longer stored")

@@ -36,7 +36,7 @@ from gateway.files.ledger import FileLedger
 from gateway.files.models import FileList, FileRecord, is_file_id, new_file_id, record_decoder
 from gateway.files.upload import FileUpload
 from gateway.media.images import check_image
-from gateway.media.store import MediaStore, content_hash
+from gateway.media.store import MediaStore, content_hash, store_unreachable
 from proto.keys import RedisKeys
 
 
@@ -59,10 +59,6 @@ class FileSettings:
             raise ValueError(f"gateway file settings: --file-ttl-s ({settings.ttl_s}) and "
                              f"--max-file-storage-bytes ({settings.max_storage_bytes}) must be positive")
         return settings
-
-
-def unreachable(exc: Exception) -> OpenAIError:
-    return OpenAIError(503, f"The file store is unreachable: {exc}", code="redis_unavailable")
 
 
 class FileStore:
@@ -96,7 +92,7 @@ class FileStore:
         try:
             admission = await self.ledger.admit(scope, record, now_ms, expires_ms)
         except (RedisError, OSError) as exc:
-            raise unreachable(exc) from exc
+            raise store_unreachable("file", exc) from exc
         if not admission.admitted:
             retry = admission.retry_after_s or math.ceil(self.settings.ttl_s)
             raise OpenAIError(429, f"The file storage is full: stored files take {admission.stored_bytes} of "
@@ -125,7 +121,7 @@ class FileStore:
         try:
             value = await self._client.get(self._keys.file(scope, file_id))
         except (RedisError, OSError) as exc:
-            raise unreachable(exc) from exc
+            raise store_unreachable("file", exc) from exc
         return None if value is None else record_decoder.decode(value)
 
     async def list_files(self, scope: str, *, purpose: str | None = None, limit: int = 10000,
@@ -138,7 +134,7 @@ class FileStore:
                 ids = [i for i in ids if (i > after if order == "asc" else i < after)]
             values = await self._client.mget([self._keys.file(scope, i) for i in ids]) if ids else []
         except (RedisError, OSError) as exc:
-            raise unreachable(exc) from exc
+            raise store_unreachable("file", exc) from exc
         records = [record_decoder.decode(v) for v in values if v is not None]
         if purpose is not None:
             records = [r for r in records if r.purpose == purpose]
@@ -154,7 +150,7 @@ class FileStore:
         try:
             item = await self.media.get(record.content_hash)
         except (RedisError, OSError) as exc:
-            raise unreachable(exc) from exc
+            raise store_unreachable("file", exc) from exc
         return None if item is None else (item.data, record.mime)
 
     async def delete(self, scope: str, file_id: str) -> bool:
@@ -165,4 +161,4 @@ class FileStore:
         try:
             return await self.ledger.drop(scope, record)
         except (RedisError, OSError) as exc:
-            raise unreachable(exc) from exc
+            raise store_unreachable("file", exc) from exc

@@ -31,6 +31,12 @@ from proto.keys import RedisKeys
 from proto.messages import MediaItem, media_item_decoder
 
 
+def store_unreachable(store: str, exc: Exception) -> OpenAIError:
+    """Redis, where `store` ("media", "file") keeps its items, did not answer: a 503, as for
+    the rest of a request's admission."""
+    return OpenAIError(503, f"The {store} store is unreachable: {exc}", code="redis_unavailable")
+
+
 def content_hash(item: MediaItem) -> str:
     """The key an item is stored under: the same for the same content, everywhere."""
     digest = hashlib.sha256()
@@ -86,7 +92,7 @@ class MediaStore:
                 await self._client.pexpire(key, ttl_ms, gt=True)
                 self.stats.items_reused += 1
         except (RedisError, OSError) as exc:
-            raise OpenAIError(503, f"The media store is unreachable: {exc}", code="redis_unavailable") from exc
+            raise store_unreachable("media", exc) from exc
         return digest
 
     async def get(self, digest: str) -> MediaItem | None:

@@ -40,6 +40,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import OpenAIError, invalid
 from gateway.media.loaded import LoadedFrame, LoadedImage, LoadedMedia, LoadedVideo, MediaPart, content_hashes
+from gateway.media.store import store_unreachable
 from proto.keys import RedisKeys
 
 SHARED_SCOPE = "shared"  # a gateway without API keys: every client's uuids together
@@ -104,10 +105,6 @@ def not_found(part: MediaPart, why: str) -> OpenAIError:
                    param=part.param, code="media_not_found")
 
 
-def _unreachable(exc: Exception) -> OpenAIError:
-    return OpenAIError(503, f"The media store is unreachable: {exc}", code="redis_unavailable")
-
-
 class MediaUUIDs:
     """The uuid records of one gateway's media, in Redis with the media's TTL."""
 
@@ -133,7 +130,7 @@ class MediaUUIDs:
                     pipe.set(self._key(scope, part), _encoder.encode(record_of(loaded)), px=self._ttl_ms)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
-            raise _unreachable(exc) from exc
+            raise store_unreachable("media", exc) from exc
 
     async def recall(self, scope: str, parts: Sequence[MediaPart]) -> list[LoadedMedia]:
         """What each part (by uuid) names, its TTLs refreshed; the first unknown or expired
@@ -153,7 +150,7 @@ class MediaUUIDs:
                     pipe.exists(self._keys.media(h))
                 alive = iter((await pipe.execute())[1::2])
         except (RedisError, OSError) as exc:
-            raise _unreachable(exc) from exc
+            raise store_unreachable("media", exc) from exc
         for part, item in zip(parts, hashes):
             if not all([next(alive) for _ in item]):  # every frame's answer taken, in order
                 raise not_found(part, "its media expired")
