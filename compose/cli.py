@@ -4,6 +4,7 @@
     pagedserve gateway     --model DIR ...                            one service alone
     pagedserve scheduler   ...
     pagedserve worker      --model DIR ...
+    pagedserve encoder     --model DIR ...                            vision: encode media ahead of questions
     pagedserve make-model  DIR --preset tiny|small|1b
     pagedserve compose-gpu --gpus N|0,1,...                           compose override: a GPU per worker
     pagedserve bench       --base-url URL ...                        the serving benchmark
@@ -39,6 +40,9 @@ COMMANDS: dict[str, Command] = {
                          flags.add_scheduler_flags, commands.run_scheduler),
     "worker": Command("a model worker (gRPC server; registers itself in Redis)",
                       flags.add_worker_flags, commands.run_worker),
+    "encoder": Command("a vision encoder: encodes media as gateways store them, publishes the "
+                       "embeddings for every worker (optional; scale it on its own)",
+                       flags.add_encoder_flags, commands.run_encoder),
     "engine": Command("gateway + scheduler core + model in ONE process (no Redis, no gRPC): "
                       "the yardstick for what the service split costs",
                       flags.add_engine_flags, commands.run_engine),
@@ -51,7 +55,7 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-MODEL_COMMANDS = ("worker", "engine")  # the processes that run a model
+MODEL_COMMANDS = ("worker", "engine", "encoder")  # the processes that run a model
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,7 +37,7 @@ def _batching_config(args: argparse.Namespace):
     return SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                            max_num_seqs=args.max_num_seqs,
                            enable_prefix_caching=not args.no_prefix_caching,
-                           preemption_mode=args.preemption_mode)
+                           preemption_mode=args.preemption_mode, encoder_budget=args.encoder_budget)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -51,8 +51,28 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_encoder(args: argparse.Namespace) -> int:
+    import threading
+
+    from encoder_svc.config import EncoderServiceConfig
+    from encoder_svc.service import EncoderService
+
+    extra = {"encoder_id": args.encoder_id} if args.encoder_id else {}
+    service = EncoderService(EncoderServiceConfig(
+        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
+        threads=args.threads, redis_url=args.redis_url, key_prefix=args.key_prefix, batch=args.batch,
+        embeddings_ttl_s=args.embeddings_ttl_s, claim_ttl_s=args.claim_ttl_s, host=args.host,
+        metrics_port=args.metrics_port, **extra))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    service.run(stop)
+    return 0
+
+
 def run_scheduler(args: argparse.Namespace) -> int:
-    from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+    from scheduler_svc.service import SchedulerService
+    from scheduler_svc.service_config import SchedulerServiceConfig
 
     extra = {"consumer_name": args.consumer_name} if args.consumer_name else {}
     config = SchedulerServiceConfig(batching=_batching_config(args), redis_url=args.redis_url,
@@ -135,8 +155,8 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"no --model given: making the `{args.preset}` preset in {model} (once)", flush=True)
             make_model(Path(model), preset=args.preset, seed=0)
     config = StackConfig(model=model, host=args.host, port=args.port, workers=args.workers,
-                         schedulers=args.schedulers,
-                         redis_url=args.redis_url, run_dir=Path(args.run_dir),
+                         schedulers=args.schedulers, encoders=args.encoders,
+                         encoder_args=tuple(args.encoder_arg), redis_url=args.redis_url, run_dir=Path(args.run_dir),
                          worker_args=tuple(args.worker_arg), scheduler_args=tuple(args.scheduler_arg),
                          gateway_args=tuple(args.gateway_arg))
     with Stack(config) as stack:

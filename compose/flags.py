@@ -69,6 +69,10 @@ def add_batching_flags(f: EnvFlags) -> None:
     f.switch("--no-prefix-caching", help="compute every prompt in full")
     f.add("--preemption-mode", default="recompute", choices=["recompute", "swap"],
           help="free a preempted request's blocks (recompute) or move them to the worker's CPU swap space")
+    f.add("--encoder-budget", type=int, default=0,
+          help="vision models: images (or video frames) one step may make its worker encode, those "
+               "whose embeddings it holds aside; a burst of new images is spread over steps so "
+               "running decodes keep their pace; 0 = no bound")
 
 
 def add_worker_flags(f: EnvFlags) -> None:
@@ -82,6 +86,27 @@ def add_worker_flags(f: EnvFlags) -> None:
                "handing the rest to other workers; 0 = hand over at once")
     f.add("--metrics-port", type=int, default=0,
           help="serve Prometheus /metrics (steps) on --host at this port; 0 = off")
+    add_common_flags(f)
+
+
+def add_encoder_flags(f: EnvFlags) -> None:
+    f.add("--model", required=True, help="the vision checkpoint the workers serve (folder or Hub id)")
+    f.names("--served-model-name", help="as the workers' (default: the folder's name, or the Hub id)")
+    f.add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+          help="as the workers' --dtype (resolved the same way): workers use only embeddings "
+               "of their own dtype and weights")
+    f.add("--device", default="cpu", help="cpu|cuda|cuda:N")
+    f.add("--threads", type=int, help="CPU compute threads (default: torch's, the CPUs it may use)")
+    f.add("--encoder-id", help="default: encoder-<hostname>-<random>")
+    f.add("--batch", type=int, default=8, help="media encoded in one call at most")
+    f.add("--embeddings-ttl-s", type=float, default=300.0,
+          help="seconds published embeddings live in Redis (a question after that encodes on "
+               "its worker); each costs mm_tokens x hidden x dtype bytes (Gemma 3 12B bf16: 2 MB)")
+    f.add("--claim-ttl-s", type=float, default=10.0,
+          help="a medium being encoded is claimed this long at most (longer than one batch "
+               "takes); a dead encoder's jobs go to another after it")
+    f.add("--host", default="127.0.0.1", help="bind address of /metrics and /health")
+    f.add("--metrics-port", type=int, default=0, help="serve /metrics and /health here; 0 = off")
     add_common_flags(f)
 
 
@@ -123,10 +148,14 @@ def add_up_flags(f: EnvFlags) -> None:
     f.add("--workers", type=int, default=1)
     f.add("--schedulers", type=int, default=1,
           help="schedulers to run: one leads (a lease in Redis), the others stand by to take over")
+    f.add("--encoders", type=int, default=0,
+          help="vision models: encoder services to run beside the workers (pagedserve encoder): "
+               "media encoded as they are stored, ahead of the questions; 0 = the workers encode")
     f.add("--redis-url", help="use this Redis instead of starting one")
     f.add("--run-dir", default=".run", help="logs of every process go here")
     p = f.parser
     p.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker")
+    p.add_argument("--encoder-arg", action="append", default=[], help="extra flag for every encoder")
     p.add_argument("--scheduler-arg", action="append", default=[], help="extra flag for the scheduler")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flag for the gateway")
 

@@ -55,10 +55,12 @@ class StackConfig:
     port: int = 8000
     workers: int = 1
     schedulers: int = 1  # one leads; the others stand by (scheduler_svc/leader.py)
+    encoders: int = 0  # vision encoder services (encoder_svc/): media encoded ahead of questions
     redis_url: str | None = None  # None: start a redis-server on a free port
     key_prefix: str = "pagedserve"
     run_dir: Path = Path(".run")
     worker_args: tuple[str, ...] = ()
+    encoder_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     startup_timeout_s: float = 300.0
@@ -74,6 +76,7 @@ class Stack:
         self.redis_url = config.redis_url or ""
         self.keys = RedisKeys(config.key_prefix)
         self._worker_count = 0
+        self._encoder_count = 0
         self._stopped: set[str] = set()  # stopped on purpose: their exit is no failure
         self.metrics_ports: dict[str, int] = {}  # service name → its /metrics port
 
@@ -122,6 +125,8 @@ class Stack:
         for _ in range(self.config.workers):
             self.add_worker(wait=False)
         self.wait_for_workers(self.config.workers)
+        for _ in range(self.config.encoders):
+            self.add_encoder()
         for i in range(self.config.schedulers):
             self.add_scheduler(i)
         self._spawn("gateway", self._service(
@@ -147,6 +152,17 @@ class Stack:
                                         "--worker-id", name, *self._metrics_port(name, args), *args))
         if wait:
             self._wait_for(lambda: name in self.live_worker_ids(), f"{name} to register")
+        return name
+
+    def add_encoder(self, wait: bool = True, extra: tuple[str, ...] = ()) -> str:
+        """An encoder service (`encoder-<i>`) on the stack's model; `wait`: until registered."""
+        name = f"encoder-{self._encoder_count}"
+        self._encoder_count += 1
+        args = (*self.config.encoder_args, *extra)
+        self._spawn(name, self._service("encoder", "--model", self.config.model, "--encoder-id", name,
+                                        *self._metrics_port(name, args), *args))
+        if wait:
+            self._wait_for(lambda: name in self.live_encoder_ids(), f"{name} to register")
         return name
 
     def add_scheduler(self, index: int) -> str:
@@ -188,6 +204,11 @@ class Stack:
     def live_worker_ids(self) -> list[str]:
         with self._redis() as client:
             return list(WorkerRegistry(self.keys).read_blocking(client).live)
+
+    def live_encoder_ids(self) -> list[str]:
+        with self._redis() as client:
+            ids = sorted(i.decode() for i in client.smembers(self.keys.encoders))
+            return [i for i, v in zip(ids, client.mget([self.keys.encoder(i) for i in ids]) if ids else []) if v]
 
     def wait_for_workers(self, n: int) -> None:
         self._wait_for(lambda: len(self.live_worker_ids()) >= n, f"{n} worker(s) to register")

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 SCHEDULER_GROUP = "schedulers"
+ENCODER_GROUP = "encoders"  # the consumer group of the encode-job stream
 STREAM_FIELD = b"m"  # the one field of every stream entry: a msgpack-encoded StreamMessage
 
 
@@ -83,3 +84,28 @@ class RedisKeys:
     def file_storage_bytes(self) -> str:
         """The bytes of the files `file_storage` holds that have not expired (gateway/files/ledger.py)."""
         return f"{self.prefix}:file-storage-bytes"
+
+    @property
+    def encode_jobs(self) -> str:
+        """Stream of EncodeJob entries (gateway → encoder service, group `encoders`): content
+        hashes of media just stored, to encode before any question needs them."""
+        return f"{self.prefix}:encode"
+
+    @property
+    def encoders(self) -> str:
+        """Set of encoder-service ids that have registered (possibly dead: check encoder(id))."""
+        return f"{self.prefix}:encoders"
+
+    def encoder(self, encoder_id: str) -> str:
+        """An encoder's EncoderRegistration, with a TTL its heartbeat keeps refreshing."""
+        return f"{self.prefix}:encoder:{encoder_id}"
+
+    def embeddings(self, fingerprint: str, content_hash: str) -> str:
+        """A medium's image embeddings (EmbeddingsRecord) as one vision tower in one dtype
+        (`fingerprint`, worker_svc/published_embeddings.py) computes them, with a TTL."""
+        return f"{self.prefix}:embeds:{fingerprint}:{content_hash}"
+
+    def encoding(self, content_hash: str) -> str:
+        """Held (SET NX, short TTL) by the encoder encoding that medium now, until it has
+        published the embeddings: the scheduler routes a request needing it afterwards."""
+        return f"{self.prefix}:encoding:{content_hash}"

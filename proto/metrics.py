@@ -95,19 +95,26 @@ class StepRecorder:
 
 class EncoderRecorder:
     """A vision worker's images, observed per step that had images to embed (the runner's
-    StepOutput.vision, worker_svc/vision_step.py): counters of the images (video frames
-    included) encoded and of those found in the encoder cache, and a histogram of the
+    StepOutput.vision, worker_svc/vision_step.py): counters of the distinct images (video
+    frames included) steps needed (queries), of those found ready (in the encoder cache,
+    or published by the encoder service) and of those encoded, and a histogram of the
     seconds each step spent getting embeddings it lacked (fetch, decode, preprocess, encode).
-    One thread observes (the servicer's, after each step), as StepRecorder."""
+    One thread observes (the servicer's, after each step), as StepRecorder. The encoder
+    service (encoder_svc/) counts its own encodings with one too (no queries)."""
 
     def __init__(self) -> None:
         self.items_encoded = 0
-        self.cache_hits = 0
+        self.cache_hits = 0  # in this process's encoder cache
+        self.published_hits = 0  # published by the encoder service
+        self.queries = 0
         self.seconds = HistogramRecorder(TOKEN_SECONDS)
 
-    def observe(self, items_encoded: int, cache_hits: int, seconds: float) -> None:
+    def observe(self, items_encoded: int, cache_hits: int, seconds: float,
+                published_hits: int = 0, queries: int = 0) -> None:
         self.items_encoded += items_encoded
         self.cache_hits += cache_hits
+        self.published_hits += published_hits
+        self.queries += queries
         if items_encoded:
             self.seconds.observe(seconds)
 
@@ -226,19 +233,28 @@ class WorkerStatsCollector:
 
 # EncoderRecorder's metrics: (name, help); counters get "_total" appended.
 MM_ITEMS_ENCODED = ("pagedserve:mm_items_encoded", "images and video frames run through the vision encoder")
+MM_CACHE_QUERIES = ("pagedserve:mm_cache_queries", "images and video frames steps needed (each once a step)")
+MM_CACHE_HITS = ("pagedserve:mm_cache_hits", "images and video frames a step needed whose embeddings were "
+                 "ready: in the worker's encoder cache or published by the encoder service")
 ENCODER_CACHE_HITS = ("pagedserve:encoder_cache_hits",
                       "images and video frames a step needed whose embeddings the encoder cache held")
-ENCODER_SECONDS = ("pagedserve:encoder_seconds", "one step's work on the images it had to encode: "
+ENCODER_SECONDS = ("pagedserve:encoder_seconds", "one batch of images the process had to encode: "
                    "fetching, decoding, preprocessing, the encoder's forward")
 
 
-def encoder_families(worker_id: str, encoder: EncoderRecorder) -> Iterator[Metric]:
-    for (name, help_text), value in ((MM_ITEMS_ENCODED, encoder.items_encoded),
-                                     (ENCODER_CACHE_HITS, encoder.cache_hits)):
-        family = CounterMetricFamily(name, help_text, labels=["worker"])
+def encoder_families(worker_id: str, encoder: EncoderRecorder, label: str = "worker") -> Iterator[Metric]:
+    """A worker's image counters (`label` "worker"), or an encoder service's ("encoder":
+    what it encoded, no queries)."""
+    counters = [(MM_ITEMS_ENCODED, encoder.items_encoded)]
+    if label == "worker":
+        counters += [(MM_CACHE_QUERIES, encoder.queries),
+                     (MM_CACHE_HITS, encoder.cache_hits + encoder.published_hits),
+                     (ENCODER_CACHE_HITS, encoder.cache_hits)]
+    for (name, help_text), value in counters:
+        family = CounterMetricFamily(name, help_text, labels=[label])
         family.add_metric([worker_id], float(value))
         yield family
-    yield histogram_family(*ENCODER_SECONDS, ["worker"], [([worker_id], encoder.seconds.snapshot())])
+    yield histogram_family(*ENCODER_SECONDS, [label], [([worker_id], encoder.seconds.snapshot())])
 
 
 class StepCollector:

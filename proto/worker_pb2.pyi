@@ -169,7 +169,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "block_size", "num_blocks", "max_model_len", "vocab_size", "eos_token_ids", "num_cpu_blocks", "device", "kv_cache_group_windows", "kv_cache_group_size")
+    __slots__ = ("worker_id", "model", "block_size", "num_blocks", "max_model_len", "vocab_size", "eos_token_ids", "num_cpu_blocks", "device", "kv_cache_group_windows", "kv_cache_group_size", "encoder_cache_items", "embeddings_fingerprint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,8 @@ class WorkerInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHE_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     block_size: int
@@ -192,7 +194,9 @@ class WorkerInfo(_message.Message):
     device: str
     kv_cache_group_windows: _containers.RepeatedScalarFieldContainer[int]
     kv_cache_group_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., kv_cache_group_windows: _Optional[_Iterable[int]] = ..., kv_cache_group_size: _Optional[int] = ...) -> None: ...
+    encoder_cache_items: int
+    embeddings_fingerprint: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., kv_cache_group_windows: _Optional[_Iterable[int]] = ..., kv_cache_group_size: _Optional[int] = ..., encoder_cache_items: _Optional[int] = ..., embeddings_fingerprint: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -38,12 +38,17 @@ class BatchScheduler:
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  max_model_len: int, num_cpu_blocks: int = 0,
-                 group_windows: Sequence[int | None] = (None,)) -> None:
+                 group_windows: Sequence[int | None] = (None,), encoder_cache_items: int = 0,
+                 embeddings_fingerprint: str = "") -> None:
         """`group_windows`: the window of each KV cache group of the worker's model (None:
         full attention; WorkerInfo.kv_cache_group_windows): a request has a block table per
-        group, and a sliding group's blocks behind its window go back to the pool."""
+        group, and a sliding group's blocks behind its window go back to the pool.
+        `encoder_cache_items`: the image embeddings the worker's encoder cache holds
+        (WorkerInfo.encoder_cache_items; scheduler_svc/encoder_budget.py);
+        `embeddings_fingerprint`: what the encoder service publishes them under for it."""
         self.config = config
         self.max_model_len = max_model_len
+        self.embeddings_fingerprint = embeddings_fingerprint
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
                                  num_cpu_blocks=num_cpu_blocks if config.preemption_mode == "swap" else 0,
                                  group_windows=group_windows)
@@ -51,14 +56,16 @@ class BatchScheduler:
         self.steps = StepBuilder()
         self.forks = ForkManager(self.kv)
         self.preemptor = Preemptor(config.preemption_mode, self.kv, self.queues, self.steps.forget)
-        self.planner = StepPlanner(config, self.queues, self.kv, self.forks, self.preemptor)
+        self.planner = StepPlanner(config, self.queues, self.kv, self.forks, self.preemptor, encoder_cache_items)
 
     @classmethod
     def for_worker(cls, config: SchedulerConfig, info: worker_pb2.WorkerInfo) -> "BatchScheduler":
         """The scheduling state for the worker that `info` describes."""
         return cls(config, num_blocks=info.num_blocks, block_size=info.block_size,
                    max_model_len=info.max_model_len, num_cpu_blocks=info.num_cpu_blocks,
-                   group_windows=tuple(w or None for w in info.kv_cache_group_windows) or (None,))
+                   group_windows=tuple(w or None for w in info.kv_cache_group_windows) or (None,),
+                   encoder_cache_items=info.encoder_cache_items,
+                   embeddings_fingerprint=info.embeddings_fingerprint)
 
     # -- reading -----------------------------------------------------------------------
 
@@ -103,6 +110,16 @@ class BatchScheduler:
         hit = self.kv.find_cached_prefix(token_ids, [], block_extra_keys(mm_inputs, bs),
                                          fit=lambda m: hit_blocks(mm_inputs, m, bs))
         return len(hit) * bs
+
+    def held_image_tokens(self, mm_inputs: Sequence[MultiModalInput], start: int = 0) -> int:
+        """Soft tokens of the images at or after `start` whose embeddings this worker holds,
+        as far as its steps tell (scheduler_svc/encoder_budget.py)."""
+        return self.planner.encoder_cache.held_tokens(mm_inputs, start)
+
+    def note_published(self, content_hashes: Sequence[str]) -> None:
+        """The encoder service has published these media's embeddings for this worker: its
+        steps read them, they cost no encoder budget."""
+        self.planner.encoder_cache.note_published(content_hashes)
 
     def stats(self) -> SchedulerStats:
         """Block pool and prefix cache accounting now (O(num_blocks): call it when idle or

@@ -43,6 +43,12 @@ prefills, then take one token a step until they finish, so the budget left to th
 grows until it fits -- at the latest when it is the first request with work in a step (as
 for any request, a stream of higher-priority arrivals can delay it).
 
+Encoder work (scheduler_svc/encoder_budget.py): with `encoder_budget` N > 0, a step makes
+its worker encode at most N images the worker does not hold (by the planner's mirror of its
+encoder cache); a chunk that cannot afford its next image ends at that image's start, and
+when that leaves nothing the request waits for a later step, as for the token budget. Every
+step's images then go into the mirror.
+
 Planned ahead (a step in flight: async scheduling), the step assumes every request the
 step in flight samples for gets its token (`num_pending`), and never preempts, swaps or
 forks: a running request that cannot grow without a preemption ends the step there
@@ -54,6 +60,7 @@ from dataclasses import dataclass, field
 
 from kvstore.kv_cache_manager import KVCacheManager
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.encoder_budget import EncoderCacheMirror, StepEncoderBudget
 from scheduler_svc.fork import ForkManager
 from scheduler_svc.image_ranges import hit_blocks, image_inside
 from scheduler_svc.preemption import Preemptor
@@ -82,7 +89,7 @@ class StepPlan:
 
 class StepPlanner:
     def __init__(self, config: SchedulerConfig, queues: RequestQueues, kv: KVCacheManager,
-                 forks: ForkManager, preemptor: Preemptor) -> None:
+                 forks: ForkManager, preemptor: Preemptor, encoder_cache_items: int = 0) -> None:
         self._config = config
         self._queues = queues
         self._kv = kv
@@ -94,6 +101,9 @@ class StepPlanner:
         # Since start: tokens of admitted requests looked up in the prefix cache, and found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Which image embeddings the worker holds, as its steps tell (routing reads it too).
+        self.encoder_cache = EncoderCacheMirror(encoder_cache_items)
+        self._encoding: StepEncoderBudget | None = None  # the step being planned's
 
     @property
     def ahead_blocked(self) -> bool:
@@ -107,6 +117,8 @@ class StepPlanner:
         """The next step (after the one in flight, with `ahead`), or None when nothing can
         run. Allocates its blocks and moves requests between queues as it goes."""
         self._ahead_blocked = False
+        if self._config.encoder_budget:
+            self._encoding = StepEncoderBudget(self._config.encoder_budget, self.encoder_cache)
         plan, children = StepPlan(), []
         budget, full = self._plan_running(plan, children, ahead)
         # After a preemption the pool is full: resuming or admitting now would only thrash.
@@ -116,7 +128,10 @@ class StepPlanner:
             if not self._queues.swapped:
                 self._admit_waiting(plan, budget, num_seqs)
         plan.new.extend(children)
-        return plan if plan else None
+        if not plan:
+            return None
+        self.encoder_cache.touch_step((r, n) for r, n, _ in (*plan.running, *plan.resumed, *plan.new))
+        return plan
 
     def _plan_running(self, plan: StepPlan, children: list[PlannedRequest], ahead: bool) -> tuple[int, bool]:
         """Step 1 of the rule; returns (the budget left, whether the pool ran out)."""
@@ -139,6 +154,8 @@ class StepPlanner:
                 num_new = budget
             if req.num_computed_tokens < req.images_end:  # a prefill chunk that may reach an image
                 num_new = fit_images(req, req.num_computed_tokens, num_new, budget)
+                if num_new and self._encoding is not None:
+                    num_new = self._encoding.fit(req, req.num_computed_tokens, num_new)
                 if num_new == 0:
                     i += 1  # its next image does not fit the budget left: a later step
                     continue
@@ -215,7 +232,7 @@ class StepPlanner:
     def _num_new_tokens(self, req: SchedulerRequest, num_computed: int, budget: int) -> int:
         """Tokens a request with `num_computed` tokens computed computes this step: all it
         lacks, capped by the per-request threshold and by the budget left, then fitted to
-        its images (`fit_images`; 0: its next image does not fit)."""
+        its images (`fit_images`) and to the encoder budget (0: its next image does not fit)."""
         num_new = req.target_tokens - num_computed
         assert num_new > 0, f"request {req.request_id} has nothing to compute"
         if self._config.long_prefill_token_threshold:
@@ -223,6 +240,8 @@ class StepPlanner:
         num_new = min(num_new, budget)
         if num_computed < req.images_end:
             num_new = fit_images(req, num_computed, num_new, budget)
+            if num_new and self._encoding is not None:
+                num_new = self._encoding.fit(req, num_computed, num_new)
         return num_new
 
 

@@ -10,6 +10,11 @@ work a worker would have after taking the request, as a fraction of its KV capac
   hit_tokens(w)   tokens of the request's prefix w has in its prefix cache now
                   (BatchScheduler.cached_prefix_tokens, with the request's images in the
                   block keys, as admission looks them up): those are not computed again;
+                  plus the soft tokens of the request's images after that prefix whose
+                  embeddings w holds (BatchScheduler.held_image_tokens: its scheduler's
+                  mirror of w's encoder cache, scheduler_svc/encoder_budget.py): those are
+                  not encoded again -- a camera's next question, whose window of frames
+                  moved on by one, goes where its other frames are;
   capacity(w)     tokens w's KV blocks hold (num_blocks * block_size).
 
 The lowest cost wins; ties go to the lower load, then to the first worker given. With no
@@ -32,7 +37,11 @@ T = TypeVar("T")
 def route_cost(scheduler: BatchScheduler, token_ids: Sequence[int], prefix_weight: float = 1.0,
                mm_inputs: Sequence[MultiModalInput] = ()) -> float:
     """cost(w) above for one worker's scheduler (`mm_inputs`: the images in token_ids)."""
-    hit = scheduler.cached_prefix_tokens(token_ids, mm_inputs) if prefix_weight else 0
+    hit = 0
+    if prefix_weight:
+        hit = scheduler.cached_prefix_tokens(token_ids, mm_inputs)
+        if mm_inputs:
+            hit += scheduler.held_image_tokens(mm_inputs, hit)
     capacity = scheduler.kv.num_blocks * scheduler.kv.block_size
     return (scheduler.load_tokens + prefix_weight * (len(token_ids) - hit)) / capacity
 

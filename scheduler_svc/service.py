@@ -20,25 +20,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from proto import worker_pb2
 from proto.keys import RedisKeys
 from proto.messages import AbortRequest, NewRequest, TokenEvent, stream_encoder
 from proto.parallel import parent_request_id
 from proto.registry import WorkerRegistry
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.encoding_wait import EncodingWait
 from scheduler_svc.heartbeat import Heartbeat, Load
 from scheduler_svc.leader import LeaderLease
 from scheduler_svc.ledger import RequestLedger, Unrouted
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import SchedulerRequest
 from scheduler_svc.request_stream import RequestStream
+from scheduler_svc.service_config import SchedulerServiceConfig
 from scheduler_svc.routing import pick_worker
 from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.worker_pool import WorkerHandle, WorkerPool
@@ -47,47 +46,6 @@ log = logging.getLogger("pagedserve.scheduler")
 
 _RETRY_S = 0.25  # first wait before taking over again after a Redis error
 _MAX_RETRY_S = 5.0
-
-
-@dataclass(frozen=True)
-class SchedulerServiceConfig:
-    batching: SchedulerConfig = field(default_factory=SchedulerConfig)
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "pagedserve"
-    # Fixed per instance so a restarted scheduler re-reads what it had not acknowledged.
-    consumer_name: str = field(default_factory=lambda: f"scheduler-{socket.gethostname()}")
-    discovery_interval_s: float = 0.5
-    step_timeout_s: float = 120.0
-    max_reroutes: int = 2  # a request whose worker died this often gets an error instead
-    read_batch: int = 256
-    max_early_aborts: int = 10_000
-    stats_interval_s: float = 1.0  # each worker's WorkerStats written this often, busy or idle
-    retired_retry_s: float = 30.0  # a retired worker that still looks registered is redialled after this
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0  # /metrics (scheduler_svc/metrics.py) on this port; 0 = none
-    # Plan step k+1 while step k runs (scheduler_svc/step_loop.py): "on", "off", or "auto":
-    # Bound on the requests waiting for a step (in workers' waiting queues or parked), which
-    # the gateway enforces from the heartbeat with 429 + Retry-After; 0 = no bound.
-    max_waiting_requests: int = 1024
-    heartbeat_interval_s: float = 0.5
-    heartbeat_ttl_s: float = 3.0  # the heartbeat expires this long after a death
-    lease_ttl_s: float = 3.0  # the leader lease (scheduler_svc/leader.py): a standby takes over within about this
-    # on for a worker that computes on an accelerator, off for one on the CPU, where the
-    # host work it overlaps with a step competes with that step for the same cores
-    # (docs/performance.md, "Async scheduling").
-    async_scheduling: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.async_scheduling not in ("auto", "on", "off"):
-            raise ValueError(f"async_scheduling must be 'auto', 'on' or 'off', got {self.async_scheduling!r}")
-        if self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
-
-    def schedules_ahead(self, info: worker_pb2.WorkerInfo) -> bool:
-        """Whether steps for this worker are planned while the one before runs."""
-        if self.async_scheduling == "auto":
-            return info.device not in ("", "cpu")
-        return self.async_scheduling == "on"
 
 
 class SchedulerService:
@@ -105,6 +63,7 @@ class SchedulerService:
         self.lease = LeaderLease(self.redis, self.keys, config.consumer_name, config.lease_ttl_s)
         self.stream = RequestStream(self.redis, self.keys, config.consumer_name, config.read_batch,
                                     self._handle_entry)
+        self.encoding = EncodingWait(self.redis, self.keys)
         self._tasks: list[asyncio.Task] = []  # the heartbeat; the leader's read and discovery loops
         self._stopping = False
 
@@ -126,7 +85,8 @@ class SchedulerService:
         finally:
             # The loops also check _stopping: a blocking redis-py read may swallow a cancellation.
             self._stopping = True
-            everything = [waiter, leading, *self._tasks, *(h.task for h in self.pool.handles() if h.task)]
+            everything = [waiter, leading, *self._tasks, *self.encoding.waiting,
+                          *(h.task for h in self.pool.handles() if h.task)]
             try:
                 for task in everything:
                     task.cancel()
@@ -286,7 +246,11 @@ class SchedulerService:
             await self.stream.ack([entry_id])
         else:
             self.ledger.open(message.request_id, entry_id)
-            await self._route(message)
+            if message.mm_inputs and await self.encoding.pending([m.content_hash for m in message.mm_inputs]):
+                self.encoding.route_when_encoded(message, self.ledger, self._route, self._budget_fingerprint)
+            else:
+                hashes = [m.content_hash for m in message.mm_inputs]  # published: no encoder budget
+                await self._route(message, await self.encoding.published(hashes, self._budget_fingerprint()))
 
     async def _abort(self, request_id: str) -> None:
         """Abort a request wherever it is (the ledger says where) and, n > 1, its children
@@ -313,15 +277,17 @@ class SchedulerService:
         else:
             self.ledger.remember_early_abort(request_id)
 
-    async def _route(self, item: Unrouted) -> None:
+    async def _route(self, item: Unrouted, published: Sequence[str] = ()) -> None:
         """The live worker holding the longest cached prefix of the request's tokens,
-        unless it is much more loaded than another (the score: scheduler_svc.routing)."""
+        unless it is much more loaded than another (the score: scheduler_svc.routing).
+        `published`: its media the encoder service has published (EncodingWait.published)."""
         live = self.pool.live()
         if not live:
             self.ledger.park(item)
             return
         tokens = item.prompt_token_ids if isinstance(item, NewRequest) else item.token_ids
         handle = pick_worker(live, tokens, lambda h: h.scheduler, mm_inputs=item.mm_inputs)
+        handle.scheduler.note_published(published)
         add = handle.scheduler.add_request if isinstance(item, NewRequest) else handle.scheduler.add_state
         error = add(item)
         if error is not None:  # it can never fit on that worker: tell the client, drop it
@@ -331,6 +297,11 @@ class SchedulerService:
             return
         self.ledger.assign(item.request_id, handle)
         handle.wake.set()
+
+    def _budget_fingerprint(self) -> str | None:
+        """The workers' embeddings fingerprint when steps budget encoder work, else None."""
+        live = self.pool.live()
+        return live[0].scheduler.embeddings_fingerprint if live and self.config.batching.encoder_budget else None
 
     async def _route_all(self, items: list[Unrouted], lost_worker: bool = False) -> None:
         """Route each in turn (`lost_worker`: drained from a lost worker -- a request that

@@ -28,10 +28,12 @@ class Harness:
     def __init__(self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
                  vocab_size: int = 1000, eos_token_id: int | None = None,
                  num_cpu_blocks: int = 0, pipelined: bool = False,
-                 group_windows: tuple[int | None, ...] = (None,), **config) -> None:
+                 group_windows: tuple[int | None, ...] = (None,), encoder_cache_items: int = 0,
+                 **config) -> None:
         self.config = SchedulerConfig(**config)
         self.sched = BatchScheduler(self.config, num_blocks, block_size, max_model_len,
-                                    num_cpu_blocks=num_cpu_blocks, group_windows=group_windows)
+                                    num_cpu_blocks=num_cpu_blocks, group_windows=group_windows,
+                                    encoder_cache_items=encoder_cache_items)
         self.worker = FakeWorker(num_blocks, block_size, self.config.max_num_batched_tokens,
                                  vocab_size, eos_token_id, num_cpu_blocks=num_cpu_blocks,
                                  group_windows=group_windows)

@@ -24,10 +24,12 @@ from proto.messages import WorkerStats, stats_decoder
 @contextmanager
 def running_stack(model: Path, redis_url: str | None, run_dir: Path, workers: int = 1,
                   worker_args: tuple[str, ...] = (), scheduler_args: tuple[str, ...] = (),
-                  gateway_args: tuple[str, ...] = (), schedulers: int = 1):
+                  gateway_args: tuple[str, ...] = (), schedulers: int = 1, encoders: int = 0,
+                  encoder_args: tuple[str, ...] = ()):
     """`redis_url` None: the launcher starts a redis-server of the stack's own."""
     config = StackConfig(model=str(model), port=free_port(), workers=workers, redis_url=redis_url,
-                         schedulers=schedulers,
+                         schedulers=schedulers, encoders=encoders,
+                         encoder_args=("--threads", "1", *encoder_args) if encoders else (),
                          key_prefix=f"test-{uuid.uuid4().hex[:8]}", run_dir=run_dir,
                          worker_args=("--threads", "1", *worker_args), scheduler_args=scheduler_args,
                          gateway_args=gateway_args,

@@ -274,14 +274,15 @@ _request = st.tuples(_parts, st.integers(1, 4), st.sampled_from([1, 1, 2]), st.i
 @given(requests=st.lists(_request, min_size=1, max_size=8), budget=st.integers(8, 20),
        threshold=st.sampled_from([0, 3, 5]), num_blocks=st.integers(9, 13),
        num_cpu_blocks=st.sampled_from([0, 16]), pipelined=st.booleans(),
-       windows=st.sampled_from([(None,), (None,), (6,), (None, 6)]))
+       windows=st.sampled_from([(None,), (None,), (6,), (None, 6)]),
+       encoder=st.sampled_from([(0, 0), (1, 0), (1, 1), (2, 4)]))
 def test_random_image_workloads_never_split_an_image_and_match_the_reference(
-        requests, budget, threshold, num_blocks, num_cpu_blocks, pipelined, windows):
+        requests, budget, threshold, num_blocks, num_cpu_blocks, pipelined, windows, encoder):
     """Random prompts of text and images (at most 33 tokens + 4 outputs = 9 blocks), some
     starting alike, budgets, thresholds, pools small enough to preempt (by recompute or
     swap), n of 1 or 2, arrivals spread over steps, planned ahead or not, a sliding window,
     a global and a sliding KV cache group (Gemma 3's kinds; the pool scaled by the groups),
-    or neither: every step keeps images whole (the fake checks), integrity holds after each,
+    or neither, an encoder budget (with a mirrored encoder cache) or none: every step keeps images whole (the fake checks), integrity holds after each,
     everything finishes (no starvation: Harness.run fails without progress) with the
     outputs of a run that never chunks or caches."""
     reqs = [(image_request(f"r{i}", start + parts, max_tokens, float(i), n=n), delay)
@@ -289,7 +290,7 @@ def test_random_image_workloads_never_split_an_image_and_match_the_reference(
     h = Harness(num_blocks=num_blocks * len(windows), block_size=BS, max_num_batched_tokens=budget,
                 long_prefill_token_threshold=threshold, num_cpu_blocks=num_cpu_blocks,
                 preemption_mode="swap" if num_cpu_blocks else "recompute", pipelined=pipelined,
-                group_windows=windows)
+                group_windows=windows, encoder_budget=encoder[0], encoder_cache_items=encoder[1])
     for req, delay in reqs:
         h.add(req)
         for _ in range(delay):

@@ -13,7 +13,8 @@ import redis.asyncio as aioredis
 
 from proto.keys import STREAM_FIELD, RedisKeys
 from proto.messages import AbortRequest, NewRequest, SamplingParams, stream_encoder
-from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+from scheduler_svc.service import SchedulerService
+from scheduler_svc.service_config import SchedulerServiceConfig
 
 TIMEOUT_S = 20.0
 

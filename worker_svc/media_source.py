@@ -58,6 +58,14 @@ class RedisMediaSource:
         client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         return cls(client, RedisKeys(key_prefix))
 
+    @property
+    def client(self) -> redis.Redis:
+        return self._client
+
+    @property
+    def keys(self) -> RedisKeys:
+        return self._keys
+
     def fetch(self, hashes: Sequence[str]) -> dict[str, MediaItem]:
         if not hashes:
             return {}

@@ -35,6 +35,7 @@ request). The step and the other requests go on.
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,9 +52,11 @@ from worker_svc.cpu_threads import CpuShare, choose_threads
 from worker_svc.grammar import GrammarCompiler
 from worker_svc.kv_budget import kv_cache_bytes
 from worker_svc.logprobs import gather_logprobs
+from worker_svc.media_encoder import MediaEncoder
 from worker_svc.media_source import MediaSource
 from worker_svc.model.registry import load_config, load_vision_config
 from worker_svc.model.loader import load_model, resolve_dtype
+from worker_svc.published_embeddings import PublishedEmbeddings
 from worker_svc.request_state import RequestState
 from worker_svc.sampler import SamplingBatch, sample
 from worker_svc.stop import finish_reason
@@ -87,9 +90,12 @@ class _Produced:
 
 class ModelRunner:
     """`media`: where image requests' media are read (worker_svc/media_source.py); with
-    None, or a text-only checkpoint, the runner serves text and fails image requests."""
+    None, or a text-only checkpoint, the runner serves text and fails image requests.
+    `published`: makes, from the loaded encoder, the embeddings an encoder service
+    publishes (worker_svc/published_embeddings.py), read before encoding; None: none read."""
 
-    def __init__(self, config: RunnerConfig, worker_id: str = "", media: MediaSource | None = None):
+    def __init__(self, config: RunnerConfig, worker_id: str = "", media: MediaSource | None = None,
+                 published: Callable[[MediaEncoder], PublishedEmbeddings] | None = None):
         self.config = config
         self.worker_id = worker_id
         self.device = torch.device(config.device)
@@ -123,7 +129,7 @@ class ModelRunner:
         self.vision: ImageEmbedder | None = None
         if self.vision_config is not None and media is not None:
             self.vision = ImageEmbedder.load(self.model_dir, self.vision_config, self.dtype, self.device,
-                                             media, config.encoder_cache_memory_bytes)
+                                             media, config.encoder_cache_memory_bytes, published)
         # KV cache groups (kvstore/kv_cache_groups.py): a block holds `group_size` layers' K/V
         self.kv_layout = self.model.kv_layout
         slots = self.kv_layout.group_size
@@ -173,6 +179,9 @@ class ModelRunner:
             num_cpu_blocks=self.cpu_cache.num_blocks if self.cpu_cache is not None else 0,
             device=str(self.device), kv_cache_group_windows=[w or 0 for w in self.kv_layout.windows],
             kv_cache_group_size=self.kv_layout.group_size,
+            encoder_cache_items=self.vision.cache_items if self.vision is not None else 0,
+            embeddings_fingerprint=(self.vision.published.fingerprint
+                                    if self.vision is not None and self.vision.published is not None else ""),
         )
 
     def _swap_out(self, request: worker_pb2.StepRequest) -> None:

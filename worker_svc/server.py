@@ -21,6 +21,7 @@ in step order: from the compute thread itself when no step waits behind it
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import signal
@@ -47,6 +48,7 @@ from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
 from worker_svc.event_publisher import EventPublisher
 from worker_svc.media_source import RedisMediaSource
+from worker_svc.published_embeddings import PublishedEmbeddings
 from worker_svc.model_runner import ModelRunner, StepConsistencyError, StepOutput
 from worker_svc.step_gap import StepGap
 
@@ -167,7 +169,7 @@ class ModelWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.steps.observe(request, output.result)
         if output.vision is not None and self.encoder is not None:
             v = output.vision
-            self.encoder.observe(v.items_encoded, v.cache_hits, v.seconds)
+            self.encoder.observe(v.items_encoded, v.cache_hits, v.seconds, v.published_hits, v.queries)
         return output.result
 
     def _run(self, request: worker_pb2.StepRequest) -> tuple[StepOutput, Future | None]:
@@ -289,7 +291,8 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
     """Load the model, start gRPC, register; run until SIGTERM/SIGINT (or `stop` is set)."""
     compute = ComputeThread("step")
     media = RedisMediaSource.from_url(config.redis_url, config.key_prefix)
-    runner = compute.setup(ModelRunner, config.runner, worker_id=config.worker_id, media=media)
+    runner = compute.setup(ModelRunner, config.runner, worker_id=config.worker_id, media=media,
+                           published=functools.partial(PublishedEmbeddings.for_encoder, media.client, media.keys))
     info = runner.describe()
     client = redis.Redis.from_url(config.redis_url)
     server = grpc.server(

@@ -14,7 +14,9 @@ Content hash (`content_hash`): sha256 hex of an encoded image's file bytes; of
 same bytes but another shape apart). Equal content, equal hash, on every gateway.
 
 Workers read the value of `RedisKeys.media(hash)` with `proto.messages.media_item_decoder`
-(worker_svc/media_source.py, one MGET for a step's items).
+(worker_svc/media_source.py, one MGET for a step's items). A new item is announced to the
+encoder service (gateway/media/encode_jobs.py: when one is live), which encodes it ahead of
+the question.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.errors import OpenAIError
+from gateway.media.encode_jobs import EncodeJobs
 from proto.keys import RedisKeys
 from proto.messages import MediaItem, media_item_decoder
 
@@ -64,6 +67,7 @@ class MediaStore:
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._encoder = msgspec.msgpack.Encoder()
         self.stats = StoreStats()
+        self.encode_jobs = EncodeJobs(client, keys)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -88,6 +92,7 @@ class MediaStore:
             if await self._client.set(key, value, nx=True, px=ttl_ms):
                 self.stats.items_written += 1
                 self.stats.bytes_written += len(value)
+                await self.encode_jobs.announce([digest])
             else:  # there with a longer TTL, or another gateway stored it between the two commands
                 await self._client.pexpire(key, ttl_ms, gt=True)
                 self.stats.items_reused += 1

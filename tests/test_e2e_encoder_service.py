@@ -1,0 +1,61 @@
+"""The encoder service through the whole stack (official openai client → gateway → Redis →
+encoder service; scheduler → gRPC → worker) on the tiny `gemma3-vision` checkpoint, fp32:
+frames uploaded with the Files API (and one sent inline) are encoded by the encoder, once
+each, before the question; the worker encodes nothing, finds every embedding ready, and
+answers with transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import io
+
+import openai
+import pytest
+from PIL import Image
+
+from proto.metrics_scrape import metric, scrape
+from tests.media_helpers import data_url, file_bytes, picture
+from tests.stack_helpers import running_stack
+from tests.test_e2e_images import hf_greedy
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = "What moved between these frames? Answer in a few words."
+
+
+@pytest.fixture(scope="module")
+def vision(vision_dir, processor, hf_vlm, redis_url, tmp_path_factory):
+    with running_stack(vision_dir, redis_url, tmp_path_factory.mktemp("run-encoder"), encoders=1) as stack:
+        yield stack, hf_vlm, processor
+
+
+def counters(stack) -> dict[str, float]:
+    worker, encoder = scrape(stack.metrics_urls["worker-0"]), scrape(stack.metrics_urls["encoder-0"])
+    return {"worker_encoded": metric(worker, "pagedserve:mm_items_encoded_total"),
+            "queries": metric(worker, "pagedserve:mm_cache_queries_total"),
+            "ready": metric(worker, "pagedserve:mm_cache_hits_total"),
+            "encoder_encoded": metric(encoder, "pagedserve:mm_items_encoded_total")}
+
+
+def test_uploaded_and_inline_frames_are_encoded_once_by_the_encoder(vision):
+    stack, hf, processor = vision
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300)
+    frames = [file_bytes(picture(seed, 96, 64), "JPEG") for seed in (31, 32, 33)]
+    uploaded = [client.files.create(file=(f"f{i}.jpg", f, "image/jpeg"), purpose="vision").id
+                for i, f in enumerate(frames[:2])]
+    content = [*({"type": "file", "file": {"file_id": fid}} for fid in uploaded),
+               {"type": "image_url", "image_url": {"url": data_url(frames[2], "image/jpeg")}},
+               {"type": "text", "text": QUESTION}]
+    answer = client.chat.completions.create(model=stack.served_model_name, max_tokens=10, temperature=0,
+                                            messages=[{"role": "user", "content": content}],
+                                            extra_body={"return_token_ids": True})
+    hf_messages = [{"role": "user", "content": [{"type": "image"}] * 3 + [{"type": "text", "text": QUESTION}]}]
+    images = [Image.open(io.BytesIO(f)) for f in frames]
+    assert answer.choices[0].token_ids == hf_greedy(hf, processor, hf_messages, images, 10)
+    seen = counters(stack)
+    assert seen == {"worker_encoded": 0, "queries": 3, "ready": 3, "encoder_encoded": 3}
+
+    again = client.chat.completions.create(model=stack.served_model_name, max_tokens=10, temperature=0,
+                                           messages=[{"role": "user", "content": content}],
+                                           extra_body={"return_token_ids": True})
+    assert again.choices[0].token_ids == answer.choices[0].token_ids
+    assert counters(stack)["encoder_encoded"] == 3 and counters(stack)["worker_encoded"] == 0

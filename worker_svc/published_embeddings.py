@@ -1,0 +1,170 @@
+"""Image embeddings shared through Redis: the encoder service (encoder_svc/) publishes what it
+encodes, every worker reads them before encoding anything itself.
+
+    fingerprint = vision_fingerprint(encoder)     which tower, which weights, which dtype
+    published = PublishedEmbeddings(client, keys, fingerprint, device)
+    published.fetch(hashes)              -> {hash: embeddings on `device`} for those published
+    published.publish(embeds, ttl_s)     -> SET each under RedisKeys.embeddings(fp, hash) with
+                                            a TTL, and give up the encoding claims of them
+    published.claim(hash, owner, ttl_s)  -> True when `owner` is now the one encoding it
+
+Keyed by the fingerprint, a worker only takes embeddings its own encoder would have
+computed: the same vision config, the same weights (the patch embedding's and the
+projector's values are hashed) and the same dtype; another checkpoint's or dtype's are
+another key. A value that does not decode, or whose dtype or shape is not the encoder's,
+is treated as missing (encoded again), never used.
+
+A claim (`RedisKeys.encoding(hash)`) says "queued for an encoder" (value QUEUED, set by the
+gateway that announced the medium: gateway/media/encode_jobs.py) or "being encoded now"
+(the encoder's id, taken over from QUEUED or from nothing by a Lua script, with the
+encoder's --claim-ttl-s): the scheduler routes a request needing that medium once the claim
+is gone (published, given up, or its TTL ran out because the encoder died), so it is not
+encoded twice (scheduler_svc/encoding_wait.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+
+import msgspec
+import redis
+import torch
+
+from proto.encoder_messages import QUEUED, EmbeddingsRecord, embeddings_decoder
+from proto.keys import RedisKeys
+from worker_svc.media_encoder import MediaEncoder
+from worker_svc.model.gemma3_vision import Gemma3VisionEncoder
+
+log = logging.getLogger(__name__)
+_record_encoder = msgspec.msgpack.Encoder()
+# KEYS[1] the claim; ARGV: owner, TTL in ms, QUEUED
+_CLAIM = """
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[3] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+# KEYS: claims; ARGV[1] QUEUED
+_RELEASE_QUEUED = """
+for _, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then redis.call('DEL', key) end
+end
+return 0
+"""
+
+
+def vision_fingerprint(encoder: Gemma3VisionEncoder) -> str:
+    """16 hex digits naming what `encoder` computes: its config, dtype and the values of
+    its first and last weights (two checkpoints of one config differ there)."""
+    digest = hashlib.sha256()
+    digest.update(repr(encoder.cfg).encode())
+    digest.update(str(encoder.dtype).encode())
+    params = list(encoder.parameters())
+    for p in (params[0], params[-1], encoder.multi_modal_projector.mm_input_projection_weight):
+        digest.update(tensor_bytes(p.detach()))
+    return digest.hexdigest()[:16]
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's values as bytes, row-major (any dtype, bf16 included)."""
+    flat = t.detach().contiguous().reshape(-1).cpu()
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def to_record(embeds: torch.Tensor) -> bytes:
+    return _record_encoder.encode(EmbeddingsRecord(str(embeds.dtype).removeprefix("torch."),
+                                                   tuple(embeds.shape), tensor_bytes(embeds)))
+
+
+def from_record(value: bytes, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The embeddings a record holds; ValueError when it is not a [shape] tensor of `dtype`."""
+    record = embeddings_decoder.decode(value)
+    name = str(dtype).removeprefix("torch.")
+    if record.dtype != name or tuple(record.shape) != shape:
+        raise ValueError(f"a {record.dtype} {list(record.shape)} record, not {name} {list(shape)}")
+    flat = torch.frombuffer(bytearray(record.data), dtype=torch.uint8)
+    if flat.numel() != dtype.itemsize * torch.Size(shape).numel():
+        raise ValueError(f"{flat.numel()} bytes for a {name} {list(shape)} tensor")
+    return flat.view(dtype).reshape(shape).to(device)
+
+
+class PublishedEmbeddings:
+    """The published embeddings of one fingerprint, read and written with redis-py's
+    synchronous client (the compute thread, the encoder's loop)."""
+
+    def __init__(self, client: redis.Redis, keys: RedisKeys, fingerprint: str,
+                 dtype: torch.dtype, shape: tuple[int, ...], device: torch.device):
+        self._client = client
+        self._keys = keys
+        self.fingerprint = fingerprint
+        self._dtype, self._shape, self._device = dtype, shape, device
+        self._claim = client.register_script(_CLAIM)
+        self._release_queued = client.register_script(_RELEASE_QUEUED)
+
+    @classmethod
+    def for_encoder(cls, client: redis.Redis, keys: RedisKeys, encoder: MediaEncoder) -> PublishedEmbeddings:
+        """The embeddings `encoder` would compute: its fingerprint, dtype, shape and device."""
+        return cls(client, keys, vision_fingerprint(encoder.encoder), encoder.encoder.dtype,
+                   encoder.embeddings_shape, encoder.device)
+
+    def fetch(self, hashes: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The embeddings of those `hashes` that are published (one MGET); Redis unreachable
+        or a bad value: those are missing (the caller encodes them)."""
+        if not hashes:
+            return {}
+        try:
+            values = self._client.mget([self._keys.embeddings(self.fingerprint, h) for h in hashes])
+        except (redis.RedisError, OSError) as exc:
+            log.warning("published embeddings unreachable (%s): encoding %d item(s) here", exc, len(hashes))
+            return {}
+        found = {}
+        for digest, value in zip(hashes, values):
+            if value is None:
+                continue
+            try:
+                found[digest] = from_record(value, self._dtype, self._shape, self._device)
+            except (msgspec.DecodeError, ValueError) as exc:
+                log.warning("published embeddings of %s unusable (%s): encoding it here", digest, exc)
+        return found
+
+    def exists(self, hashes: Sequence[str]) -> set[str]:
+        """Those of `hashes` whose embeddings are published now."""
+        if not hashes:
+            return set()
+        pipe = self._client.pipeline(transaction=False)
+        for h in hashes:
+            pipe.exists(self._keys.embeddings(self.fingerprint, h))
+        return {h for h, n in zip(hashes, pipe.execute()) if n}
+
+    def claim(self, content_hash: str, owner: str, ttl_s: float) -> bool:
+        """Whether `owner` now holds the encoding claim of `content_hash`: it was free, or
+        only marked QUEUED by the gateway that announced it (then `owner`'s, for `ttl_s`)."""
+        return bool(self._claim(keys=[self._keys.encoding(content_hash)],
+                                args=[owner, max(1, int(ttl_s * 1000)), QUEUED]))
+
+    def release(self, hashes: Sequence[str], only_queued: bool = False) -> None:
+        """Give up the claims of `hashes` (their encoding failed); `only_queued`: only the
+        gateway's QUEUED marks (of media found published already: nobody will encode them)."""
+        if not hashes:
+            return
+        keys = [self._keys.encoding(h) for h in hashes]
+        if only_queued:
+            self._release_queued(keys=keys, args=[QUEUED])
+        else:
+            self._client.delete(*keys)
+
+    def publish(self, embeds: Mapping[str, torch.Tensor], ttl_s: float) -> int:
+        """Store each (hash → embeddings) with a TTL and give up its claim, in one pipeline;
+        the bytes written."""
+        pipe = self._client.pipeline(transaction=False)
+        written = 0
+        ttl_ms = max(1, int(ttl_s * 1000))
+        for digest, tensor in embeds.items():
+            value = to_record(tensor)
+            written += len(value)
+            pipe.set(self._keys.embeddings(self.fingerprint, digest), value, px=ttl_ms)
+            pipe.delete(self._keys.encoding(digest))
+        pipe.execute()
+        return written
