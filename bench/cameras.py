@@ -2,10 +2,10 @@
 question about its last N frames -- a robot's perception loop -- against a vision model.
 
     pagedserve make-model models/gemma3-vision-small --arch gemma3-vision --preset small
-    pagedserve up --model models/gemma3-vision-small --port 8000     # prints every metrics URL
+    pagedserve up --model models/gemma3-vision-small --port 8000 [--encoders 1]   # prints every metrics URL
     python bench/cameras.py --base-url http://127.0.0.1:8000/v1 --model gemma3-vision-small \
-        --cameras 4 --fps 2 --ask-every 1 --frames 8 --duration 60 \
-        --metrics-url http://127.0.0.1:8000/metrics http://127.0.0.1:PORT/metrics --json cams.json
+        --cameras 4 --fps 2 --ask-every 1 --frames 8 --duration 60 [--upload] \
+        --metrics-url http://127.0.0.1:8000/metrics http://127.0.0.1:PORT/metrics ... --json cams.json
 
 Frames: synthetic --width x --height JPEGs (bench/workloads.py's camera_frame as each
 camera's scene, a box and a disc moving across it, the camera, frame number and seed written
@@ -13,13 +13,23 @@ in), every frame distinct, all made and base64-encoded before the clock starts. 
 camera is captured at (i - N + 1) / F seconds, so the first question already has N frames.
 Camera k asks at k·T/K + j·T (the cameras staggered) for j = 0, 1, ... while that is under
 --duration: one chat completion, streamed, greedy, ignore_eos, --max-tokens out: a text part
-(camera, question number), the last N frames as `image_url` parts, the camera's question.
+(camera, question number), the last N frames, the camera's question. Four modes, one at a time:
 
-  uuid mode (default)  each frame carries the uuid `s<seed>-cam<k>-<i>`: a frame not sent yet
-                       goes with its data, a frame already sent by its uuid alone
-                       (`"image_url": null`; README: "A camera stream"). A frame counts as
-                       sent once a question holding it has been answered.
+  uuid mode (default)  the frames as `image_url` parts, each with the uuid `s<seed>-cam<k>-<i>`:
+                       a frame not sent yet goes with its data, a frame already sent by its
+                       uuid alone (`"image_url": null`; README: "A camera stream"). A frame
+                       counts as sent once a question holding it has been answered.
   --no-uuid            every frame's data in every question (what other servers need)
+  --upload             each camera uploads each frame (`POST /v1/files`, purpose "vision") at
+                       its capture time, one upload after another (bench/camera_uploads.py;
+                       the frames captured before the start are uploaded before the clock
+                       starts), and its questions name the frames by `file_id` (chat `file`
+                       parts): a question never carries pixels. A question waits until the
+                       uploads of its frames have returned (one late to return delays it; a
+                       frame whose upload failed is left out of it). Every file is deleted at
+                       the end (best effort). The pattern the encoder service is for
+                       (`pagedserve up --encoders 1`): it encodes each upload as it is stored,
+                       before a question names it.
   --text-only          no frames: a text of the same prompt length in tokens (calibrated on
                        the gateway's /tokenize against the warm-up's image prompts), so TTFT
                        can be compared with and without images
@@ -29,18 +39,27 @@ time to ask comes while its previous question is still being answered, that ques
 sent (a robot acts on fresh frames; a queue would only grow) and counts as skipped. The
 next one goes at its own time, about the frames of then. The run ends when the last question
 sent has its answer. Before the clock starts, one warm-up question per camera (frames of its
-own, data, no uuid) gives each camera's image prompt length; its work is before the metrics'
-first scrape.
+own, data, no uuid; --upload: uploaded once and named by file_id) gives each camera's image
+prompt length; its work is before the metrics' first scrape.
 
 Measured per question: TTFT (the first token, return_token_ids) and the answer's latency,
-from the moment it is sent; the send's lag behind its schedule; frames sent with data and by
-uuid, bytes of frame data uploaded. From --metrics-url (the gateway's /metrics, and each
-vision worker's --metrics-port: the encoder's counters are only there), scraped before and
-after: frames the gateway received (decoded), stored, found stored (reused), named by uuid;
-frames the worker encoded, encoder-cache hits, the encoder's busy seconds. The check: every
-distinct frame sent encoded exactly once (encoded == distinct frames), which holds in both
-modes (the store and the encoder cache go by the bytes' hash), if no run before this one
-against the same server sent the same frames: the default seed is new every run.
+from the moment it is sent; the send's lag behind its schedule; frames sent with data, by
+uuid or by file_id, bytes of frame data in the questions; --upload: each upload's latency
+(sent to answered) and lag behind its frame's capture, failures, and how long each question
+waited for its frames' uploads. From --metrics-url (bench/camera_metrics.py: the gateway's
+/metrics, each vision worker's and each encoder service's, as `pagedserve up` prints them),
+scraped before and after (after: once no encoder has a job left): frames the gateway
+received (decoded), stored, found stored (reused), named by uuid (uploads are not among
+them); frames encoded by the workers and by the encoder services (`mm_items_encoded_total`
+by its `worker` / `encoder` label), the frames the workers' steps needed and those found
+ready (in their encoder cache, or published by an encoder service), their own encoder-cache
+hits, and the busy seconds of each kind of encoding (`encoder_seconds_sum`); each encoder
+service's embeddings published, found published, failed, and its jobs left. The check
+(bench/camera_report.py): every distinct frame encoded exactly once, by the workers and the
+encoders together (encoded == distinct frames; --upload with an encoder's /metrics: every
+frame uploaded, asked about or not), which holds in every mode (the store and the encoder
+cache go by the bytes' hash), if no run before this one against the same server sent the
+same frames: the default seed is new every run.
 """
 
 from __future__ import annotations
@@ -54,7 +73,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 import httpx
 import uvloop
@@ -63,16 +82,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repository before bench/: bench/kernels.py must not shadow kernels/
 sys.path.append(str(HERE))
 
-from proto.metrics_scrape import Samples, metric, scrape  # noqa: E402
-from serve import RequestResult, one, percentiles  # noqa: E402  (bench/serve.py)
+from camera_metrics import scrape_all, server_counters, settle  # noqa: E402,F401  (bench/camera_metrics.py)
+from camera_report import pctl, report, summarize  # noqa: E402,F401
+from camera_uploads import CameraUploads, file_parts, upload_file  # noqa: E402
+from serve import RequestResult, one  # noqa: E402  (bench/serve.py)
 from workloads import QUESTIONS, camera_frame  # noqa: E402
 
-COUNTERS = {  # what the summary calls it → the metric, summed over every --metrics-url
-    "received": "pagedserve:mm_images_received_total",  # gateway: fetched, decoded, checked
-    "stored": "pagedserve:mm_items_stored_total", "reused": "pagedserve:mm_items_reused_total",
-    "stored_bytes": "pagedserve:mm_stored_bytes_total", "by_uuid": "pagedserve:mm_media_by_uuid_total",
-    "encoded": "pagedserve:mm_items_encoded_total", "cache_hits": "pagedserve:encoder_cache_hits_total",  # worker
-    "encoder_s": "pagedserve:encoder_seconds_sum", "encoder_steps": "pagedserve:encoder_seconds_count"}
 FILLER = ("red", "box", "left", "of", "the", "blue", "disc", "near", "wall", "floor", "moved", "still")
 WARMUP_SEED_OFFSET = 7_777_777  # the warm-up's frames are none of the run's
 
@@ -86,6 +101,9 @@ class Question:
     newest_frame: int = 0
     with_data: int = 0
     by_uuid: int = 0
+    by_file: int = 0  # --upload: frames named by file_id
+    missing: int = 0  # --upload: frames left out, their upload failed
+    upload_wait_s: float = 0.0  # --upload: waited this long for its frames' uploads
     upload_bytes: int = 0  # base64 frame data in the request
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -158,6 +176,15 @@ def image_messages(args, frames: list[str], camera: int, index: int, window: ran
     return [{"role": "user", "content": parts}]
 
 
+def file_messages(args, camera: int, index: int, window: range, file_ids: list[str | None],
+                  q: Question) -> list[dict]:
+    """The question naming frames `window` by the ids of their uploads (None: failed, left out)."""
+    files = file_parts(file_ids)
+    q.by_file, q.missing = len(files), len(file_ids) - len(files)
+    return [{"role": "user", "content": [{"type": "text", "text": header(args.seed, camera, index, window.start)},
+                                         *files, {"type": "text", "text": question(camera)}]}]
+
+
 def text_message(seed: int, camera: int, index: int, first: int, words: int) -> list[dict]:
     filler = " ".join(FILLER[i % len(FILLER)] for i in range(words))
     return [{"role": "user", "content": f"{header(seed, camera, index, first)} {filler} {question(camera)}"}]
@@ -190,32 +217,29 @@ async def filler_words(client: httpx.AsyncClient, args, camera: int, target: int
     return best
 
 
-async def warm_up(client: httpx.AsyncClient, args) -> list[int]:
-    """One question per camera with frames of its own (data, no uuid), all at once: the
-    image prompt length of each camera's questions."""
+async def warm_up(client: httpx.AsyncClient, args) -> tuple[list[int], list[str]]:
+    """One question per camera with frames of its own (data, no uuid; --upload: uploaded
+    once, named by file_id), all at once: the image prompt length of each camera's
+    questions, and the warm-up's files."""
     frames = draw_frames(args.seed + WARMUP_SEED_OFFSET, 0, args.frames, args.width, args.height, args.quality)
+    ids: list[str] = []
+    if args.upload:
+        try:
+            ids = list(await asyncio.gather(*(upload_file(client, args, f"warm-up-{i}.jpg", base64.b64decode(f))
+                                              for i, f in enumerate(frames))))
+        except Exception as exc:
+            raise SystemExit(f"the warm-up's upload failed: {exc}") from None
 
     async def ask(k: int) -> RequestResult:
-        messages = image_messages(args, frames, k, 0, range(args.frames), None, Question(k, 0, 0.0))
+        q, window = Question(k, 0, 0.0), range(args.frames)
+        messages = file_messages(args, k, 0, window, ids, q) if args.upload else \
+            image_messages(args, frames, k, 0, window, None, q)
         return await one(client, args, messages, 0, args.max_tokens)
 
     results = await asyncio.gather(*(ask(k) for k in range(args.cameras)))
     if failed := [r.error for r in results if r.error]:
         raise SystemExit(f"the warm-up failed: {failed[0]}")
-    return [r.prompt_tokens for r in results]
-
-
-def scrape_all(urls: list[str]) -> list[Samples]:
-    return [scrape(url) for url in urls]
-
-
-def server_counters(before: list[Samples], after: list[Samples]) -> dict[str, float | None]:
-    """Each counter's growth, summed over the URLs that export it; None where none does."""
-    out: dict[str, float | None] = {}
-    for key, name in COUNTERS.items():
-        pairs = [(b, a) for b, a in zip(before, after) if any(n == name for n, _ in a)]
-        out[key] = sum(metric(a, name) - metric(b, name) for b, a in pairs) if pairs else None
-    return out
+    return [r.prompt_tokens for r in results], ids
 
 
 async def run(args) -> dict:
@@ -227,25 +251,38 @@ async def run(args) -> dict:
                                         for k in range(args.cameras)]
     client = httpx.AsyncClient(base_url=args.base_url.rstrip("/") + "/", timeout=3600,
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
-    image_tokens = await warm_up(client, args)
+    image_tokens, warmup_files = await warm_up(client, args)
     words = [await filler_words(client, args, k, image_tokens[k]) for k in range(args.cameras)] \
         if args.text_only else []
+    uploads = None
+    if args.upload:  # each camera's frames up to the newest one a question of its can name
+        last = [max((newest_frame(args, at_s) for at_s, k2, _ in plan if k2 == k), default=-1)
+                for k in range(args.cameras)]
+        uploads = CameraUploads(client, args, [[base64.b64decode(f) for f in camera] for camera in frames], last)
     before = scrape_all(args.metrics_url)
+    if uploads is not None:
+        await uploads.preroll()
     sent: list[set[int]] = [set() for _ in range(args.cameras)]
     questions: list[Question] = []
     skipped: list[tuple[int, int]] = []
     in_flight: list[asyncio.Task | None] = [None] * args.cameras
     cpu0, start = time.process_time(), time.perf_counter()
+    if uploads is not None:
+        uploads.start(start)
 
     async def ask(q: Question) -> None:
         newest = newest_frame(args, q.at_s)
         window = range(max(0, newest - args.frames + 1), newest + 1)
+        q.newest_frame, q.lag_s = newest, time.perf_counter() - start - q.at_s
         if args.text_only:
             messages = text_message(args.seed, q.camera, q.index, window.start, words[q.camera][0])
+        elif uploads is not None:
+            file_ids = await uploads.ready(q.camera, window)
+            q.upload_wait_s = time.perf_counter() - start - q.at_s - q.lag_s
+            messages = file_messages(args, q.camera, q.index, window, file_ids, q)
         else:
             messages = image_messages(args, frames[q.camera], q.camera, q.index, window,
                                       None if args.no_uuid else sent[q.camera], q)
-        q.newest_frame, q.lag_s = newest, time.perf_counter() - start - q.at_s
         r = await one(client, args, messages, 0, args.max_tokens)
         q.prompt_tokens, q.output_tokens, q.ttft_s, q.latency_s, q.error = (
             r.prompt_tokens, r.output_tokens, r.ttft_s, r.latency_s, r.error)
@@ -262,85 +299,14 @@ async def run(args) -> dict:
         in_flight[k] = asyncio.create_task(ask(q))
     await asyncio.gather(*(t for t in in_flight if t is not None))
     wall_s, client_cpu_s = time.perf_counter() - start, time.process_time() - cpu0
+    if uploads is not None:
+        await uploads.finish()  # every frame a question was due to name (one skipped at the end too)
+    after = settle(args.metrics_url)  # the encoders done with every frame stored
+    if uploads is not None:
+        await uploads.delete_all(warmup_files)
     await client.aclose()
-    after = scrape_all(args.metrics_url)
     return summarize(args, plan, questions, skipped, sent, wall_s, client_cpu_s,
-                     server_counters(before, after), image_tokens, words)
-
-
-def summarize(args, plan, questions: list[Question], skipped, sent, wall_s: float, client_cpu_s: float,
-              server: dict, image_tokens: list[int], words: list[tuple[int, int]]) -> dict:
-    ok = [q for q in questions if q.error is None]
-    distinct = sum(len({i for q in questions if q.camera == k
-                        for i in range(max(0, q.newest_frame - args.frames + 1), q.newest_frame + 1)})
-                   for k in range(args.cameras)) if not args.text_only else 0
-    mode = "text-only" if args.text_only else ("no-uuid" if args.no_uuid else "uuid")
-    encoded = server.get("encoded")
-    return {
-        "mode": mode, "seed": args.seed, "base_url": args.base_url, "model": args.model,
-        "cameras": args.cameras, "fps": args.fps, "ask_every_s": args.ask_every, "frames_per_question": args.frames,
-        "duration_s": args.duration, "frame_size": [args.width, args.height], "max_tokens": args.max_tokens,
-        "wall_s": wall_s, "client_cpu_s": client_cpu_s,
-        "questions_scheduled": len(plan), "questions_sent": len(questions), "questions_skipped": len(skipped),
-        "questions_failed": len(questions) - len(ok), "questions_answered_per_s": len(ok) / wall_s,
-        "errors": sorted({q.error for q in questions if q.error})[:5],
-        "skipped_per_camera": [sum(1 for k, _ in skipped if k == c) for c in range(args.cameras)],
-        "ttft_s": pctl([q.ttft_s for q in ok]), "latency_s": pctl([q.latency_s for q in ok]),
-        "send_lag_s": pctl([q.lag_s for q in questions]),
-        "prompt_tokens_mean": sum(q.prompt_tokens for q in ok) / len(ok) if ok else None,
-        "warmup_image_prompt_tokens": image_tokens,
-        "text_filler": [{"words": w, "tokens": n} for w, n in words],
-        "output_tokens": sum(q.output_tokens for q in ok),
-        "frames_distinct": distinct, "frames_with_data": sum(q.with_data for q in questions),
-        "frames_by_uuid": sum(q.by_uuid for q in questions),
-        "upload_mb": sum(q.upload_bytes for q in questions) / 1e6,
-        "frame_kb_mean": (sum(q.upload_bytes for q in questions) / max(1, sum(q.with_data for q in questions))
-                          * 3 / 4 / 1e3),  # base64 → JPEG bytes
-        "server": server,
-        "encoder_busy_share": server["encoder_s"] / wall_s if server.get("encoder_s") is not None else None,
-        "encoded_once": (encoded == distinct) if encoded is not None and not args.text_only else None,
-        "args": vars(args) | {"api_key": None},
-        "questions": [asdict(q) for q in questions],
-    }
-
-
-def pctl(values: list[float]) -> dict[str, float]:
-    """bench/serve.py's percentiles, and the max (a robot's deadline is about the worst)."""
-    return {**percentiles(values), "max": max(values)} if values else {}
-
-
-def report(r: dict) -> str:
-    s = r["server"]
-
-    def ms(d: dict) -> str:
-        return "  ".join(f"{k} {v * 1000:7.0f} ms" for k, v in d.items()) if d else "-"
-
-    def n(v) -> str:
-        return "-" if v is None else f"{v:.0f}"
-
-    rows = [
-        ("run", f"{r['mode']}: {r['cameras']} cameras x {r['fps']:g} fps, a question every {r['ask_every_s']:g} s "
-                f"about the last {r['frames_per_question']} frames ({r['frame_size'][0]}x{r['frame_size'][1]}), "
-                f"{r['duration_s']:g} s, {r['max_tokens']} tokens out, seed {r['seed']}"),
-        ("questions", f"{r['questions_scheduled']} due, {r['questions_sent']} sent, {r['questions_skipped']} "
-                      f"skipped (late), {r['questions_failed']} failed; {r['questions_answered_per_s']:.2f} "
-                      f"answered/s over {r['wall_s']:.1f} s"),
-        ("TTFT", ms(r["ttft_s"])), ("latency", ms(r["latency_s"])), ("send lag", ms(r["send_lag_s"])),
-        ("prompt", f"{n(r['prompt_tokens_mean'])} tokens a question (mean)"),
-        ("frames sent", "none (text only)" if r["mode"] == "text-only" else
-         f"{r['frames_distinct']} distinct, {r['frames_with_data']} with data ({r['upload_mb']:.1f} MB base64, "
-         f"{r['frame_kb_mean']:.1f} KB a JPEG), {r['frames_by_uuid']} by uuid"),
-        ("gateway", f"{n(s['received'])} received (decoded), {n(s['stored'])} stored, {n(s['reused'])} reused, "
-                    f"{n(s['by_uuid'])} by uuid"),
-        ("worker", f"{n(s['encoded'])} encoded, {n(s['cache_hits'])} encoder-cache hits, encoder busy "
-                   + ("-" if s["encoder_s"] is None else f"{s['encoder_s']:.2f} s ({r['encoder_busy_share']:.0%}"
-                      f" of the run) in {n(s['encoder_steps'])} steps")),
-        ("check", "-" if r["encoded_once"] is None else
-         f"every distinct frame encoded once: {'yes' if r['encoded_once'] else 'NO'} "
-         f"({n(s['encoded'])} encoded, {r['frames_distinct']} distinct)"),
-        ("client", f"{r['client_cpu_s']:.2f} CPU-s over the run"),
-    ]
-    return "\n".join(f"{name:12s} {value}" for name, value in rows) + "".join(f"\nerror: {e}" for e in r["errors"])
+                     server_counters(before, after), image_tokens, words, uploads)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -360,10 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--no-uuid", action="store_true", help="every frame's data in every question")
     mode.add_argument("--text-only", action="store_true", help="a text of the same token length, no frames")
+    mode.add_argument("--upload", action="store_true",
+                      help="each frame uploaded (POST /v1/files) at its capture time, named by file_id")
     p.add_argument("--seed", type=int, help="the frames' (default: new every run, so no cache knows them)")
     p.add_argument("--metrics-url", nargs="+",
                    help="/metrics pages to read before and after (default: the gateway's); add each vision "
-                        "worker's (`pagedserve up` prints them) for the encoder's counters")
+                        "worker's and each encoder service's (`pagedserve up` prints them) for the encoding "
+                        "counters")
     p.add_argument("--json", help="write every number (and every question) here")
     return p
 
@@ -376,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    return 1 if result["questions_failed"] else 0
+    return 1 if result["questions_failed"] or result.get("uploads_failed") else 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
     pagedserve encoder     --model DIR ...                            vision: encode media ahead of questions
     pagedserve make-model  DIR --preset tiny|small|1b
     pagedserve compose-gpu --gpus N|0,1,...                           compose override: a GPU per worker
-    pagedserve bench       --base-url URL ...                        the serving benchmark
+    pagedserve bench       [cameras] --base-url URL ...              the serving benchmark (or bench/cameras.py)
 
 Every flag `--some-flag` also reads `PAGEDSERVE_SOME_FLAG` from the environment (the flag wins).
 """
@@ -46,7 +46,8 @@ COMMANDS: dict[str, Command] = {
     "engine": Command("gateway + scheduler core + model in ONE process (no Redis, no gRPC): "
                       "the yardstick for what the service split costs",
                       flags.add_engine_flags, commands.run_engine),
-    "bench": Command("the serving benchmark (bench/serve.py) against any OpenAI URL",
+    "bench": Command("the serving benchmark (bench/serve.py) against any OpenAI URL; "
+                     "`bench cameras ...`: the camera-stream benchmark (bench/cameras.py)",
                      flags.add_bench_flags, commands.run_bench),
     "make-model": Command("write a random-weight HF checkpoint with a local tokenizer",
                           flags.add_make_model_flags, commands.run_make_model),

@@ -259,7 +259,7 @@ class Stack:
 
     def stop(self) -> None:
         order = ["gateway", *sorted(n for n in self.procs if n.startswith("scheduler")),
-                 *sorted(n for n in self.procs if n.startswith("worker")), "redis"]
+                 *sorted(n for n in self.procs if n.startswith(("worker", "encoder"))), "redis"]
         for name in order:
             self.stop_process(name)
 

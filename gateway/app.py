@@ -79,10 +79,12 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
         try:
             if file_settings is not None and isinstance(backend, RedisBackend):
                 keys = RedisKeys(config.key_prefix)
-                app.state.files = FileStore(backend.redis, keys, file_settings)
                 if image_tokens is not None:
                     loader = MediaLoader.from_config(
                         config, backend.redis, files=FileReferences(backend.redis, keys, config.media_ttl_s))
+                # one media store: uploads count in its stats (/metrics) as inline media do
+                app.state.files = FileStore(backend.redis, keys, file_settings,
+                                            media=loader.store if loader is not None else None)
             media = MediaPrompts(config.model_name, tokenizer, image_tokens, loader)
             app.state.preflight = Preflight(config, backend, tokenizer, sampling_defaults, media)
             metrics.media.loader = loader

@@ -1,6 +1,7 @@
 """bench/cameras.py, the camera-stream benchmark: its schedule and frames, and short runs
 against the real stack on the tiny gemma3-vision checkpoint in each mode (uuid, --no-uuid,
---text-only), whose counts the gateway's and the worker's /metrics must agree with."""
+--text-only, --upload), whose counts the gateway's, the worker's and the encoder service's
+/metrics must agree with."""
 
 from __future__ import annotations
 
@@ -43,6 +44,44 @@ def test_server_counters_add_up_every_page_that_exports_them(cameras):
     after = [parse_samples(page(7, 9)), parse_samples(page(4))]
     counters = cameras.server_counters(before, after)
     assert counters["encoded"] == 8 and counters["stored"] == 4 and counters["encoder_s"] is None
+    assert counters["encoded_by_workers"] == 8 and counters["encoded_by_encoders"] is None
+
+
+def test_server_counters_split_the_encoding_by_workers_and_encoder_services(cameras):
+    def worker(encoded: int, seconds: float) -> str:
+        return (f'pagedserve:mm_items_encoded_total{{worker="worker-0"}} {encoded}\n'
+                f'pagedserve:mm_cache_queries_total{{worker="worker-0"}} {encoded + 10}\n'
+                f'pagedserve:mm_cache_hits_total{{worker="worker-0"}} 10\n'
+                '# TYPE pagedserve:encoder_seconds histogram\n'
+                f'pagedserve:encoder_seconds_count{{worker="worker-0"}} 1\n'
+                f'pagedserve:encoder_seconds_sum{{worker="worker-0"}} {seconds}\n')
+
+    def encoder(encoded: int, seconds: float, depth: int) -> str:
+        return (f'pagedserve:mm_items_encoded_total{{encoder="encoder-0"}} {encoded}\n'
+                f'pagedserve:mm_embeddings_published_total{{encoder="encoder-0"}} {encoded}\n'
+                '# TYPE pagedserve:encoder_seconds histogram\n'
+                f'pagedserve:encoder_seconds_count{{encoder="encoder-0"}} {encoded}\n'
+                f'pagedserve:encoder_seconds_sum{{encoder="encoder-0"}} {seconds}\n'
+                f'pagedserve:encoder_queue_depth{{encoder="encoder-0"}} {depth}\n')
+
+    before = [parse_samples(worker(1, 0.5)), parse_samples(encoder(2, 1.0, 3))]
+    after = [parse_samples(worker(3, 1.5)), parse_samples(encoder(9, 4.5, 1))]
+    c = cameras.server_counters(before, after)
+    assert (c["encoded"], c["encoded_by_workers"], c["encoded_by_encoders"]) == (9, 2, 7)
+    assert (c["encoder_s"], c["encoders_s"], c["encoders_batches"], c["published"]) == (1.0, 3.5, 7, 7)
+    assert (c["mm_queries"], c["mm_ready"], c["encoder_queue_depth"]) == (2, 0, 1)
+
+
+def test_upload_mode_names_frames_by_file_id_and_excludes_the_other_modes(cameras):
+    args = cameras.build_parser().parse_args(["--seed", "5", "--upload"])
+    q = cameras.Question(0, 2, 0.0)
+    (message,) = cameras.file_messages(args, 0, 2, range(3, 6), ["file-a", None, "file-c"], q)
+    files = message["content"][1:-1]
+    assert files == [{"type": "file", "file": {"file_id": "file-a"}}, {"type": "file", "file": {"file_id": "file-c"}}]
+    assert (q.by_file, q.missing, q.with_data, q.upload_bytes) == (2, 1, 0, 0)
+    for other in ("--no-uuid", "--text-only"):
+        with pytest.raises(SystemExit):
+            cameras.build_parser().parse_args(["--upload", other])
 
 
 def test_a_question_names_frames_sent_before_by_uuid(cameras):
@@ -64,12 +103,13 @@ def stack(vision_dir, redis_url, tmp_path_factory):
 
 def bench(stack, tmp_path, *mode: str) -> dict:
     out = tmp_path / f"cameras{''.join(mode)}.json"
-    urls = stack.metrics_urls
+    urls = stack.metrics_urls  # the gateway's, the worker's, and any encoder service's
+    pages = [url for name, url in urls.items() if name == "gateway" or name.startswith(("worker-", "encoder-"))]
     done = subprocess.run(
         [sys.executable, str(BENCH / "cameras.py"), "--base-url", stack.base_url, "--model", stack.served_model_name,
          "--cameras", "2", "--fps", "1", "--ask-every", "1", "--frames", "4", "--duration", "4",
-         "--width", "160", "--height", "120", "--max-tokens", "4", "--metrics-url", urls["gateway"],
-         urls["worker-0"], "--json", str(out), *mode],
+         "--width", "160", "--height", "120", "--max-tokens", "4", "--metrics-url", *pages,
+         "--json", str(out), *mode],
         capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "questions" in done.stdout and "TTFT" in done.stdout
@@ -102,3 +142,32 @@ def test_camera_streams_against_the_stack(stack, tmp_path):
     assert text["server"]["encoded"] == 0 and text["frames_with_data"] == 0 and text["encoded_once"] is None
     target = sum(text["warmup_image_prompt_tokens"]) / 2
     assert abs(text["prompt_tokens_mean"] - target) <= 2, (text["prompt_tokens_mean"], text["text_filler"])
+
+
+@pytest.mark.e2e
+def test_uploaded_camera_frames_are_encoded_by_the_encoder_service(stack, tmp_path):
+    # an encoder service joins the stack of the runs above: from now on what a gateway
+    # stores is encoded ahead of the questions (a stack of its own would cost its start)
+    encoder = stack.add_encoder(extra=("--threads", "1"))
+    try:
+        up = bench(stack, tmp_path, "--upload")  # each frame a POST /v1/files, questions name file ids
+    finally:
+        stack.stop_process(encoder)
+    assert up["questions_failed"] == 0 and up["uploads_failed"] == 0, up["errors"] + up["upload_errors"]
+    assert up["questions_sent"] + up["questions_skipped"] == up["questions_scheduled"] == 8
+    assert up["frames_with_data"] == up["frames_by_uuid"] == up["frames_missing"] == 0
+    assert up["frames_by_file"] == 4 * up["questions_sent"] and up["frames_distinct"] <= up["frames_uploaded"] == 14
+    assert up["files_deleted"] == up["frames_uploaded"] + 4  # and the warm-up's 4
+    server = up["server"]
+    # every frame uploaded encoded once, by the encoder service, none by the worker
+    assert server["encoded_by_workers"] == 0 and server["encoded_by_encoders"] == up["frames_uploaded"], server
+    assert server["encoded"] == up["frames_to_encode"] == up["frames_uploaded"] and up["encoded_once"] is True
+    assert server["mm_ready"] == server["mm_queries"] > 0 and server["encoders_s"] > 0
+    assert server["encode_failed"] == 0 and server["encoder_queue_depth"] == 0
+
+
+def test_pagedserve_bench_cameras_runs_the_camera_benchmark(capsys):
+    from compose.cli import main
+
+    assert main(["bench", "cameras", "--help"]) == 0
+    assert "--upload" in capsys.readouterr().out

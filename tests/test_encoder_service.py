@@ -138,12 +138,36 @@ def test_the_scheduler_waits_for_media_being_encoded(redis_url, keys, client):
             client.set(keys.encoding("z"), "enc-dead", px=60_000)
             began = time.monotonic()
             await short.until_done(["z"])  # bounded: never longer than max_wait_s
-            return pending, time.monotonic() - began < 1.0, time.monotonic() - start
+            bounded = time.monotonic() - began < 1.0
+            client.set(keys.encoding("q"), QUEUED, px=60_000)  # the encoders are behind
+            queued = EncodingWait(aclient, keys, max_wait_s=30.0, queued_wait_s=0.2)
+            began = time.monotonic()
+            await queued.until_done(["q"])  # only queued: waited for queued_wait_s, not max_wait_s
+            bounded = bounded and 0.2 <= time.monotonic() - began < 2.0
+            return pending, bounded, time.monotonic() - start
         finally:
             await aclient.aclose()
 
     pending, bounded, waited = asyncio.run(main())
     assert pending and bounded and waited >= 0.2
+
+
+def test_a_worker_takes_over_media_the_encoders_have_not_reached(vision_dir, redis_url, keys, client):
+    service = make_service(vision_dir, redis_url, keys)
+    service.jobs.create_group()
+    hashes = store(client, keys, jpeg(6), jpeg(7))
+    announce(client, keys, hashes)
+    client.set(keys.encoding(hashes[1]), "encoder-other", px=5000)  # one an encoder is on
+    published = service.published  # as the worker's own (same fingerprint)
+    assert published.take_queued(hashes, "worker", 30.0) == [hashes[0]]
+    assert client.get(keys.encoding(hashes[0])) == b"worker"
+    embeds, _ = service.encoder.encode([hashes[0]])
+    published.publish(embeds, 60.0)
+    client.delete(keys.encoding(hashes[1]))  # the other encoder died before it published
+    service.run_once()
+    assert service.items_found == 1 and service.recorder.items_encoded == 1  # only the other one
+    assert service.published.exists(hashes) == set(hashes)
+    service.client.close()
 
 
 # ---- the service ---------------------------------------------------------------------------

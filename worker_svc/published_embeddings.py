@@ -7,6 +7,8 @@ encodes, every worker reads them before encoding anything itself.
     published.publish(embeds, ttl_s)     -> SET each under RedisKeys.embeddings(fp, hash) with
                                             a TTL, and give up the encoding claims of them
     published.claim(hash, owner, ttl_s)  -> True when `owner` is now the one encoding it
+    published.take_queued(hashes, owner, ttl_s) -> those only queued for an encoder, now
+                                            `owner`'s (a worker that cannot wait for them)
 
 Keyed by the fingerprint, a worker only takes embeddings its own encoder would have
 computed: the same vision config, the same weights (the patch embedding's and the
@@ -45,6 +47,19 @@ local held = redis.call('GET', KEYS[1])
 if held and held ~= ARGV[3] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
+"""
+# KEYS: claims; ARGV: owner, TTL in ms, QUEUED -> for each key 1 when taken over from QUEUED
+_TAKE_QUEUED = """
+local taken = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[3] then
+    redis.call('SET', key, ARGV[1], 'PX', ARGV[2])
+    taken[i] = 1
+  else
+    taken[i] = 0
+  end
+end
+return taken
 """
 # KEYS: claims; ARGV[1] QUEUED
 _RELEASE_QUEUED = """
@@ -102,6 +117,7 @@ class PublishedEmbeddings:
         self._dtype, self._shape, self._device = dtype, shape, device
         self._claim = client.register_script(_CLAIM)
         self._release_queued = client.register_script(_RELEASE_QUEUED)
+        self._take_queued = client.register_script(_TAKE_QUEUED)
 
     @classmethod
     def for_encoder(cls, client: redis.Redis, keys: RedisKeys, encoder: MediaEncoder) -> PublishedEmbeddings:
@@ -143,6 +159,19 @@ class PublishedEmbeddings:
         only marked QUEUED by the gateway that announced it (then `owner`'s, for `ttl_s`)."""
         return bool(self._claim(keys=[self._keys.encoding(content_hash)],
                                 args=[owner, max(1, int(ttl_s * 1000)), QUEUED]))
+
+    def take_queued(self, hashes: Sequence[str], owner: str, ttl_s: float) -> list[str]:
+        """Those of `hashes` only QUEUED for an encoder, now `owner`'s to encode (a worker
+        whose step needs them before an encoder came to them: it publishes them, and the
+        encoder finds them published); Redis unreachable: none."""
+        if not hashes:
+            return []
+        try:
+            flags = self._take_queued(keys=[self._keys.encoding(h) for h in hashes],
+                                      args=[owner, max(1, int(ttl_s * 1000)), QUEUED])
+        except (redis.RedisError, OSError):
+            return []
+        return [h for h, taken in zip(hashes, flags) if taken]
 
     def release(self, hashes: Sequence[str], only_queued: bool = False) -> None:
         """Give up the claims of `hashes` (their encoding failed); `only_queued`: only the

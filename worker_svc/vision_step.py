@@ -12,7 +12,10 @@ and their placement over the decoder's input embeddings (Gemma 3; docs/architect
         3. then those the encoder service published (worker_svc/published_embeddings.py,
            one MGET; kept in the cache too) are hits
         4. the others: fetched, decoded, preprocessed and encoded in ONE batch
-           (worker_svc/media_encoder.py); each result goes into the cache
+           (worker_svc/media_encoder.py); each result goes into the cache. Those still
+           only queued for an encoder (it is behind: the scheduler waited as long as it
+           would) are taken over first and published after, so the encoder skips them:
+           a medium is encoded once across the fleet either way
         -> StepImages: embeddings by hash, the requests that cannot run (an image missing
            or undecodable: they fail alone, with its reason), and the step's counts
     h = model.embed(batch.input_ids)
@@ -38,6 +41,10 @@ from worker_svc.model.gemma3_vision import Gemma3VisionConfig
 from worker_svc.model.image_placement import ImageSlice, image_slices, place_image_embeddings, splice_rows
 from worker_svc.published_embeddings import PublishedEmbeddings
 from worker_svc.request_state import RequestState
+
+
+TAKEN_TTL_S = 30.0  # a medium taken over from the encoders' queue: claimed for this long at most
+PUBLISHED_TTL_S = 300.0  # and published for this long (the encoder service's default)
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,12 @@ class ImageEmbedder:
         seconds = 0.0
         if missing:
             start = time.perf_counter()
+            # still queued for an encoder (it is behind): ours now, published for it to skip
+            taken = self.published.take_queued(missing, "worker", TAKEN_TTL_S) if self.published else []
             encoded, failures = self.encoder.encode(missing)
+            if taken:
+                self.published.publish({h: encoded[h] for h in taken if h in encoded}, PUBLISHED_TTL_S)
+                self.published.release([h for h in taken if h not in encoded])
             seconds = time.perf_counter() - start
             for digest, embeds in encoded.items():
                 self.cache.put(digest, embeds)

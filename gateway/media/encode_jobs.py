@@ -9,9 +9,12 @@ are ready before a question needs them.
 
 The QUEUED mark makes the scheduler route a question needing the medium once an encoder
 has published it (scheduler_svc/encoding_wait.py), rather than send it to a worker that
-would encode it a second time; it lasts `queued_ttl_s` (5 s) at most, so a question waits
-no longer than that for encoders that are behind (or died) before its worker encodes what
-it lacks. The encoder that takes the job turns the mark into its own claim.
+would encode it a second time. The scheduler waits for a medium only QUEUED for 1 s at
+most (the encoders are behind, or died); its worker then takes it over from the queue,
+encodes and publishes it, and the encoder skips it (worker_svc/vision_step.py). The mark
+lasts `queued_ttl_s` (60 s) at most -- longer than the encoders' queue should ever be, so
+a worker that takes a medium over still finds it queued. The encoder that takes the job
+turns the mark into its own claim.
 
 Whether an encoder is live is read from its registration (`RedisKeys.encoders` and each
 `RedisKeys.encoder(id)` with its TTL) at most once per `recheck_s`: a stack without
@@ -38,7 +41,7 @@ log = logging.getLogger(__name__)
 
 class EncodeJobs:
     def __init__(self, client: aioredis.Redis, keys: RedisKeys, recheck_s: float = 1.0, max_len: int = 100_000,
-                 queued_ttl_s: float = 5.0):
+                 queued_ttl_s: float = 60.0):
         self._client = client
         self._queued_ms = max(1, int(queued_ttl_s * 1000))
         self._keys = keys
