@@ -2,6 +2,7 @@
 
     python bench/chaos.py --model models/small --out docs/chaos.md
     python bench/chaos.py --model DIR --faults kill-worker,kill-scheduler --requests 6
+    python bench/chaos.py --model models/gemma3-vision-small --faults kill-encoder,kill-only-encoder --requests 0
 
 The stack is the launcher's (`pagedserve up`): its own redis-server (no persistence), two
 workers (`--drain-timeout 10`), two schedulers (one leads, one stands by), the gateway;
@@ -19,6 +20,14 @@ fault and is the reference; every later round injects its fault once tokens flow
   redis-outage      SIGSTOP redis-server for 4 s, then SIGCONT
   rolling-restart   SIGTERM every worker in turn, each restarted and serving again
                     before the next
+  kill-encoder      (vision) two encoders; SIGKILL one once it has encoded a batch of the
+                    round (the other takes its jobs after their --claim-ttl-s)
+  kill-only-encoder (vision) the same with one encoder: the workers encode what it left
+A killed encoder stays down (encoder faults are not in the default --faults). Image requests
+(8 a round with encoders): greedy chats, streamed and not, with --images-per-request JPEG
+frames inline; each round the same pictures, tagged with the round in a JPEG comment: new
+bytes (new to the stack, which keys media by their hash), the same pixels, so the same
+answers. Who encoded them: bench/encoder_fleet.py `who_encoded`.
 
 Per fault: requests sent; completed (whole, as expected); failed with a clear error (an
 HTTP error or an SSE error event, with a message); lost (completed short, or a stream that
@@ -31,6 +40,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import functools
 import signal
 import sys
 import tempfile
@@ -46,6 +57,9 @@ import openai
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent))
+import encoder_fleet as enc  # noqa: E402  (bench/encoder_fleet.py: the encoders of a stack)
+from workloads import camera_frame  # noqa: E402
 from compose.launcher import Stack, StackConfig, free_port  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -62,6 +76,7 @@ class Ask:
     seed: int | None
     n: int = 1
     json_schema: bool = False
+    images: int = 0  # a chat request with this many camera frames (greedy)
 
     @property
     def comparable(self) -> bool:
@@ -77,7 +92,7 @@ class Outcome:
     message: str = ""
 
 
-def load(requests: int) -> list[Ask]:
+def load(requests: int, image_requests: int = 0, images: int = 2) -> list[Ask]:
     kinds = [
         lambda i: Ask(f"stream-seeded-{i}", True, 0.8, 100 + i),
         lambda i: Ask(f"greedy-{i}", False, 0.0, None),
@@ -86,13 +101,23 @@ def load(requests: int) -> list[Ask]:
         lambda i: Ask(f"stream-unseeded-{i}", True, 1.0, None),
         lambda i: Ask(f"json-seeded-{i}", False, 0.8, 300 + i, json_schema=True),
     ]
-    return [kinds[i % len(kinds)](i) for i in range(requests)]
+    asks = [kinds[i % len(kinds)](i) for i in range(requests)]
+    return asks + [Ask(f"image-{i}", i % 2 == 0, 0.0, None, images=images) for i in range(image_requests)]
+
+
+_picture = functools.lru_cache(maxsize=None)(camera_frame)  # the same pictures every round
+
+
+def round_frames(asks: list[Ask], tag: str, width: int, height: int) -> dict[str, list[bytes]]:
+    """Each image request's frames in one round: the same pictures, tagged with the round."""
+    return {a.key: [enc.tagged(_picture(i * 64 + k, width, height), f"chaos-{tag}") for k in range(a.images)]
+            for i, a in enumerate(x for x in asks if x.images)}
 
 
 async def ask(client: openai.AsyncOpenAI, model: str, a: Ask, max_tokens: int, bound_s: float,
-              started: asyncio.Event) -> Outcome:
+              started: asyncio.Event, frames: list[bytes] = ()) -> Outcome:
     try:
-        return await asyncio.wait_for(_ask(client, model, a, max_tokens, started), bound_s)
+        return await asyncio.wait_for(_ask(client, model, a, max_tokens, started, frames), bound_s)
     except TimeoutError:
         return Outcome("hung", message=f"no answer in {bound_s:g} s")
     except openai.APITimeoutError:
@@ -101,28 +126,43 @@ async def ask(client: openai.AsyncOpenAI, model: str, a: Ask, max_tokens: int, b
         return Outcome("error", message=str(exc)[:160])
 
 
-async def _ask(client, model: str, a: Ask, max_tokens: int, started: asyncio.Event) -> Outcome:
+async def _ask(client, model: str, a: Ask, max_tokens: int, started: asyncio.Event, frames) -> Outcome:
     extra = {"ignore_eos": True, "return_token_ids": True}
-    common = dict(model=model, max_tokens=max_tokens, temperature=a.temperature, n=a.n)
+    common = dict(model=model, max_tokens=max_tokens, temperature=a.temperature, n=a.n, extra_body=extra)
     if a.seed is not None:
         common["seed"] = a.seed
-    if a.json_schema:
-        reply = await client.chat.completions.create(
-            messages=[{"role": "user", "content": "A person as JSON."}], extra_body=extra,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
-            **common)
-        started.set()
-        texts = [c.message.content or "" for c in reply.choices]
-        return Outcome("completed", tokens=[c.model_extra.get("token_ids") or [] for c in reply.choices],
-                       texts=texts)
+    if a.json_schema or a.images:
+        parts = [{"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(f).decode()}}
+                 for f in frames]
+        common["messages"] = [{"role": "user", "content": [*parts, {"type": "text", "text": f"{a.key}: what is ahead?"}]
+                               if a.images else "A person as JSON."}]
+        if a.json_schema:
+            common["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+        if not a.stream:
+            reply = await client.chat.completions.create(**common)
+            started.set()
+            tokens = [c.model_extra.get("token_ids") or [] for c in reply.choices]
+            whole = a.json_schema or all(len(t) == max_tokens for t in tokens)
+            return Outcome("completed" if whole else "lost", tokens=tokens,
+                           texts=[c.message.content or "" for c in reply.choices])
+        tokens, text, reason = [], [], None  # a streamed chat: n = 1
+        async for chunk in await client.chat.completions.create(stream=True, **common):
+            for c in chunk.choices:
+                tokens.extend((c.model_extra or {}).get("token_ids") or [])
+                text.append(c.delta.content or "")
+                reason = c.finish_reason or reason
+            if len(tokens) >= 3:
+                started.set()
+        whole = reason is not None and len(tokens) == max_tokens
+        return Outcome("completed" if whole else "lost", tokens=[tokens], texts=["".join(text)])
     prompt = [11 + len(a.key), 23, 37, 41 + len(a.key) % 7]
     if not a.stream:
-        reply = await client.completions.create(prompt=prompt, extra_body=extra, **common)
+        reply = await client.completions.create(prompt=prompt, **common)
         started.set()
         tokens = [c.model_extra["token_ids"] for c in sorted(reply.choices, key=lambda c: c.index)]
         kind = "completed" if all(len(t) == max_tokens for t in tokens) else "lost"
         return Outcome(kind, tokens=tokens)
-    chunks = await client.completions.create(prompt=prompt, stream=True, extra_body=extra, **common)
+    chunks = await client.completions.create(prompt=prompt, stream=True, **common)
     tokens: list[list[int]] = [[] for _ in range(a.n)]
     reasons: list[str | None] = [None] * a.n
     async for chunk in chunks:
@@ -186,6 +226,7 @@ INJECT: dict[str, Callable[[Stack], None]] = {
     "rolling-restart": _rolling_restart,
 }
 FAULTS = tuple(INJECT)
+ENCODER_FAULTS = {"kill-encoder": 2, "kill-only-encoder": 1}  # → the encoders alive when it strikes
 
 
 # ---- rounds ---------------------------------------------------------------------------------
@@ -205,13 +246,15 @@ def wait_ready(stack: Stack, timeout: float = 120.0) -> None:
         time.sleep(0.3)
 
 
-def run_round(stack: Stack, asks: list[Ask], fault: str | None, max_tokens: int, bound_s: float) -> dict[str, Outcome]:
+def run_round(stack: Stack, asks: list[Ask], inject: Callable[[Stack], None] | None, max_tokens: int,
+              bound_s: float, frames: dict[str, list[bytes]] | None = None, at_once: bool = False) -> dict[str, Outcome]:
+    """The load once; `inject` on a thread once tokens flow in every stream (`at_once`: at once)."""
     async def main():
         async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
                                       timeout=bound_s + 5) as client:
             started = {a.key: asyncio.Event() for a in asks}
             tasks = {a.key: asyncio.create_task(ask(client, stack.served_model_name, a, max_tokens, bound_s,
-                                                    started[a.key]))
+                                                    started[a.key], (frames or {}).get(a.key, [])))
                      for a in asks}
 
             async def flowing(key: str) -> None:  # its tokens flow, or it already ended
@@ -222,9 +265,10 @@ def run_round(stack: Stack, asks: list[Ask], fault: str | None, max_tokens: int,
                     waiter.cancel()
 
             injected = None
-            if fault is not None:  # once tokens flow in every stream: all of the load is in flight
-                await asyncio.gather(*(flowing(a.key) for a in asks if a.stream))
-                injected = asyncio.create_task(asyncio.to_thread(INJECT[fault], stack))
+            if inject is not None:
+                if not at_once:  # once tokens flow in every stream: all of the load is in flight
+                    await asyncio.gather(*(flowing(a.key) for a in asks if a.stream))
+                injected = asyncio.create_task(asyncio.to_thread(inject, stack))
             results = {key: await task for key, task in tasks.items()}
             if injected is not None:
                 await injected
@@ -240,11 +284,18 @@ class Row:
     counts: Counter
     differs: int
     messages: list[str]
+    images: int = 0  # distinct images sent
+    encoded: dict[str, int] = field(default_factory=dict)  # process → images it encoded
+    missing: int = 0  # images neither published by an encoder nor encoded by a worker
+    unfinished_at_kill: int | None = None  # encode jobs not done when the encoder was killed
 
     def cells(self) -> list[str]:
         c = self.counts
-        return [self.fault, str(self.sent), str(c["completed"]), str(c["error"]), str(c["lost"]),
-                str(c["hung"]), str(self.differs)]
+        cells = [self.fault, str(self.sent), str(c["completed"]), str(c["error"]), str(c["lost"]),
+                 str(c["hung"]), str(self.differs)]
+        who = ", ".join(f"{k} {v}" for k, v in self.encoded.items() if v) or "none"
+        kill = "" if self.unfinished_at_kill is None else f" ({self.unfinished_at_kill} jobs unfinished at the kill)"
+        return cells + [f"{self.images - self.missing}/{self.images}{kill}: {who}" if self.images else "-"]
 
 
 def score(fault: str, asks: list[Ask], got: dict[str, Outcome], reference: dict[str, Outcome]) -> Row:
@@ -260,30 +311,63 @@ def score(fault: str, asks: list[Ask], got: dict[str, Outcome], reference: dict[
 
 
 def table(rows: list[Row]) -> str:
-    head = ["fault", "sent", "completed", "failed, clear error", "lost", "hung", "differ from fault-free"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+    head = ["fault", "sent", "completed", "failed, clear error", "lost", "hung", "differ from fault-free",
+            "images encoded (by whom)"]
+    width = len(head) if any(r.images for r in rows) else len(head) - 1
+    lines = ["| " + " | ".join(head[:width]) + " |", "|" + "---|" * width]
+    lines += ["| " + " | ".join(r.cells()[:width]) + " |" for r in rows]
     for r in rows:
         for m in r.messages:
             lines.append(f"\n{r.fault}: {m}")
     return "\n".join(lines)
 
 
+def play(stack: Stack, asks: list[Ask], fault: str, tag: str, args, reference: dict | None) -> tuple[Row, dict]:
+    """One round of `fault` ("none": the reference), scored; its outcomes."""
+    inject, victim, seen = INJECT.get(fault), None, {}
+    if fault in ENCODER_FAULTS:
+        victim = enc.set_encoders(stack, ENCODER_FAULTS[fault])[0]
+    enc.wait_drained(stack)
+    frames = round_frames(asks, tag, *args.image_size)
+    hashes = list(dict.fromkeys(enc.digest(f) for fs in frames.values() for f in fs))
+    fp = enc.fingerprint(stack) if hashes and stack.live_encoder_ids() else None
+    before = enc.encoded_counts(stack) if hashes else {}
+    if victim is not None:
+        inject = functools.partial(enc.kill_after_batch, victim=victim, before=before, seen=seen)
+    got = run_round(stack, asks, inject, args.max_tokens, args.bound_s, frames, at_once=victim is not None)
+    row = score(fault, asks, got, reference or got)
+    if hashes:
+        (row.encoded, row.missing), row.images = enc.who_encoded(stack, fp, hashes, before, victim), len(hashes)
+        row.unfinished_at_kill = seen.get("unfinished")
+    return row, got
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint folder")
-    p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated, from: " + ", ".join(FAULTS))
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help="comma-separated, from: " + ", ".join([*FAULTS, *ENCODER_FAULTS]))
     p.add_argument("--requests", type=int, default=12, help="requests per round")
+    p.add_argument("--encoders", type=int, help="encoders at the start (default: 2 with an encoder fault, else 0)")
+    p.add_argument("--image-requests", type=int, help="image requests per round (default: 8 with encoders)")
+    p.add_argument("--images-per-request", type=int, default=2)
+    p.add_argument("--image-size", type=lambda v: tuple(map(int, v.split("x"))), default=(160, 120), help="WxH")
+    p.add_argument("--encoder-arg", action="append", default=[], help="extra flag for every encoder")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--bound-s", type=float, default=120.0, help="a request without an answer by then is hung")
     p.add_argument("--run-dir", help="logs of every process (default: a temporary folder)")
     p.add_argument("--out", help="write the table (markdown) here too")
     args = p.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
-    asks = load(args.requests)
+    if unknown := [f for f in faults if f not in INJECT and f not in ENCODER_FAULTS]:
+        p.error(f"unknown fault(s): {', '.join(unknown)}")
+    encoders = args.encoders if args.encoders is not None else 2 * any(f in ENCODER_FAULTS for f in faults)
+    image_requests = args.image_requests if args.image_requests is not None else 8 * bool(encoders)
+    asks = load(args.requests, image_requests, args.images_per_request)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="chaos-"))
     config = StackConfig(model=args.model, port=free_port(), workers=2, schedulers=2, run_dir=run_dir,
-                         worker_args=("--threads", "1", "--drain-timeout", "10"), startup_timeout_s=300)
+                         worker_args=("--threads", "1", "--drain-timeout", "10"), startup_timeout_s=300,
+                         encoder_args=("--threads", "1", *args.encoder_arg))
     rows = []
     with Stack(config) as stack:
         supervising = threading.Event()
@@ -295,16 +379,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
         supervisor = threading.Thread(target=supervise, name="supervise", daemon=True)
         supervisor.start()
         try:
-            reference = run_round(stack, asks, None, args.max_tokens, args.bound_s)
-            rows.append(score("none", asks, reference, reference))
-            for fault in faults:
+            enc.set_encoders(stack, encoders)  # from this thread: their parent-death signal follows it
+            row, reference = play(stack, asks, "none", "0", args, None)
+            rows.append(row)
+            for i, fault in enumerate(faults, 1):
                 wait_ready(stack)
-                got = run_round(stack, asks, fault, args.max_tokens, args.bound_s)
-                rows.append(score(fault, asks, got, reference))
+                rows.append(play(stack, asks, fault, str(i), args, reference)[0])
                 print(" | ".join(rows[-1].cells()), flush=True)
         finally:
             supervising.set()
             supervisor.join()
+            enc.stop_encoders(stack)  # Stack.stop leaves them
     text = table(rows)
     print(text)
     if args.out:

@@ -125,8 +125,8 @@ class Stack:
         for _ in range(self.config.workers):
             self.add_worker(wait=False)
         self.wait_for_workers(self.config.workers)
-        for _ in range(self.config.encoders):
-            self.add_encoder()
+        encoders = [self.add_encoder(wait=False) for _ in range(self.config.encoders)]
+        self._wait_for(lambda: set(encoders) <= set(self.live_encoder_ids()), f"{len(encoders)} encoder(s) to register")
         for i in range(self.config.schedulers):
             self.add_scheduler(i)
         self._spawn("gateway", self._service(

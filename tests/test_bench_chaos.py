@@ -27,3 +27,26 @@ def test_every_fault_once(tiny_model_dir, tmp_path):
                        for m in row.messages), row
         else:
             assert row.counts["error"] == 0, row
+
+
+def test_an_encoder_killed_under_image_load(vision_dir, tmp_path):
+    """The encoder faults on the tiny vision checkpoint: 8 image requests of 2 frames new to
+    the stack a round; SIGKILL one of two encoders, then the only one, once it has encoded a
+    batch (claims of 3 s, to be quick). Every request completes with the reference round's
+    tokens and text, and every image was published by an encoder or encoded by a worker."""
+    chaos = bench_module("chaos")
+    rows = chaos.main(["--model", str(vision_dir), "--faults", "kill-encoder,kill-only-encoder", "--requests", "0",
+                       "--image-requests", "8", "--images-per-request", "2", "--max-tokens", "8", "--bound-s", "90",
+                       "--encoder-arg=--claim-ttl-s=3", "--run-dir", str(tmp_path / "run")])
+    assert [r.fault for r in rows] == ["none", "kill-encoder", "kill-only-encoder"]
+    for row in rows:
+        assert row.sent == row.counts["completed"] == 8 and row.differs == 0, row
+        assert row.images == 16 and row.missing == 0, row
+    reference, one_of_two, only = rows
+    # the encoders encoded ahead (not necessarily all: a gateway's first burst of announcements
+    # can find its cached "no live encoder" still set, and the workers encode those)
+    assert sum(v for k, v in reference.encoded.items() if k.startswith("encoder-")) > 0, reference
+    assert "encoder-0 (killed)" in one_of_two.encoded and one_of_two.unfinished_at_kill is not None, one_of_two
+    # the only encoder (encoder-1) died after a batch: the workers encoded what it had not published
+    assert only.encoded["encoder-1 (killed)"] < 16, only
+    assert sum(v for k, v in only.encoded.items() if k.startswith("worker-")) >= 16 - only.encoded["encoder-1 (killed)"]

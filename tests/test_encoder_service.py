@@ -284,3 +284,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_announcements_during_the_first_registry_read_share_its_answer(redis_url, keys):
+    async def main() -> list[bool]:
+        aclient = aioredis.Redis.from_url(redis_url)
+        try:
+            registration = EncoderRegistration("e", "m", "fp", "float32", "cpu")
+            await aclient.set(keys.encoder("e"), msgspec.msgpack.encode(registration), px=5000)
+            await aclient.sadd(keys.encoders, "e")
+            jobs = EncodeJobs(aclient, keys)
+            return await asyncio.gather(*(jobs.announce([f"h{i}"]) for i in range(8)))
+        finally:
+            await aclient.aclose()
+
+    assert asyncio.run(main()) == [True] * 8

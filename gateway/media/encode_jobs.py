@@ -26,6 +26,7 @@ here is not the request's: the announcement is skipped and logged -- the worker 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -49,6 +50,7 @@ class EncodeJobs:
         self._max_len = max_len
         self._live = False
         self._checked_at = -float("inf")
+        self._checking = asyncio.Lock()
         self.announced = 0  # media announced since start (for /metrics)
 
     async def announce(self, hashes: Sequence[str]) -> bool:
@@ -71,13 +73,13 @@ class EncodeJobs:
         return True
 
     async def _encoders_live(self) -> bool:
-        now = time.monotonic()
-        if now - self._checked_at >= self._recheck_s:
-            self._checked_at = now
-            ids = await self._client.smembers(self._keys.encoders)
-            values = await self._client.mget([self._keys.encoder(i.decode() if isinstance(i, bytes) else i)
-                                              for i in ids]) if ids else []
-            self._live = any(v is not None for v in values)
+        """Read the registry at most once per `recheck_s`; announcements meanwhile (also
+        those that come while a read is under way) share its answer."""
+        async with self._checking:
+            if time.monotonic() - self._checked_at >= self._recheck_s:
+                ids = await self._client.smembers(self._keys.encoders)
+                values = await self._client.mget([self._keys.encoder(i.decode() if isinstance(i, bytes) else i)
+                                                  for i in ids]) if ids else []
+                self._live = any(v is not None for v in values)
+                self._checked_at = time.monotonic()
         return self._live
-
-
