@@ -96,7 +96,8 @@ def add_encoder_flags(f: EnvFlags) -> None:
           help="as the workers' --dtype (resolved the same way): workers use only embeddings "
                "of their own dtype and weights")
     f.add("--device", default="cpu", help="cpu|cuda|cuda:N")
-    f.add("--threads", type=int, help="CPU compute threads (default: torch's, the CPUs it may use)")
+    f.add("--threads", type=int, help="CPU compute threads (default: the CPUs the process may use -- "
+          "affinity and cgroup quota)")
     f.add("--encoder-id", help="default: encoder-<hostname>-<random>")
     f.add("--batch", type=int, default=8, help="media encoded in one call at most")
     f.add("--embeddings-ttl-s", type=float, default=300.0,

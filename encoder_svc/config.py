@@ -17,7 +17,7 @@ class EncoderServiceConfig:
     served_model_name: str | None = None
     dtype: str = "auto"  # resolved as the worker resolves it: the embeddings must be the worker's
     device: str = "cpu"
-    threads: int | None = None  # CPU compute threads (None: torch's default)
+    threads: int | None = None  # CPU compute threads (None: the CPUs it may use: affinity, cgroup quota)
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "pagedserve"
     encoder_id: str = field(default_factory=_default_id)

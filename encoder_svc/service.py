@@ -38,6 +38,7 @@ from proto.encoder_messages import EncodeJob, EncoderRegistration
 from proto.keys import RedisKeys
 from proto.metrics import EncoderRecorder, MetricsServer, encoder_families, serve_metrics
 from proto.model_source import resolve_model, served_name
+from worker_svc.cpu_threads import choose_threads
 from worker_svc.media_encoder import MediaEncoder
 from worker_svc.media_source import RedisMediaSource
 from worker_svc.model.loader import resolve_dtype
@@ -56,9 +57,11 @@ class EncoderService:
         vision = load_vision_config(model_dir)
         if vision is None:
             raise ValueError(f"{config.model} has no vision tower: an encoder service has nothing to encode")
-        if config.threads:
-            torch.set_num_threads(config.threads)
         device = torch.device(config.device)
+        if device.type == "cpu":  # the CPUs it may use (affinity, cgroup quota), or --threads
+            choice = choose_threads(config.threads)
+            torch.set_num_threads(choice.threads)
+            log.info("encoding with %d thread(s) (%s)", choice.threads, choice.why)
         dtype, why = resolve_dtype(config.dtype, load_config(model_dir), device)
         log.info("vision encoder in %s (%s) on %s", str(dtype).removeprefix("torch."), why, device)
         self.client = redis.Redis.from_url(config.redis_url, socket_timeout=10, socket_connect_timeout=10)

@@ -2,28 +2,37 @@
 
 import contextlib
 import json
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
 
 from compose import commands
 from compose.cli import COMMANDS, build_parser, main
-from tests.test_compose_stack import README_COMMANDS
+from proto.metrics import EncoderRecorder, StepCollector, StepRecorder
+from proto.metrics_scrape import parse_samples
+from tests.test_compose_stack import DASHBOARD, README_COMMANDS, images_row_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
 
 
-def rendered(*files: Path) -> dict:
-    """The configuration compose makes of these files, one overriding the other."""
+def rendered(*files: Path, **env: str) -> dict:
+    """The configuration compose makes of these files, one overriding the other, with the
+    variables the base file reads at their defaults but for `env`."""
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.fail("docker-compose is not installed: `make test` installs it (Debian package docker-compose)")
+    read = set(re.findall(r"\$\{(\w+)", COMPOSE.read_text()))
+    environ = {k: v for k, v in os.environ.items() if k not in read}
     out = subprocess.run([binary, *(a for f in files for a in ("-f", str(f))), "config"], check=True,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env={**environ, **env})
     return yaml.safe_load(out.stdout)
 
 
@@ -42,7 +51,8 @@ def gpu_config(tmp_path_factory) -> dict:
 
 
 def test_services_present(config):
-    assert {"redis", "gateway", "scheduler", "worker", "make-model", "prometheus", "grafana"} <= set(config["services"])
+    assert {"redis", "gateway", "scheduler", "worker", "encoder", "make-model", "prometheus",
+            "grafana"} <= set(config["services"])
 
 
 def test_cpu_workers_by_default_and_they_scale(config):
@@ -62,7 +72,7 @@ def test_light_image_for_gateway_and_scheduler_worker_image_for_the_model(config
     services = config["services"]
     for name in ("gateway", "scheduler"):
         assert services[name]["build"]["target"] == "light" and "light" in services[name]["image"]
-    for name in ("worker", "make-model"):
+    for name in ("worker", "make-model", "encoder"):
         assert services[name]["build"]["target"] == "worker" and "worker" in services[name]["image"]
     assert services["worker"]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim"
 
@@ -76,6 +86,7 @@ def test_every_long_running_service_has_a_healthcheck_and_restarts(config):
         assert spec["restart"] == "unless-stopped", name
     assert config["services"]["prometheus"]["profiles"] == ["monitoring"]
     assert config["services"]["grafana"]["profiles"] == ["monitoring"]
+    assert config["services"]["encoder"]["profiles"] == ["encoder"]
 
 
 @pytest.mark.parametrize("service", ["worker", "gateway"])
@@ -95,7 +106,7 @@ def _args(config: dict, service: str, monkeypatch):
     return build_parser().parse_args(spec["command"])
 
 
-@pytest.mark.parametrize("service", ["gateway", "scheduler", "worker"])
+@pytest.mark.parametrize("service", ["gateway", "scheduler", "worker", "encoder"])
 def test_commands_are_the_launchers(config, service, monkeypatch):
     """Each container runs a `pagedserve <service>` command line our own CLI accepts."""
     args = _args(config, service, monkeypatch)
@@ -106,10 +117,40 @@ def test_commands_are_the_launchers(config, service, monkeypatch):
 
 
 def test_every_command_is_in_the_table(capsys):
-    assert {"up", "gateway", "scheduler", "worker", "engine", "bench", "make-model", "compose-gpu"} == set(COMMANDS)
+    assert {"up", "gateway", "scheduler", "worker", "encoder", "engine", "bench", "make-model",
+            "compose-gpu"} == set(COMMANDS)
     assert COMMANDS["worker"].run is commands.run_worker
     assert main(["bench", "--help"]) == 0  # dispatched through the table to bench/serve.py
     assert "--base-url" in capsys.readouterr().out
+
+
+def test_the_encoder_is_opt_in_scalable_and_probed_on_its_health(config, monkeypatch):
+    """`--profile encoder` only (the default MODEL is a text checkpoint, which an encoder
+    refuses); on the CPU, the workers' model, its threads from its CPU limit; no fixed
+    name or host port (`--scale encoder=N`); its healthcheck is its own /health."""
+    encoder = config["services"]["encoder"]
+    assert encoder["profiles"] == ["encoder"]
+    assert "container_name" not in encoder and "ports" not in encoder and "deploy" not in encoder
+    args = _args(config, "encoder", monkeypatch)
+    assert args.device == "cpu" and args.host == "0.0.0.0" and args.metrics_port and args.dtype == "auto"
+    assert args.model == config["services"]["worker"]["environment"]["PAGEDSERVE_MODEL"]
+    assert args.threads is None and float(encoder["cpus"]) >= 1  # threads: the cgroup quota (cpu_threads.py)
+    assert encoder["depends_on"] == {"redis": {"condition": "service_healthy"},
+                                     "make-model": {"condition": "service_completed_successfully"}}
+    probe = encoder["healthcheck"]["test"]
+    assert probe[:3] == ["CMD", "python3", "-c"] and f"127.0.0.1:{args.metrics_port}/health" in probe[3]
+    assert encoder["restart"] == "unless-stopped"
+
+
+def test_make_model_writes_the_arch_and_preset_asked_for(monkeypatch):
+    """ARCH and PRESET reach `pagedserve make-model` (a vision MODEL for the encoders)."""
+    for env, (arch, preset) in (({}, ("llama", "small")),
+                                ({"MODEL": "v", "ARCH": "gemma3-vision", "PRESET": "tiny"}, ("gemma3-vision", "tiny"))):
+        (script,) = rendered(COMPOSE, **env)["services"]["make-model"]["command"]
+        model = f"/models/{env.get('MODEL', 'small')}"
+        assert script.startswith(f"test -f {model}/config.json || pagedserve ")
+        args = build_parser().parse_args(script.split("|| pagedserve ", 1)[1].split())
+        assert (args.command, args.dir, args.arch, args.preset) == ("make-model", model, arch, preset)
 
 
 def test_preemption_and_swap_flags_parse():
@@ -128,14 +169,17 @@ def test_prometheus_scrapes_every_service_where_it_serves_metrics(config, monkey
     assert any(v.endswith(":/etc/prometheus/prometheus.yml:ro") for v in _volumes(prometheus))
     jobs = {job["job_name"]: job for job in yaml.safe_load((COMPOSE.parent / "prometheus.yml").read_text())
             ["scrape_configs"]}
-    assert set(jobs) == {"gateway", "scheduler", "worker"}
+    assert set(jobs) == {"gateway", "scheduler", "worker", "encoder"}
     gateway, scheduler = _args(config, "gateway", monkeypatch), _args(config, "scheduler", monkeypatch)
-    worker = _args(config, "worker", monkeypatch)
+    worker, encoder = _args(config, "worker", monkeypatch), _args(config, "encoder", monkeypatch)
     assert jobs["gateway"]["static_configs"][0]["targets"] == [f"gateway:{gateway.port}"]
     assert jobs["scheduler"]["static_configs"][0]["targets"] == [f"scheduler:{scheduler.metrics_port}"]
     assert scheduler.metrics_port and scheduler.metrics_host == "0.0.0.0"
     (workers,) = jobs["worker"]["dns_sd_configs"]  # every replica of --scale worker=N
     assert workers["names"] == ["worker"] and workers["port"] == worker.metrics_port and worker.host == "0.0.0.0"
+    (encoders,) = jobs["encoder"]["dns_sd_configs"]  # every replica of --scale encoder=N
+    assert encoders["names"] == ["encoder"] and encoders["port"] == encoder.metrics_port
+    assert encoder.host == "0.0.0.0"
 
 
 def _volumes(spec: dict) -> list[str]:
@@ -157,16 +201,53 @@ def test_grafana_provisions_the_dashboard_on_prometheus(config):
                               .read_text())["providers"][0]
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
     dashboard = json.loads(Path(dashboard_file).read_text())
-    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
-    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    every = _all_panels(dashboard)
+    panels = [p for p in every if p["type"] != "row"]
+    assert len({p["id"] for p in every}) == len(every)
     for panel in panels:
         assert panel["datasource"]["uid"] == datasource["uid"] and panel["targets"], panel["title"]
     # Its job variables default to the scrape jobs of prometheus.yml.
     jobs = {job["job_name"] for job in yaml.safe_load((COMPOSE.parent / "prometheus.yml").read_text())
             ["scrape_configs"]}
     defaults = {v["name"]: v["current"]["value"] for v in dashboard["templating"]["list"]}
-    assert defaults == {"gateway_job": "gateway", "scheduler_job": "scheduler", "worker_job": "worker"}
+    assert defaults == {"gateway_job": "gateway", "scheduler_job": "scheduler", "worker_job": "worker",
+                        "encoder_job": "encoder"}
     assert set(defaults.values()) == jobs
+
+
+def _all_panels(dashboard: dict) -> list[dict]:
+    """Every panel, those inside collapsed rows included (Grafana nests them there)."""
+    return [q for p in dashboard["panels"] for q in (p, *p.get("panels", []))]
+
+
+def _exported(*collectors) -> set[str]:
+    """The sample names these collectors put on a /metrics page."""
+    registry = CollectorRegistry()
+    for collector in collectors:
+        registry.register(collector)
+    return {name for name, _ in parse_samples(generate_latest(registry).decode())}
+
+
+def test_the_images_row_queries_what_vision_workers_and_encoders_export():
+    """The collapsed images row (vision models only, so the text-model stack of
+    tests/test_e2e_metrics.py does not check it): each expression names metrics that a
+    vision worker's own /metrics (its steps and its images) or an encoder's exports."""
+    from encoder_svc.service import _Collector  # torch: only this test loads it
+
+    service = SimpleNamespace(config=SimpleNamespace(encoder_id="e"), recorder=EncoderRecorder(),
+                              items_published=0, bytes_published=0, items_found=0, items_failed=0,
+                              jobs=SimpleNamespace(depth=lambda: 0))
+    names = {"worker": _exported(StepCollector("w", StepRecorder(), EncoderRecorder())),
+             "encoder": _exported(_Collector(service))}
+    (row,) = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["title"].startswith("Images")]
+    assert row["type"] == "row" and row["collapsed"] and len(row["panels"]) >= 6
+    used = set()
+    for title, job, metric in images_row_metrics():
+        assert metric in names[job], f"panel {title!r}: {job} does not export {metric}"
+        used.add((job, metric))
+    assert {("worker", "pagedserve:mm_cache_hits_total"), ("encoder", "pagedserve:encoder_queue_depth"),
+            ("worker", "pagedserve:step_duration_seconds_sum"), ("encoder", "pagedserve:mm_items_encoded_total"),
+            ("worker", "pagedserve:mm_items_encoded_total")} <= used
 
 
 def test_gpu_variant_gives_each_worker_its_own_gpu(gpu_config, monkeypatch):

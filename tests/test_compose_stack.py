@@ -1,13 +1,17 @@
 """The stack in containers: the images built from compose/Dockerfile and the stack started
 with the README's compose commands (`--scale worker=2`, the `tiny` preset), checked with
-the official openai client. `make test-compose` runs it (compose/testing/test-compose.sh
-sets PAGEDSERVE_COMPOSE_TEST=1 and the images' build inputs); the normal suite skips it.
-The tests run in file order, on one stack; the last one takes it down."""
+the official openai client; then the same stack on a tiny vision checkpoint with two
+encoder services (`--profile encoder --scale encoder=2`). `make test-compose` runs it
+(compose/testing/test-compose.sh sets PAGEDSERVE_COMPOSE_TEST=1 and the images' build
+inputs); the normal suite skips it. The tests run in file order, on one stack; the last
+one takes it down."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -17,6 +21,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from proto.metrics_scrape import Samples, metric, parse_samples
+from tests.media_helpers import data_url, file_bytes, picture
 from tests.runner_helpers import hf_greedy
 from tests.stack_helpers import greedy_completions, ids_of
 
@@ -39,6 +45,12 @@ PORT = ("port", "gateway", "8000")
 SCALE_UP = ("up", "-d", "--scale", "worker=3", "--no-recreate")
 DOWN = ("down", "-v")
 README_COMMANDS = [BUILD, UP, PORT, SCALE_UP, DOWN]
+# The vision variant (docker-compose.yml's header): make-model writes the tiny gemma3-vision
+# checkpoint into the volume; the encoders run only with their profile.
+VISION = {"MODEL": "tiny-vision", "PRESET": "tiny", "ARCH": "gemma3-vision"}
+ENCODERS = ("--profile", "encoder")
+ENCODER_METRICS_PORT = 9103  # --metrics-port in docker-compose.yml
+DASHBOARD = ROOT / "compose" / "grafana" / "pagedserve-dashboard.json"
 
 
 @dataclass(frozen=True)
@@ -56,11 +68,13 @@ def compose_binary() -> list[str]:
     return ["docker-compose"]
 
 
-def run_compose(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def run_compose(*args: str, timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`docker compose -f compose/docker-compose.yml ARGS` from the repository root, as the
-    README has users type it; the test's settings through the documented variables."""
+    README has users type it; the test's settings through the documented variables (`env`:
+    others over them)."""
     env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "MODEL": MODEL, "PRESET": MODEL,
-           "GATEWAY_PORTS": "18000-18009", "KV_CACHE_MEMORY": "32MiB", "WORKER_CPUS": "1"}
+           "GATEWAY_PORTS": "18000-18009", "KV_CACHE_MEMORY": "32MiB", "WORKER_CPUS": "1",
+           "ENCODER_CPUS": "1", **(env or {})}
     return subprocess.run([*compose_binary(), "-f", COMPOSE_FILE, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -72,10 +86,10 @@ def service_logs() -> str:
     return f"--- compose logs ---\n{proc.stdout}{proc.stderr}"
 
 
-def compose(*args: str, timeout: float = 900) -> str:
-    proc = run_compose(*args, timeout=timeout)
+def compose(*args: str, timeout: float = 900, env: dict[str, str] | None = None) -> str:
+    proc = run_compose(*args, timeout=timeout, env=env)
     if proc.returncode != 0:
-        logs = service_logs() if args[0] == "up" else ""
+        logs = service_logs() if "up" in args else ""
         raise AssertionError(f"compose {args}: {proc.stdout}\n{proc.stderr}\n{logs}")
     return proc.stdout
 
@@ -97,10 +111,15 @@ def health(container: str) -> str:
     return docker("inspect", "--format", "{{if .State.Health}}{{.State.Health.Status}}{{end}}", container).strip()
 
 
-def registered_workers() -> int:
+def registered(service: str = "worker") -> int:
+    """The workers (or encoders) whose registration is live in Redis."""
     (redis,) = containers("redis")
-    out = docker("exec", redis, "redis-cli", "--scan", "--pattern", "pagedserve:worker:*")
+    out = docker("exec", redis, "redis-cli", "--scan", "--pattern", f"pagedserve:{service}:*")
     return len(out.split())
+
+
+def registered_workers() -> int:
+    return registered("worker")
 
 
 def wait_for(what: str, ready, timeout: float = 300) -> None:
@@ -112,13 +131,47 @@ def wait_for(what: str, ready, timeout: float = 300) -> None:
         time.sleep(1)
 
 
-def wait_healthy(workers: int) -> None:
-    """Every container healthy, `workers` worker containers among them, all registered."""
+def wait_healthy(workers: int, encoders: int = 0) -> None:
+    """Every container healthy, `workers` worker and `encoders` encoder containers among
+    them, all registered."""
     def ready() -> bool:
         running = containers()
-        return (len(containers("worker")) == workers and all(health(c) == "healthy" for c in running)
-                and registered_workers() == workers)
-    wait_for(f"healthy with {workers} workers", ready)
+        return (len(containers("worker")) == workers and len(containers("encoder")) == encoders
+                and all(health(c) == "healthy" for c in running)
+                and registered_workers() == workers and registered("encoder") == encoders)
+    wait_for(f"healthy with {workers} workers and {encoders} encoders", ready)
+
+
+def http_get(container: str, port: int, path: str) -> tuple[int, str]:
+    """GET http://127.0.0.1:PORT/PATH inside the container: (status, body)."""
+    code = ("import sys, urllib.request, urllib.error\n"
+            "try:\n    r = urllib.request.urlopen(sys.argv[1], timeout=5); s, b = r.status, r.read()\n"
+            "except urllib.error.HTTPError as e:\n    s, b = e.code, e.read()\n"
+            "print(s); sys.stdout.write(b.decode())")
+    out = docker("exec", container, "python3", "-c", code, f"http://127.0.0.1:{port}{path}")
+    status, body = out.split("\n", 1)
+    return int(status), body
+
+
+def scraped(container: str, port: int) -> Samples:
+    status, body = http_get(container, port, "/metrics")
+    assert status == 200, body
+    return parse_samples(body)
+
+
+def images_row_metrics() -> list[tuple[str, str, str]]:
+    """(panel title, job, metric) of every expression of the dashboard's collapsed images
+    row (vision models only), its job variables at their defaults."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    jobs = {f"${v['name']}": v["current"]["value"] for v in dashboard["templating"]["list"]}
+    (row,) = [p for p in dashboard["panels"] if p["type"] == "row" and p["title"].startswith("Images")]
+    found = []
+    for panel in row["panels"]:
+        for target in panel["targets"]:
+            uses = re.findall(r'(pagedserve:[A-Za-z0-9_:]+)\{job="(\$\w+)"\}', target["expr"])
+            assert uses and len(uses) == target["expr"].count("pagedserve:"), target["expr"]
+            found += [(panel["title"], jobs[variable], name) for name, variable in uses]
+    return found
 
 
 def worker_requests(container: str) -> int:
@@ -130,7 +183,7 @@ def worker_requests(container: str) -> int:
 
 @pytest.fixture(scope="module")
 def stack():
-    compose(*DOWN, "--remove-orphans")
+    compose(*ENCODERS, *DOWN, "--remove-orphans")
     started = time.monotonic()
     compose(*BUILD)
     built = time.monotonic()
@@ -142,7 +195,7 @@ def stack():
     try:
         yield ComposeStack(base_url=f"http://127.0.0.1:{port}/v1", served_model_name=MODEL)
     finally:
-        compose(*DOWN, "--remove-orphans")
+        compose(*ENCODERS, *DOWN, "--remove-orphans")
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +344,48 @@ def test_scale_to_three_workers_and_back_while_requests_run(stack, cases, expect
     phases = {p for p, _, _ in finished}
     assert {"two", "three", "leaving", "two again"} <= phases, phases
     assert registered_workers() == 2
+
+
+def test_two_encoders_encode_the_images_of_a_vision_model(stack):
+    """The stack again on the tiny gemma3-vision checkpoint (make-model writes it into the
+    volume; every service on it is re-created), one worker and two encoders: an image sent
+    through the gateway is encoded by an encoder; both answer 200 on /health; and the
+    dashboard's images row queries metrics the worker and the encoders export."""
+    started = time.monotonic()
+    # The text stack's services, idle, stopped at once: otherwise `up` stops the old workers
+    # one after the other, each with its drain (over a minute in all, measured here).
+    compose("stop", "-t", "1", "gateway", "scheduler", "worker")
+    compose(*ENCODERS, "up", "-d", "--scale", "worker=1", "--scale", "encoder=2", env=VISION)
+    wait_healthy(workers=1, encoders=2)
+    print(f"\nvision stack with two encoders up in {time.monotonic() - started:.0f} s")
+    port = compose(*PORT, env=VISION).strip().rsplit(":", 1)[1]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+    image = data_url(file_bytes(picture(7, 96, 64), "PNG"))
+    answer = client.chat.completions.create(
+        model=VISION["MODEL"], max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                               {"type": "text", "text": "What is in this picture?"}]}])
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.prompt_tokens > 4
+
+    encoders = containers("encoder")
+    assert len(encoders) == 2
+    for encoder in encoders:
+        status, body = http_get(encoder, ENCODER_METRICS_PORT, "/health")
+        assert status == 200 and json.loads(body)["status"] == "ok", body
+
+    def encoded() -> float:
+        return sum(metric(scraped(c, ENCODER_METRICS_PORT), "pagedserve:mm_items_encoded_total") for c in encoders)
+    wait_for("an image encoded by an encoder", lambda: encoded() >= 1, timeout=60)
+
+    (worker,) = containers("worker")
+    names = {"worker": {n for n, _ in scraped(worker, 9102)},
+             "encoder": {n for c in encoders for n, _ in scraped(c, ENCODER_METRICS_PORT)}}
+    for title, job, name in images_row_metrics():
+        assert name in names[job], f"panel {title!r}: {job} does not export {name}"
+    print(f"encoder phase {time.monotonic() - started:.0f} s")
+    # Gone before the README's `down` below, which names no profile (Compose v2 may leave the
+    # containers of a profile it is not given).
+    compose(*ENCODERS, "rm", "-s", "-f", "encoder", env=VISION)
 
 
 def test_down_leaves_nothing(stack):
