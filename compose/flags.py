@@ -21,6 +21,16 @@ def parse_bytes(text: str) -> int:
     return int(lowered)
 
 
+def _budget(text: str) -> int | None:
+    """--encoder-budget: "auto" (None) or a count >= 0."""
+    if text == "auto":
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 0 or auto")
+    return value
+
+
 def add_common_flags(f: EnvFlags) -> None:
     """What every service needs: where Redis is, and how much to log."""
     f.add("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis the services meet in")
@@ -69,10 +79,11 @@ def add_batching_flags(f: EnvFlags) -> None:
     f.switch("--no-prefix-caching", help="compute every prompt in full")
     f.add("--preemption-mode", default="recompute", choices=["recompute", "swap"],
           help="free a preempted request's blocks (recompute) or move them to the worker's CPU swap space")
-    f.add("--encoder-budget", type=int, default=0,
+    f.add("--encoder-budget", type=_budget, default="auto",
           help="vision models: images (or video frames) one step may make its worker encode, those "
-               "whose embeddings it holds aside; a burst of new images is spread over steps so "
-               "running decodes keep their pace; 0 = no bound")
+               "whose embeddings it holds or the encoder service published aside; a burst of new "
+               "images is spread over steps so running decodes keep their pace; 0 = no bound; "
+               "auto: 2 for a CPU worker, no bound on a GPU")
 
 
 def add_worker_flags(f: EnvFlags) -> None:

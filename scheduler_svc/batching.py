@@ -17,12 +17,14 @@ or aborted at any time, also while a step is in flight. With a step in flight,
 """
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvstore.kv_cache_manager import KVCacheManager, cdiv
 from proto import worker_pb2
 from proto.messages import NO_TOKEN_ID, FinishReason, MultiModalInput, NewRequest, TokenEvent
 from proto.parallel import SEPARATOR, parent_request_id
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.encoder_budget import resolve_encoder_budget
 from scheduler_svc.fork import ForkManager, make_children
 from scheduler_svc.image_ranges import block_extra_keys, hit_blocks, image_inside, why_invalid
 from scheduler_svc.planner import StepPlanner
@@ -60,7 +62,9 @@ class BatchScheduler:
 
     @classmethod
     def for_worker(cls, config: SchedulerConfig, info: worker_pb2.WorkerInfo) -> "BatchScheduler":
-        """The scheduling state for the worker that `info` describes."""
+        """The scheduling state for the worker that `info` describes (an auto encoder
+        budget resolved for its device)."""
+        config = replace(config, encoder_budget=resolve_encoder_budget(config.encoder_budget, info.device))
         return cls(config, num_blocks=info.num_blocks, block_size=info.block_size,
                    max_model_len=info.max_model_len, num_cpu_blocks=info.num_cpu_blocks,
                    group_windows=tuple(w or None for w in info.kv_cache_group_windows) or (None,),

@@ -24,8 +24,10 @@ class SchedulerConfig:
     # to recompute when the swap space is full.
     preemption_mode: str = "recompute"
     # Vision models: images (or video frames) one step may make its worker encode, those
-    # the worker holds embeddings of aside (scheduler_svc/encoder_budget.py); 0 = no bound.
-    encoder_budget: int = 0
+    # the worker holds embeddings of aside (scheduler_svc/encoder_budget.py); 0 = no bound;
+    # None = auto, resolved per worker by BatchScheduler.for_worker (2 on the CPU, no bound
+    # on an accelerator; a scheduler built without a worker: no bound).
+    encoder_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -36,7 +38,7 @@ class SchedulerConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.encoder_budget < 0:
+        if self.encoder_budget is not None and self.encoder_budget < 0:
             raise ValueError(f"encoder_budget must be >= 0, got {self.encoder_budget}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, "

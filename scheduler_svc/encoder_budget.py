@@ -18,7 +18,8 @@ the same size). It can be wrong -- a worker restarted, an entry failed -- and th
 budget unit or a routing preference, never a wrong output: the worker still decides what it
 has. The scheduler uses it twice:
 
-  budget   `--encoder-budget N` (0: no bound): a step makes its worker encode at most N
+  budget   `--encoder-budget N` (0: no bound; auto, the default: 2 for a CPU worker, no
+           bound on an accelerator): a step makes its worker encode at most N
            images (or video frames) it does not hold and the encoder service has not
            published (the worker only reads those), so a burst of new images is spread
            over several steps and the decodes batched beside them keep their pace (vLLM's
@@ -36,6 +37,17 @@ from collections.abc import Iterable, Sequence
 
 from proto.messages import MultiModalInput
 from scheduler_svc.request import SchedulerRequest
+
+CPU_ENCODER_BUDGET = 2  # --encoder-budget auto on a CPU worker (docs/benchmarks.md, "The encoder budget")
+
+
+def resolve_encoder_budget(budget: int | None, device: str) -> int:
+    """--encoder-budget for a worker on `device` (WorkerInfo.device): as given, or for auto
+    (None) CPU_ENCODER_BUDGET on the CPU -- an image costs its step about as much as
+    hundreds of tokens there -- and no bound (0) on an accelerator."""
+    if budget is not None:
+        return budget
+    return CPU_ENCODER_BUDGET if device in ("", "cpu") else 0
 
 
 class EncoderCacheMirror:

@@ -43,7 +43,8 @@ prefills, then take one token a step until they finish, so the budget left to th
 grows until it fits -- at the latest when it is the first request with work in a step (as
 for any request, a stream of higher-priority arrivals can delay it).
 
-Encoder work (scheduler_svc/encoder_budget.py): with `encoder_budget` N > 0, a step makes
+Encoder work (scheduler_svc/encoder_budget.py): with `encoder_budget` N > 0 (auto: 2 on a
+CPU worker, resolved by BatchScheduler.for_worker), a step makes
 its worker encode at most N images the worker does not hold (by the planner's mirror of its
 encoder cache); a chunk that cannot afford its next image ends at that image's start, and
 when that leaves nothing the request waits for a later step, as for the token budget. Every

@@ -301,7 +301,7 @@ class SchedulerService:
     def _budget_fingerprint(self) -> str | None:
         """The workers' embeddings fingerprint when steps budget encoder work, else None."""
         live = self.pool.live()
-        return live[0].scheduler.embeddings_fingerprint if live and self.config.batching.encoder_budget else None
+        return live[0].scheduler.embeddings_fingerprint if live and live[0].scheduler.config.encoder_budget else None
 
     async def _route_all(self, items: list[Unrouted], lost_worker: bool = False) -> None:
         """Route each in turn (`lost_worker`: drained from a lost worker -- a request that

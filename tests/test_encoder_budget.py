@@ -86,3 +86,31 @@ def test_media_the_encoder_service_published_cost_no_budget():
     h.sched.note_published(["B", "C"])  # the worker reads them: only A is encoded
     h.add(req)
     assert scheduled(h.step())["a"] == 16
+
+
+def test_auto_is_two_images_a_step_on_a_cpu_worker_and_no_bound_on_a_gpu():
+    from proto import worker_pb2
+    from scheduler_svc.batching import BatchScheduler
+    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.encoder_budget import resolve_encoder_budget
+
+    assert [resolve_encoder_budget(None, d) for d in ("cpu", "", "cuda:0")] == [2, 2, 0]
+    assert resolve_encoder_budget(5, "cuda:0") == 5 and resolve_encoder_budget(0, "cpu") == 0
+    info = worker_pb2.WorkerInfo(num_blocks=8, block_size=4, max_model_len=64, device="cpu", encoder_cache_items=3)
+    cpu = BatchScheduler.for_worker(SchedulerConfig(), info)
+    info.device = "cuda:0"
+    gpu = BatchScheduler.for_worker(SchedulerConfig(), info)
+    assert (cpu.config.encoder_budget, gpu.config.encoder_budget) == (2, 0)
+    assert cpu.planner.encoder_cache.capacity_items == 3
+
+
+def test_the_flag_takes_auto_or_a_count():
+    import argparse
+
+    import pytest
+
+    from compose.flags import _budget
+
+    assert (_budget("auto"), _budget("0"), _budget("3")) == (None, 0, 3)
+    with pytest.raises(argparse.ArgumentTypeError):
+        _budget("-1")
