@@ -13,7 +13,11 @@ Contenders (--contenders, in this order in each round; the order reversed every 
   text      `pagedserve up`, cameras.py --text-only
   hf-serve  `transformers serve --continuous-batching`, cameras.py --no-uuid, EOS on and no
             token ids (it has neither extension; answers may be shorter than --max-tokens)
-Each starts fresh (its own Redis, no cache from before) and stops before the next. The
+With --pin, every thread of the worker runs on CPU 0 and every thread of the encoders on CPU
+1 (each with --threads 1; the gateway, scheduler, Redis and this client where the kernel
+puts them): the encoder on a core of its own, as on a machine with cores (or a GPU) to
+spare for it; the uuid and text runs get the same worker pinning. Each starts fresh (its
+own Redis, no cache from before) and stops before the next. The
 stack's runs read every service's /metrics (gateway, worker, encoders) for the counters;
 transformers serve has none. Prints a table of medians over the rounds and writes every
 run to --json.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import uuid
@@ -65,8 +70,18 @@ def run_stack(args, name: str, run_dir: Path) -> dict:
                          encoder_args=tuple(args.encoder_arg), worker_args=tuple(args.worker_arg),
                          scheduler_args=tuple(args.scheduler_arg), startup_timeout_s=600)
     with Stack(config) as stack:
+        if args.pin:
+            for service, proc in stack.procs.items():
+                if service.startswith(("worker", "encoder")):
+                    pin(proc.pid, {0} if service.startswith("worker") else {1})
         ns = bench_args(args, name, stack.base_url, stack.served_model_name, list(stack.metrics_urls.values()))
         return uvloop.run(cameras.run(ns))
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
 
 
 def run_hf_serve(args, run_dir: Path) -> dict:
@@ -99,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-arg", action="append", default=[])
     p.add_argument("--scheduler-arg", action="append", default=[])
     p.add_argument("--encoder-arg", action="append", default=[])
+    p.add_argument("--pin", action="store_true", help="worker on CPU 0, encoders on CPU 1 (--threads 1 each)")
     p.add_argument("--run-dir", default="/tmp/cameras-compare")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.pin:
+        args.worker_arg.append("--threads=1")
+        args.encoder_arg.append("--threads=1")
     runs: dict[str, list[dict]] = {name: [] for name in args.contenders}
     for r in range(args.rounds):
         for name in (args.contenders if r % 2 == 0 else list(reversed(args.contenders))):

@@ -27,11 +27,13 @@ A step without image soft tokens never comes here (the runner checks `image_rang
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import redis
 import torch
 
 from worker_svc.encoder_cache import EncoderCache
@@ -42,6 +44,8 @@ from worker_svc.model.image_placement import ImageSlice, image_slices, place_ima
 from worker_svc.published_embeddings import PublishedEmbeddings
 from worker_svc.request_state import RequestState
 
+
+log = logging.getLogger(__name__)
 
 TAKEN_TTL_S = 30.0  # a medium taken over from the encoders' queue: claimed for this long at most
 PUBLISHED_TTL_S = 300.0  # and published for this long (the encoder service's default)
@@ -149,8 +153,7 @@ class ImageEmbedder:
             taken = self.published.take_queued(missing, "worker", TAKEN_TTL_S) if self.published else []
             encoded, failures = self.encoder.encode(missing)
             if taken:
-                self.published.publish({h: encoded[h] for h in taken if h in encoded}, PUBLISHED_TTL_S)
-                self.published.release([h for h in taken if h not in encoded])
+                self._publish_taken(taken, encoded)
             seconds = time.perf_counter() - start
             for digest, embeds in encoded.items():
                 self.cache.put(digest, embeds)
@@ -164,6 +167,16 @@ class ImageEmbedder:
         return StepImages(embeddings=embeddings, failed=failed,
                           stats=VisionStepStats(items_encoded=len(encoded), cache_hits=hits, seconds=seconds,
                                                 published_hits=published, queries=len(hashes)))
+
+    def _publish_taken(self, taken: list[str], encoded: dict[str, torch.Tensor]) -> None:
+        """Publish what this step took over from the encoders' queue and encoded; give up the
+        claims of what it could not. Redis failing here fails nothing: the encoder then
+        encodes them too."""
+        try:
+            self.published.publish({h: encoded[h] for h in taken if h in encoded}, PUBLISHED_TTL_S)
+            self.published.release([h for h in taken if h not in encoded])
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not publish %d embeddings taken over from the encoders: %s", len(taken), exc)
 
 
 def place_step_images(inputs_embeds: torch.Tensor, images: Sequence[tuple[RequestState, ImageSlice]],
