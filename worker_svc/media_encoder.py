@@ -80,7 +80,8 @@ class MediaEncoder:
             encoded_hashes.append(digest)
         if not pixels:
             return {}, failures
-        out = self.encoder(torch.stack(pixels).to(self.device))
+        with torch.inference_mode():  # the worker's steps run in it already; the encoder service's loop does not
+            out = self.encoder(torch.stack(pixels).to(self.device))
         if self.device.type == "cuda":  # the time is the encoder's, not the next kernel's
             torch.cuda.synchronize(self.device)
         if len(encoded_hashes) == 1:
