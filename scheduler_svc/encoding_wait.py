@@ -51,8 +51,6 @@ class EncodingWait:
         self._poll_s = poll_s
         self._max_wait_s = max_wait_s
         self._queued_wait_s = queued_wait_s
-        self.waits = 0  # requests that waited (for /metrics and tests)
-        self.waited_s = 0.0  # their waits, in all
         self.waiting: set[asyncio.Task] = set()  # requests waiting now (cancelled at a stop)
 
     def route_when_encoded(self, request: NewRequest, ledger: RequestLedger, route: Route,
@@ -112,5 +110,3 @@ class EncodingWait:
             if waited >= (self._max_wait_s if encoding else self._queued_wait_s):
                 break
             await asyncio.sleep(self._poll_s)
-        self.waits += 1
-        self.waited_s += time.monotonic() - start

@@ -2,7 +2,7 @@
 encodes, every worker reads them before encoding anything itself.
 
     fingerprint = vision_fingerprint(encoder)     which tower, which weights, which dtype
-    published = PublishedEmbeddings(client, keys, fingerprint, device)
+    published = PublishedEmbeddings.for_encoder(client, keys, media_encoder)
     published.fetch(hashes)              -> {hash: embeddings on `device`} for those published
     published.publish(embeds, ttl_s)     -> SET each under RedisKeys.embeddings(fp, hash) with
                                             a TTL, and give up the encoding claims of them
@@ -11,17 +11,18 @@ encodes, every worker reads them before encoding anything itself.
                                             `owner`'s (a worker that cannot wait for them)
 
 Keyed by the fingerprint, a worker only takes embeddings its own encoder would have
-computed: the same vision config, the same weights (the patch embedding's and the
-projector's values are hashed) and the same dtype; another checkpoint's or dtype's are
+computed: the same vision config, the same weights (the values of its first and last
+parameters and of the projector are hashed) and the same dtype; another checkpoint's or dtype's are
 another key. A value that does not decode, or whose dtype or shape is not the encoder's,
 is treated as missing (encoded again), never used.
 
 A claim (`RedisKeys.encoding(hash)`) says "queued for an encoder" (value QUEUED, set by the
 gateway that announced the medium: gateway/media/encode_jobs.py) or "being encoded now"
 (the encoder's id, taken over from QUEUED or from nothing by a Lua script, with the
-encoder's --claim-ttl-s): the scheduler routes a request needing that medium once the claim
-is gone (published, given up, or its TTL ran out because the encoder died), so it is not
-encoded twice (scheduler_svc/encoding_wait.py).
+encoder's --claim-ttl-s), or "a worker took it over" (`take_queued`): the scheduler routes a
+request needing that medium once the claim is gone (published, given up, or its TTL ran out
+because the encoder died), or after 1 s of it being only QUEUED, so it is not encoded twice
+(scheduler_svc/encoding_wait.py).
 """
 
 from __future__ import annotations

@@ -51,7 +51,6 @@ class EncodeJobs:
         self._live = False
         self._checked_at = -float("inf")
         self._checking = asyncio.Lock()
-        self.announced = 0  # media announced since start (for /metrics)
 
     async def announce(self, hashes: Sequence[str]) -> bool:
         """Queue `hashes` for the encoders, if any is live; whether they were queued."""
@@ -69,7 +68,6 @@ class EncodeJobs:
         except (RedisError, OSError) as exc:
             log.warning("encode job not queued (%s): the workers will encode %d item(s)", exc, len(hashes))
             return False
-        self.announced += len(hashes)
         return True
 
     async def _encoders_live(self) -> bool:
