@@ -126,16 +126,17 @@ def kill_after_batch(stack: Stack, victim: str, before: dict[str, float], seen: 
 def who_encoded(stack: Stack, fp: str | None, hashes: list[str], before: dict[str, float],
                 killed: str | None = None) -> tuple[dict[str, int], int]:
     """Who encoded the media `hashes` since `before` (encoded_counts): each live encoder and
-    worker by its count, `killed` (an encoder SIGKILLed meanwhile) by what it published (the
-    embeddings of `hashes` keyed `fp` in Redis, less what the live encoders encoded); and how
-    many of them were neither published nor encoded by a worker."""
+    worker by its count, `killed` (an encoder SIGKILLed meanwhile) at least by what was
+    published (the embeddings of `hashes` keyed `fp` in Redis) beyond what the live encoders
+    and the workers encoded (a worker publishes what it takes over from the encoders' queue);
+    and how many of them were neither published nor encoded by a worker."""
     after = encoded_counts(stack)
     encoded = {n: round(after[n] - before.get(n, 0)) for n in sorted(after)}
     found = len(published(stack, fp, hashes)) if fp else 0
+    by_workers = sum(v for n, v in encoded.items() if n.startswith("worker-"))
     if killed is not None:
         live = sum(v for n, v in encoded.items() if n.startswith("encoder-"))
-        encoded = {f"{killed} (killed)": max(0, found - live), **encoded}
-    by_workers = sum(v for n, v in encoded.items() if n.startswith("worker-"))
+        encoded = {f"{killed} (killed)": max(0, found - live - by_workers), **encoded}
     return encoded, max(0, len(hashes) - found - by_workers)
 
 

@@ -47,6 +47,6 @@ def test_an_encoder_killed_under_image_load(vision_dir, tmp_path):
     # can find its cached "no live encoder" still set, and the workers encode those)
     assert sum(v for k, v in reference.encoded.items() if k.startswith("encoder-")) > 0, reference
     assert "encoder-0 (killed)" in one_of_two.encoded and one_of_two.unfinished_at_kill is not None, one_of_two
-    # the only encoder (encoder-1) died after a batch: the workers encoded what it had not published
-    assert only.encoded["encoder-1 (killed)"] < 16, only
-    assert sum(v for k, v in only.encoded.items() if k.startswith("worker-")) >= 16 - only.encoded["encoder-1 (killed)"]
+    # the only encoder (encoder-1) died after a batch: what it had not published, the workers
+    # encoded (nothing missing, above); how much that was depends on when the kill landed
+    assert "encoder-1 (killed)" in only.encoded and only.unfinished_at_kill is not None, only
