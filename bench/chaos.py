@@ -59,7 +59,6 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.append(str(Path(__file__).resolve().parent))
 import encoder_fleet as enc  # noqa: E402  (bench/encoder_fleet.py: the encoders of a stack)
-from workloads import camera_frame  # noqa: E402
 from compose.launcher import Stack, StackConfig, free_port  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -105,13 +104,6 @@ def load(requests: int, image_requests: int = 0, images: int = 2) -> list[Ask]:
     return asks + [Ask(f"image-{i}", i % 2 == 0, 0.0, None, images=images) for i in range(image_requests)]
 
 
-_picture = functools.lru_cache(maxsize=None)(camera_frame)  # the same pictures every round
-
-
-def round_frames(asks: list[Ask], tag: str, width: int, height: int) -> dict[str, list[bytes]]:
-    """Each image request's frames in one round: the same pictures, tagged with the round."""
-    return {a.key: [enc.tagged(_picture(i * 64 + k, width, height), f"chaos-{tag}") for k in range(a.images)]
-            for i, a in enumerate(x for x in asks if x.images)}
 
 
 async def ask(client: openai.AsyncOpenAI, model: str, a: Ask, max_tokens: int, bound_s: float,
@@ -328,7 +320,7 @@ def play(stack: Stack, asks: list[Ask], fault: str, tag: str, args, reference: d
     if fault in ENCODER_FAULTS:
         victim = enc.set_encoders(stack, ENCODER_FAULTS[fault])[0]
     enc.wait_drained(stack)
-    frames = round_frames(asks, tag, *args.image_size)
+    frames = enc.round_frames([(a.key, a.images) for a in asks if a.images], f"chaos-{tag}", *args.image_size)
     hashes = list(dict.fromkeys(enc.digest(f) for fs in frames.values() for f in fs))
     fp = enc.fingerprint(stack) if hashes and stack.live_encoder_ids() else None
     before = enc.encoded_counts(stack) if hashes else {}

@@ -3,11 +3,13 @@ start, stop, kill and count them: bench/encoder_scaling.py and bench/chaos.py's 
 faults. `set_encoders` (start or stop encoders until N run), `encoded_counts` (each
 service's `mm_items_encoded_total`), `queue_depth`, `published` (which embeddings are in
 Redis), `wait_drained`, `kill_after_batch`, `who_encoded`, `tagged` (the same JPEG with a
-tag in a comment segment: new bytes, the same pixels).
+tag in a comment segment: new bytes, the same pixels), `round_frames` (a round's tagged
+frames).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import signal
 import sys
@@ -18,11 +20,13 @@ import redis
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repository before bench/: bench/kernels.py must not shadow kernels/
+sys.path.append(str(HERE))
 
 from compose.launcher import Stack  # noqa: E402
 from encoder_svc.jobs import EncodeJobStream  # noqa: E402
 from proto.encoder_messages import encoder_registration_decoder  # noqa: E402
 from proto.metrics_scrape import metric, scrape  # noqa: E402
+from workloads import camera_frame  # noqa: E402  (bench/workloads.py)
 
 ENCODED = "pagedserve:mm_items_encoded_total"
 
@@ -138,6 +142,18 @@ def who_encoded(stack: Stack, fp: str | None, hashes: list[str], before: dict[st
         live = sum(v for n, v in encoded.items() if n.startswith("encoder-"))
         encoded = {f"{killed} (killed)": max(0, found - live - by_workers), **encoded}
     return encoded, max(0, len(hashes) - found - by_workers)
+
+
+@functools.lru_cache(maxsize=None)
+def _picture(seed: int, width: int, height: int) -> bytes:
+    return camera_frame(seed, width, height)
+
+
+def round_frames(requests: list[tuple[str, int]], tag: str, width: int, height: int) -> dict[str, list[bytes]]:
+    """The frames of (key, how many) requests in one round: the same pictures every round
+    (request i's frame k is picture i * 64 + k), tagged with the round (`tag`)."""
+    return {key: [tagged(_picture(i * 64 + k, width, height), tag) for k in range(count)]
+            for i, (key, count) in enumerate(requests)}
 
 
 def tagged(jpeg: bytes, tag: str) -> bytes:

@@ -130,9 +130,6 @@ class ModelRunner:
         if self.vision_config is not None and media is not None:
             self.vision = ImageEmbedder.load(self.model_dir, self.vision_config, self.dtype, self.device,
                                              media, config.encoder_cache_memory_bytes, published)
-            if self.vision.published is not None:  # an encoder service of another dtype or checkpoint is not used
-                log.info("vision: encoder cache of %d embeddings; published embeddings read under %s",
-                         self.vision.cache_items, self.vision.published.fingerprint)
         # KV cache groups (kvstore/kv_cache_groups.py): a block holds `group_size` layers' K/V
         self.kv_layout = self.model.kv_layout
         slots = self.kv_layout.group_size

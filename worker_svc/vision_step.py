@@ -88,7 +88,11 @@ class ImageEmbedder:
         `cache_bytes`, and (given a way to make it from the encoder: its fingerprint) the
         published embeddings to read."""
         encoder = MediaEncoder.load(model_dir, cfg, dtype, device, media)
-        return cls(encoder, EncoderCache(cache_bytes), published(encoder) if published else None)
+        embedder = cls(encoder, EncoderCache(cache_bytes), published(encoder) if published else None)
+        if embedder.published is not None:  # an encoder service of another dtype or checkpoint is not used
+            log.info("vision: encoder cache of %d embeddings; published embeddings read under %s",
+                     embedder.cache_items, embedder.published.fingerprint)
+        return embedder
 
     @property
     def cache_items(self) -> int:
