@@ -5,7 +5,8 @@
     python bench/chaos.py --model models/gemma3-vision-small --faults kill-encoder,kill-only-encoder --requests 0
 
 The stack is the launcher's (`pagedserve up`): its own redis-server (no persistence), two
-workers (`--drain-timeout 10`), two schedulers (one leads, one stands by), the gateway;
+workers (`--drain-timeout 10`), two schedulers (one leads, one stands by; with `--shards
+2` each leads a shard and one worker), the gateway;
 the launcher restarts whatever dies (`Stack.supervise`, on a thread here). Each round
 sends the same load: streamed and not, greedy and sampled at temperature 0.8 with seeds,
 unseeded sampled ones, `n = 2`, and JSON-schema chat requests -- every completion with
@@ -15,7 +16,9 @@ fault and is the reference; every later round injects its fault once tokens flow
   kill-worker       SIGKILL a worker
   sigterm-worker    SIGTERM a worker (it drains), restarted after it exits
   sigstop-worker    SIGSTOP a worker past its registration TTL (8 s), then SIGCONT
-  kill-scheduler    SIGKILL the scheduler holding the lease (the standby takes over)
+  kill-scheduler    SIGKILL the scheduler holding the lease (of shard 0: the standby, or
+                    with --shards 2 the other scheduler, takes it over; restarted, it takes
+                    its share back)
   restart-redis     SIGKILL redis-server; the launcher starts it again (empty)
   redis-outage      SIGSTOP redis-server for 4 s, then SIGCONT
   rolling-restart   SIGTERM every worker in turn, each restarted and serving again
@@ -345,6 +348,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--images-per-request", type=int, default=2)
     p.add_argument("--image-size", type=lambda v: tuple(map(int, v.split("x"))), default=(160, 120), help="WxH")
     p.add_argument("--encoder-arg", action="append", default=[], help="extra flag for every encoder")
+    p.add_argument("--shards", type=int, default=1, help="scheduler shards (2: each scheduler leads one)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--bound-s", type=float, default=120.0, help="a request without an answer by then is hung")
     p.add_argument("--run-dir", help="logs of every process (default: a temporary folder)")
@@ -359,6 +363,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="chaos-"))
     config = StackConfig(model=args.model, port=free_port(), workers=2, schedulers=2, run_dir=run_dir,
                          worker_args=("--threads", "1", "--drain-timeout", "10"), startup_timeout_s=300,
+                         scheduler_args=("--shards", str(args.shards)),
                          encoder_args=("--threads", "1", *args.encoder_arg))
     rows = []
     with Stack(config) as stack:

@@ -80,7 +80,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
                                     metrics_port=args.metrics_port,
                                     async_scheduling=args.async_scheduling,
                                     max_waiting_requests=args.max_waiting_requests,
-                                    stats_interval_s=args.stats_interval, **extra)
+                                    stats_interval_s=args.stats_interval, shards=args.shards, **extra)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -157,7 +157,9 @@ def run_up(args: argparse.Namespace) -> int:
     config = StackConfig(model=model, host=args.host, port=args.port, workers=args.workers,
                          schedulers=args.schedulers, encoders=args.encoders,
                          encoder_args=tuple(args.encoder_arg), redis_url=args.redis_url, run_dir=Path(args.run_dir),
-                         worker_args=tuple(args.worker_arg), scheduler_args=tuple(args.scheduler_arg),
+                         worker_args=tuple(args.worker_arg),
+                         scheduler_args=(*(("--shards", str(args.shards)) if args.shards > 1 else ()),
+                                         *args.scheduler_arg),
                          gateway_args=tuple(args.gateway_arg))
     with Stack(config) as stack:
         print(f"pagedserve: serving {stack.served_model_name} on {stack.base_url} "

@@ -128,6 +128,10 @@ def add_scheduler_flags(f: EnvFlags) -> None:
     f.add("--async-scheduling", default="auto", choices=["auto", "on", "off"],
           help="plan each step while the one before runs on the worker (on), or after its "
                "result (off); auto: on for workers on an accelerator, off on the CPU")
+    f.add("--shards", type=int, default=1,
+          help="scheduler shards: each its own requests stream, lease and share of the workers; "
+               "the schedulers lead about shards / schedulers each (give every scheduler the same "
+               "number). More shards, more schedulers driving the fleet at once")
     f.add("--max-waiting-requests", type=int, default=1024,
           help="requests waiting for a step at most; beyond it the gateway answers 429 with "
                "Retry-After (0 = no bound)")
@@ -159,7 +163,11 @@ def add_up_flags(f: EnvFlags) -> None:
     f.add("--port", type=int, default=8000)
     f.add("--workers", type=int, default=1)
     f.add("--schedulers", type=int, default=1,
-          help="schedulers to run: one leads (a lease in Redis), the others stand by to take over")
+          help="schedulers to run: they share the --shards (one shard: one leads, the others "
+               "stand by to take over)")
+    f.add("--shards", type=int, default=1,
+          help="scheduler shards (pagedserve scheduler --shards): each led by one scheduler, "
+               "driving its share of the workers")
     f.add("--encoders", type=int, default=0,
           help="vision models: encoder services to run beside the workers (pagedserve encoder): "
                "media encoded as they are stored, ahead of the questions; 0 = the workers encode")

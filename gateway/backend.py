@@ -6,6 +6,8 @@ One `RedisBackend` per gateway process. It owns:
   `list[TokenEvent]`) and puts each event on the asyncio queue of its request;
 - the NewRequests it submitted whose events are still awaited (until their queues close):
   after its subscription was lost it sends each of them again (`_resubmit_open`);
+- which scheduler shard each request went to (gateway/shard_choice.py chooses), so its
+  aborts follow it there;
 - a short-lived cache of the live workers' `WorkerRegistration`s and of the live
   schedulers' `SchedulerHeartbeat`s.
 """
@@ -16,6 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import msgspec
@@ -26,9 +29,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.event_queues import EventQueues
+from gateway.shard_choice import ShardChoice
 from proto.keys import STREAM_FIELD, RedisKeys
 from proto.messages import (AbortRequest, NewRequest, SchedulerHeartbeat, TokenEvent, WorkerRegistration,
                             WorkerStats, events_decoder, stats_decoder, stream_encoder)
+from proto.parallel import parent_request_id
 from proto.registry import WorkerRegistry
 from proto.scheduler_registry import SchedulerRegistry
 
@@ -38,6 +43,7 @@ _MAX_CONNECTIONS = 64  # commands to Redis in flight at once; more wait for a co
 _POOL_WAIT_S = 10.0
 _RESUBSCRIBE_DELAY_S = 0.25
 _RESUBSCRIBE_MAX_DELAY_S = 5.0
+_MAX_SHARDS_KEPT = 65536  # request ids whose shard is remembered for a late abort
 _RESUBMIT_FOR_S = 10.0  # how long open requests are tried to be sent again, all together
 
 
@@ -66,6 +72,9 @@ class RedisBackend(EventQueues):
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._open: dict[str, NewRequest] = {}  # submitted, events still awaited
+        self._shard_choice = ShardChoice()
+        # request id -> the shard it went to, for its aborts (also after it closed)
+        self._shard_of: OrderedDict[str, int] = OrderedDict()
         self._resubmitted: set[str] = set()  # of those, sent again after a lost subscription
         self._workers: list[WorkerRegistration] = []
         self._workers_at = float("-inf")
@@ -181,9 +190,14 @@ class RedisBackend(EventQueues):
     # ---- requests -------------------------------------------------------------------------
 
     async def submit(self, request: NewRequest) -> None:
-        """Queue it for the scheduler; its events are awaited (and it is sent again after a
-        lost subscription) until its queue closes."""
+        """Queue it on a scheduler shard's stream (gateway/shard_choice.py); its events
+        are awaited (and it is sent again, to the same shard, after a lost subscription)
+        until its queue closes."""
+        request = msgspec.structs.replace(request, shard=self._shard_choice.pick(request, await self.schedulers()))
         self._open[request.request_id] = request
+        self._shard_of[request.request_id] = request.shard
+        while len(self._shard_of) > _MAX_SHARDS_KEPT:
+            self._shard_of.popitem(last=False)
         await self._xadd(request)
 
     def close(self, request_ids: Iterable[str]) -> bool:
@@ -200,7 +214,7 @@ class RedisBackend(EventQueues):
         return aborted
 
     async def _xadd(self, request: NewRequest) -> None:
-        await self._client.xadd(self.keys.requests, {STREAM_FIELD: stream_encoder.encode(request)})
+        await self._client.xadd(self.keys.shard_requests(request.shard), {STREAM_FIELD: stream_encoder.encode(request)})
 
     async def _xadd_retrying(self, request: NewRequest, deadline: float) -> None:
         """XADD, tried again until `deadline` (monotonic): right after Redis came back, the
@@ -216,7 +230,9 @@ class RedisBackend(EventQueues):
             delay = min(delay * 2, _RESUBSCRIBE_MAX_DELAY_S)
 
     async def abort(self, request_id: str) -> None:
-        await self._client.xadd(self.keys.requests,
+        """To the shard its request (a child's: its parent) went to."""
+        shard = self._shard_of.get(parent_request_id(request_id) or request_id, 0)
+        await self._client.xadd(self.keys.shard_requests(shard),
                                 {STREAM_FIELD: stream_encoder.encode(AbortRequest(request_id))})
 
     def abort_soon(self, request_id: str) -> None:

@@ -47,6 +47,20 @@ class RedisKeys:
         """`<scheduler id>:<fencing token>` of the scheduler that drives the workers, with a TTL."""
         return f"{self.prefix}:scheduler-lease"
 
+    def shard_requests(self, shard: int) -> str:
+        """Shard `shard`'s requests stream (scheduler_svc/shard.py); shard 0's is `requests`."""
+        return self.requests if shard == 0 else f"{self.prefix}:requests:{shard}"
+
+    def shard_lease(self, shard: int) -> str:
+        """`<scheduler id>:<fencing token>` of the scheduler leading shard `shard`, with a
+        TTL (scheduler_svc/leader.py); shard 0's is `scheduler-lease`."""
+        return self.scheduler_lease if shard == 0 else f"{self.prefix}:scheduler-lease:{shard}"
+
+    def worker_lease(self, worker_id: str) -> str:
+        """`<shard>:<fencing token>` of the shard that drives this worker, with a TTL
+        (scheduler_svc/worker_leases.py)."""
+        return f"{self.prefix}:worker-lease:{worker_id}"
+
     @property
     def scheduler_epoch(self) -> str:
         """The last fencing token drawn by a scheduler taking the lease (scheduler_svc/leader.py)."""

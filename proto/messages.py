@@ -80,6 +80,9 @@ class NewRequest(msgspec.Struct, frozen=True, tag="new"):
     resubmitted: bool = False
     # Images and video frames in the prompt, in prompt order (empty for text).
     mm_inputs: tuple[MultiModalInput, ...] = ()
+    # The scheduler shard whose stream it went to (gateway/shard_choice.py); its aborts
+    # and resubmissions go there too.
+    shard: int = 0
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
@@ -139,6 +142,15 @@ class WorkerRegistration(msgspec.Struct, frozen=True):
     draining: bool = False  # SIGTERM: finishing what runs; route nothing new here
 
 
+class ShardLoad(msgspec.Struct, frozen=True):
+    """One scheduler shard as its leader reports it: the gateways pick a shard for each
+    request from these (gateway/shard_choice.py)."""
+
+    shard: int
+    worker_ids: list[str]  # the workers the shard drives (their leases are its)
+    num_requests: int  # requests the shard holds: on its workers, parked or in transit
+
+
 class SchedulerHeartbeat(msgspec.Struct, frozen=True):
     """What a live scheduler says about itself (scheduler_svc/heartbeat.py), refreshed
     every `interval_s` under a TTL: the gateway's readiness and admission read it."""
@@ -149,6 +161,7 @@ class SchedulerHeartbeat(msgspec.Struct, frozen=True):
     max_waiting_requests: int  # the bound on num_waiting the gateway enforces; 0 = none
     interval_s: float  # how often it is refreshed
     updated_at: float  # time.time() when written
+    shards: list[ShardLoad] = []  # the shards it leads (none: a standby)
 
 
 class Histogram(msgspec.Struct, frozen=True, array_like=True):

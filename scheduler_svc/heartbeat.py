@@ -15,12 +15,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
 from proto.keys import RedisKeys
-from proto.messages import SchedulerHeartbeat, stream_encoder
+from proto.messages import SchedulerHeartbeat, ShardLoad, stream_encoder
 from proto.outage_log import OutageLog
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -32,6 +32,7 @@ class Load:
 
     worker_ids: list[str]
     num_waiting: int
+    shards: list[ShardLoad] = field(default_factory=list)  # the shards it leads
 
 
 class Heartbeat:
@@ -56,7 +57,8 @@ class Heartbeat:
         load = self._load()
         message = SchedulerHeartbeat(
             scheduler_id=self._id, worker_ids=load.worker_ids, num_waiting=load.num_waiting,
-            max_waiting_requests=self._max_waiting, interval_s=self._interval_s, updated_at=time.time())
+            max_waiting_requests=self._max_waiting, interval_s=self._interval_s, updated_at=time.time(),
+            shards=load.shards)
         pipe = self._redis.pipeline(transaction=True)
         pipe.set(self._keys.scheduler(self._id), stream_encoder.encode(message), px=self._ttl_ms)
         pipe.sadd(self._keys.schedulers, self._id)

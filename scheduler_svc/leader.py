@@ -1,14 +1,18 @@
-"""The scheduler leader lease: which of the schedulers sharing one Redis drives the workers.
+"""Leases with fencing tokens: which scheduler leads a shard, which shard drives a worker.
 
-Only one scheduler may assign block ids on the workers, so schedulers take a lease:
-`<prefix>:scheduler-lease` holds `"<scheduler id>:<token>"` with a TTL, set only when absent
-(or held under our own id: a restarted scheduler need not wait for its old lease to run
-out). Taking it draws the next fencing token: one more than `<prefix>:scheduler-epoch`,
-or Redis's clock in milliseconds if that is larger -- so tokens keep growing across a
-Redis restart that lost the counter (workers remember the highest they saw); the
-leader renews it every `ttl_s / 3` and stamps its token on every `Step`, and a worker
-refuses a token below the highest it has seen (worker_svc/server.py). A standby polls until
-the lease is free, so it takes over within about one TTL of the leader's death.
+Only one scheduler may read a shard's requests stream and assign block ids on its
+workers, so schedulers take a lease per shard: `<prefix>:scheduler-lease` (shard 0;
+`scheduler-lease:<k>` for shard k) holds `"<scheduler id>:<token>"` with a TTL, set only
+when absent (or held under our own id: a restarted scheduler need not wait for its old
+lease to run out). Taking it draws the next fencing token: one more than
+`<prefix>:scheduler-epoch`, or Redis's clock in milliseconds if that is larger -- so tokens
+keep growing across a Redis restart that lost the counter (workers remember the highest
+they saw). The leader renews it every `ttl_s / 3`; a scheduler without it polls until it
+is free (scheduler_svc/service.py), so a shard is taken over within about one TTL of its
+leader's death. A shard's workers are leased the same way (scheduler_svc/worker_leases.py:
+`worker-lease:<id>` holds `"<shard>:<token>"`), their tokens drawn from the same counter:
+a worker's token is stamped on every `Step` sent to it, and a worker refuses a token below
+the highest it has seen (worker_svc/server.py).
 
 A renewal finds the lease gone when Redis restarted empty or our lease ran out while we
 stalled: we take it back under the same token unless a newer token was drawn since (then
@@ -68,19 +72,19 @@ class LeaseLost(Exception):
     """Another scheduler holds the lease now: this one must stop driving workers."""
 
 
-class LeaderLease:
-    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, scheduler_id: str, ttl_s: float):
-        self._redis, self._keys, self._id = redis, keys, scheduler_id
+class Lease:
+    """One lease: `key` holds `"<owner>:<token>"` with a TTL; taking it draws the next
+    token from `epoch_key` (the same counter for every lease of the stack, so a token
+    outranks every one drawn before it, whatever it leases)."""
+
+    def __init__(self, redis: aioredis.Redis, key: str, epoch_key: str, owner: str, ttl_s: float):
+        self._redis, self._key_names, self._id = redis, [key, epoch_key], owner
         self.ttl_s = ttl_s
         self.token = 0  # the fencing token while we hold the lease; 0 before
 
     @property
     def _value(self) -> str:
         return f"{self._id}:{self.token}"
-
-    @property
-    def _key_names(self) -> list[str]:
-        return [self._keys.scheduler_lease, self._keys.scheduler_epoch]
 
     async def acquire(self) -> bool:
         """Take the lease if it is free (or ours from before); True if we hold it now."""
@@ -90,13 +94,18 @@ class LeaderLease:
         return bool(token)
 
     async def renew(self) -> None:
-        """Extend the lease; LeaseLost if another scheduler has taken it."""
+        """Extend the lease; LeaseLost if another owner has taken it."""
         held = await self._redis.eval(_RENEW, 2, *self._key_names, self._value, int(self.ttl_s * 1000),
                                       self.token)
         if not held:
-            raise LeaseLost(f"another scheduler holds the lease (ours had token {self.token})")
+            raise LeaseLost(f"another owner holds {self._key_names[0]} (ours had token {self.token})")
 
     async def release(self) -> None:
-        """On a clean stop, so a standby takes over at once."""
+        """On a clean stop (or a hand-over), so another owner takes it at once."""
         if self.token:
-            await self._redis.eval(_RELEASE, 1, self._keys.scheduler_lease, self._value)
+            await self._redis.eval(_RELEASE, 1, self._key_names[0], self._value)
+
+
+def shard_lease(redis: aioredis.Redis, keys: RedisKeys, scheduler_id: str, ttl_s: float, shard: int = 0) -> Lease:
+    """The lease on leading shard `shard` (its requests stream, its workers' leases)."""
+    return Lease(redis, keys.shard_lease(shard), keys.scheduler_epoch, scheduler_id, ttl_s)

@@ -22,7 +22,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from proto.keys import SCHEDULER_GROUP, STREAM_FIELD, RedisKeys
+from proto.keys import SCHEDULER_GROUP, STREAM_FIELD
 from proto.messages import AbortRequest, NewRequest, stream_decoder
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -34,14 +34,20 @@ Handler = Callable[[bytes, NewRequest | AbortRequest], Awaitable[None]]
 
 
 class RequestStream:
-    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, consumer_name: str, read_batch: int,
+    def __init__(self, redis: aioredis.Redis, key: str, consumer_name: str, read_batch: int,
                  handle: Handler) -> None:
+        """`key`: the stream (a shard's: RedisKeys.shard_requests)."""
         self._redis = redis
-        self._key = keys.requests
+        self._key = key
         self.consumer_name = consumer_name
         self._read_batch = read_batch
         self._handle = handle
         self._unacked: list[bytes] = []  # finished entries Redis has not acknowledged yet
+        self._flusher: asyncio.Task | None = None  # acknowledging what ack_soon queued
+
+    @property
+    def key(self) -> str:
+        return self._key
 
     async def create_group(self) -> None:
         """The stream and its group, unless they exist."""
@@ -144,6 +150,21 @@ class RequestStream:
             if len(batch) == len(entry_ids):  # once per outage
                 log.warning("could not acknowledge finished requests (%s); retrying with the next", exc)
             self._unacked = batch + self._unacked
+
+    def ack_soon(self, entry_ids: list[bytes]) -> None:
+        """`ack` off the caller's path (a step loop's, between two steps): queued, and sent
+        by one task, with whatever else is queued meanwhile (every worker's finished
+        requests in one round trip)."""
+        self._unacked.extend(entry_ids)
+        if self._unacked and (self._flusher is None or self._flusher.done()):
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._unacked:
+            queued = len(self._unacked)
+            await self.ack([])
+            if len(self._unacked) >= queued:
+                return  # Redis out of reach: kept for the next acknowledgement
 
     async def _deliver(self, entry_id: bytes, fields: dict) -> None:
         try:

@@ -1,51 +1,46 @@
-"""The scheduler service: the Redis and gRPC shell around one BatchScheduler per worker.
+"""The scheduler service: leads its share of the scheduler shards, each a Shard.
 
-It wires four parts, each owning its state:
-  * `WorkerPool` (scheduler_svc/worker_pool.py) -- the workers: discovery in the registry,
-    joining (a WorkerHandle with its own BatchScheduler), retiring, evacuation;
-  * `RequestLedger` (scheduler_svc/ledger.py) -- where every request is: on a worker,
-    parked until one joins, or in transit; its stream entry; its children (n > 1);
-  * `StepLoop` (scheduler_svc/step_loop.py), one per worker -- schedule() -> Steps
-    (gRPC) -> update(), stats; its worker evacuated and its requests re-routed when it ends;
-  * `RequestStream` (scheduler_svc/request_stream.py) -- the requests stream as this
-    consumer sees it: reading, claiming, acknowledging.
-and, while it leads, runs two tasks on the same asyncio loop: the stream's read, whose
-messages `_handle_entry` routes (a NewRequest to a worker, prefix-aware:
-`scheduler_svc.routing`; an AbortRequest to wherever the request is), and
-`_discover_workers`, which refreshes the pool (a worker that joins gets its step loop and
-the parked requests).
+The requests of a stack go to `--shards` shards (default 1), each with its own requests
+stream, its own lease and its own share of the workers (scheduler_svc/shard.py). Every
+scheduler process runs this service, which owns what is the process's, not a shard's:
+
+  * the heartbeat (scheduler_svc/heartbeat.py): its workers, the requests waiting, and
+    each shard it leads with its workers and requests (the gateways choose a shard for
+    each request from these: gateway/shard_choice.py);
+  * /metrics and /health (scheduler_svc/metrics.py);
+  * which shards it leads (`_balance`, every `lease_ttl_s / 6`): with P live schedulers,
+    each leads about `ceil(shards / P)`. Below that share it takes the lease of a shard
+    nobody leads (trying the shards in an order of its own: a rendezvous hash of its
+    name), so a shard whose leader died is taken over within about a lease TTL; above it
+    (another scheduler came) it hands one over: the shard stops and gives its leases up,
+    and whoever takes it claims its pending requests and serves them again from their
+    prompts (as after a leader's death).
+
+With one shard this is the leader and its standbys of before: one scheduler leads, the
+others wait for its lease. A shard that ends with a lost lease is dropped (this process
+may lead it again later); one that crashes ends the process, as a bug should.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import math
 import time
-from collections.abc import Sequence
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from proto.keys import RedisKeys
-from proto.messages import AbortRequest, NewRequest, TokenEvent, stream_encoder
-from proto.parallel import parent_request_id
-from proto.registry import WorkerRegistry
-from scheduler_svc.encoding_wait import EncodingWait
+from proto.scheduler_registry import SchedulerRegistry
 from scheduler_svc.heartbeat import Heartbeat, Load
-from scheduler_svc.leader import LeaderLease
-from scheduler_svc.ledger import RequestLedger, Unrouted
+from scheduler_svc.leader import LeaseLost, shard_lease
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.request import SchedulerRequest
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.service_config import SchedulerServiceConfig
-from scheduler_svc.routing import pick_worker
-from scheduler_svc.step_loop import StepLoop
-from scheduler_svc.worker_pool import WorkerHandle, WorkerPool
+from scheduler_svc.shard import Shard
 
 log = logging.getLogger("pagedserve.scheduler")
-
-_RETRY_S = 0.25  # first wait before taking over again after a Redis error
-_MAX_RETRY_S = 5.0
 
 
 class SchedulerService:
@@ -53,312 +48,146 @@ class SchedulerService:
         self.config = config
         self.keys = RedisKeys(config.key_prefix)
         self.redis = aioredis.Redis.from_url(config.redis_url)
-        self.pool = WorkerPool(WorkerRegistry(self.keys), self.redis, config.batching,
-                               config.retired_retry_s, config.schedules_ahead)
-        self.ledger = RequestLedger(config.max_early_aborts)
         self.metrics = SchedulerMetrics()
         self.heartbeat = Heartbeat(self.redis, self.keys, config.consumer_name,
                                    interval_s=config.heartbeat_interval_s, ttl_s=config.heartbeat_ttl_s,
                                    max_waiting_requests=config.max_waiting_requests, load=self.load)
-        self.lease = LeaderLease(self.redis, self.keys, config.consumer_name, config.lease_ttl_s)
-        self.stream = RequestStream(self.redis, self.keys, config.consumer_name, config.read_batch,
-                                    self._handle_entry)
-        self.encoding = EncodingWait(self.redis, self.keys)
-        self._tasks: list[asyncio.Task] = []  # the heartbeat; the leader's read and discovery loops
+        self.shards: dict[int, Shard] = {}  # the shards this scheduler leads now
+        self._shard_tasks: dict[int, asyncio.Task] = {}
+        self._led_elsewhere: set[int] = set()  # shards other live schedulers lead
+        self._failed: asyncio.Future | None = None  # a shard that crashed: the process ends
         self._stopping = False
+
+    @property
+    def shard(self) -> Shard | None:
+        """Shard 0 if this scheduler leads it (the only one of a one-shard stack)."""
+        return self.shards.get(0)
 
     # ---- lifecycle -------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Serve until `stop` is set: heartbeat at once, wait for the leader lease (a
-        standby meanwhile), then drive the workers (`_lead`). Raises LeaseLost when another
-        scheduler took the lease (restart as a standby), or what crashed a loop."""
+        """Serve until `stop` is set: heartbeat at once, then lead this scheduler's share
+        of the shards (a standby while others lead them all). Raises what crashed a shard."""
         stop = stop or asyncio.Event()
-        await self.stream.create_group()
+        self._failed = asyncio.get_running_loop().create_future()
+        for k in range(self.config.shards):
+            await RequestStream(self.redis, self.keys.shard_requests(k), self.config.consumer_name,
+                                self.config.read_batch, _ignore).create_group()
         metrics_server = self.metrics.serve(self.config.metrics_host, self.config.metrics_port, self.health)
-        self._tasks = [asyncio.create_task(self.heartbeat.run(), name="heartbeat")]
-        leading = asyncio.create_task(self._lead(), name="lead")
+        tasks = [asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
+                 asyncio.create_task(self._balance(), name="balance-shards")]
         waiter = asyncio.create_task(stop.wait())
-        done: set[asyncio.Task] = set()
+        done: set[asyncio.Future] = set()
         try:
-            done, _ = await asyncio.wait([waiter, leading, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([waiter, self._failed, *tasks], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            # The loops also check _stopping: a blocking redis-py read may swallow a cancellation.
             self._stopping = True
-            everything = [waiter, leading, *self._tasks, *self.encoding.waiting,
-                          *(h.task for h in self.pool.handles() if h.task)]
+            for task in [waiter, *tasks]:
+                task.cancel()
             try:
-                for task in everything:
-                    task.cancel()
-                await asyncio.wait(everything, timeout=3)
+                await asyncio.wait([waiter, *tasks], timeout=3)
+                for k in list(self._shard_tasks):
+                    await self._drop(k)
             finally:
                 await self.heartbeat.clear()
-                try:
-                    await self.lease.release()
-                except (aioredis.RedisError, OSError):
-                    pass  # its TTL frees it
-                await self.pool.close()
                 if metrics_server is not None:
                     metrics_server.close()
                 await self.redis.aclose()
-        for task in done:  # surface a crashed loop (or a lost lease) instead of hiding it
+        for task in done:  # surface a crashed loop instead of hiding it
             if task is not waiter and not task.cancelled() and task.exception():
                 raise task.exception()
 
-    async def _lead(self) -> None:
-        """Take the lease (waiting as a standby while another scheduler holds it), claim
-        every pending request of the stream (a dead leader's too), start reading and
-        discovering, then renew the lease until a loop crashes or the lease is lost."""
-        if not await self._try_acquire():
-            log.info("scheduler %s is a standby: another scheduler holds the lease", self.config.consumer_name)
-            while not await self._try_acquire():
-                await asyncio.sleep(self.lease.ttl_s / 6)
-        log.info("scheduler %s leads (fencing token %d), reading %s", self.config.consumer_name,
-                 self.lease.token, self.keys.requests)
-        await self._take_over()
-        loops = [asyncio.create_task(self.stream.read(lambda: self._stopping), name="read-requests"),
-                 asyncio.create_task(self._discover_workers(), name="discover-workers")]
-        self._tasks.extend(loops)
-        failing = False
-        while True:
-            await asyncio.wait(loops, timeout=self.lease.ttl_s / 3)
-            for task in loops:
-                if task.done():
-                    task.result()  # raises what crashed it
-                    raise RuntimeError(f"{task.get_name()} ended")
+    async def _balance(self) -> None:
+        """Lead this scheduler's share of the shards: take free ones below it, hand one
+        over above it (see the module docstring)."""
+        while not self._stopping:
             try:
-                await self.lease.renew()
+                beats = await SchedulerRegistry(self.keys).read(self.redis)
             except (aioredis.RedisError, OSError) as exc:
-                if not failing:
-                    log.warning("could not renew the leader lease: %s", exc)
-                failing = True
-                continue
-            failing = False
-            # Entries another scheduler read and left, idle for two lease periods: a leader
-            # that lost its lease may read some before it notices (e.g. requests a gateway
-            # sent again right after a Redis restart that also moved the lead).
-            await self.stream.claim_orphans(int(2 * self.lease.ttl_s * 1000))
+                log.warning("could not read the schedulers' heartbeats: %s", exc)
+                beats = None
+            if beats is not None:
+                others = [b for b in beats if b.scheduler_id != self.config.consumer_name]
+                self._led_elsewhere = {s.shard for b in others for s in b.shards}
+                share = math.ceil(self.config.shards / (len(others) + 1))
+                for k in self._preference():
+                    if len(self._shard_tasks) >= share:
+                        break
+                    if k not in self._shard_tasks and k not in self._led_elsewhere:
+                        await self._try_lead(k)
+                if len(self._shard_tasks) > share:
+                    k = min(self.shards, key=lambda s: self.shards[s].load()[0].num_requests)
+                    log.info("handing shard %d over: %d scheduler(s) share %d shard(s)",
+                             k, len(others) + 1, self.config.shards)
+                    await self._drop(k)
+            await asyncio.sleep(self.config.lease_ttl_s / 6)
 
-    async def _try_acquire(self) -> bool:
+    def _preference(self) -> list[int]:
+        """The shards in the order this scheduler tries them (rendezvous hashing)."""
+        def rank(k: int) -> bytes:
+            return hashlib.blake2b(f"{self.config.consumer_name}:{k}".encode(), digest_size=8).digest()
+        return sorted(range(self.config.shards), key=rank)
+
+    def led_shards(self) -> int:
+        """Shards with a leader now (this scheduler's and the others'): each shard's
+        workers are its fair share of them (scheduler_svc/worker_leases.py)."""
+        return max(1, len(self._led_elsewhere | set(self.shards)))
+
+    async def _try_lead(self, k: int) -> None:
+        lease = shard_lease(self.redis, self.keys, self.config.consumer_name, self.config.lease_ttl_s, k)
         try:
-            return await self.lease.acquire()
-        except (aioredis.RedisError, OSError) as exc:
-            log.warning("could not try the leader lease: %s", exc)
-            return False
-
-    async def _take_over(self) -> None:
-        """Claim the pending requests, then learn every live worker before routing anything;
-        a Redis error here is retried with a backoff (a group gone with an empty Redis is
-        made again), never the end of the scheduler."""
-        delay = _RETRY_S
-        while True:
-            try:
-                # Every pending request becomes ours (a dead leader's too), served again from
-                # its prompt; with (seed, position) sampling and `request_seed` it comes out
-                # as the client already has it, and its gateway drops the indices it has.
-                claimed = await self.stream.claim_pending()
-                if claimed:
-                    log.info("claimed %d pending request(s)", claimed)
-                await self._refresh_workers()
+            if not await lease.acquire():
                 return
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                await self.stream.create_group()
-            except (aioredis.RedisError, OSError) as exc:
-                log.warning("taking over failed (%s); retrying", exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _MAX_RETRY_S)
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("could not try the lease of shard %d: %s", k, exc)
+            return
+        self.shards[k] = Shard(self.config, k, self.redis, self.metrics, lease, self.led_shards)
+        self._shard_tasks[k] = asyncio.create_task(self._lead(self.shards[k]), name=f"shard-{k}")
+
+    async def _lead(self, shard: Shard) -> None:
+        """Lead the shard until its lease is lost or it is dropped; then stop it."""
+        try:
+            await shard.lead()
+        except LeaseLost as exc:
+            log.warning("shard %d: %s; no longer leading it", shard.shard, exc)
+        except asyncio.CancelledError:
+            pass  # dropped
+        except Exception as exc:  # a bug: end the process (it is restarted)
+            if self._failed is not None and not self._failed.done():
+                self._failed.set_exception(exc)
+        finally:
+            if self.shards.get(shard.shard) is shard:
+                del self.shards[shard.shard], self._shard_tasks[shard.shard]
+            await shard.stop()
+
+    async def _drop(self, k: int) -> None:
+        """Stop leading shard `k`: its task ends and gives its leases up."""
+        task = self._shard_tasks.get(k)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task], timeout=10)
+
+    # ---- health ------------------------------------------------------------------------
 
     def health(self) -> tuple[bool, dict]:
         """GET /health on the metrics port (called from its thread): healthy while the
         heartbeat reaches Redis (its last beat younger than its TTL); the role says whether
-        this scheduler leads (and drives how many workers) or stands by."""
+        this scheduler leads shards (which, and how many workers) or stands by."""
         written_at, load = self.heartbeat.written_at, self.heartbeat.written
         age = None if written_at is None else time.monotonic() - written_at
         healthy = age is not None and age < self.config.heartbeat_ttl_s
         return healthy, {"status": "ok" if healthy else "heartbeat_not_written",
-                         "role": "leader" if self.lease.token > 0 else "standby",
+                         "role": "leader" if load and load.shards else "standby",
+                         "shards": [s.shard for s in load.shards] if load else [],
                          "workers": load.worker_ids if load else [],
                          "heartbeat_age_s": None if age is None else round(age, 3)}
 
     def load(self) -> Load:
-        """The heartbeat's report: the live workers, and the requests waiting for a step
-        (on a worker's waiting queue, parked until a worker joins, or in transit)."""
-        live = self.pool.live()
-        waiting = sum(len(h.scheduler.queues.waiting) for h in live)
-        return Load([h.worker_id for h in live],
-                    waiting + len(self.ledger.unassigned) + len(self.ledger.in_transit))
+        """The heartbeat's report: every shard's live workers and requests."""
+        loads = [shard.load() for _, shard in sorted(self.shards.items())]
+        return Load([w for shard, _ in loads for w in shard.worker_ids], sum(w for _, w in loads),
+                    [shard for shard, _ in loads])
 
-    # ---- workers ---------------------------------------------------------------------
 
-    async def _discover_workers(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(self.config.discovery_interval_s)
-            await self._refresh_workers()
-
-    async def _refresh_workers(self) -> None:
-        for handle in await self.pool.refresh():
-            self.start_worker(handle)
-            await self._route_all(self.ledger.take_parked())
-
-    def start_worker(self, handle: WorkerHandle) -> None:
-        """Put the worker in the pool and start its step loop."""
-        self.pool.add(handle)
-        handle.task = asyncio.create_task(self._drive(handle), name=f"steps-{handle.worker_id}")
-
-    async def _drive(self, handle: WorkerHandle) -> None:
-        """The worker's step loop, then (once it is retired) its evacuation."""
-        loop = StepLoop(handle, self.redis, self.keys, self.metrics, self.config.step_timeout_s,
-                        self.config.stats_interval_s, self._finished, self.lease.token)
-        try:
-            await loop.run()
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug or a Redis error: never leave a dead loop holding requests
-            log.exception("step loop of worker %s crashed", handle.worker_id)
-            handle.retire("its step loop crashed")
-        finally:
-            if not self._stopping:
-                try:
-                    states = await self.pool.evacuate(handle)
-                    self.metrics.forget_worker(handle.worker_id)
-                    await self._route_all(states, lost_worker=True)
-                except Exception:
-                    log.exception("re-routing the requests of worker %s failed", handle.worker_id)
-
-    # ---- requests in -----------------------------------------------------------------
-
-    async def _handle_entry(self, entry_id: bytes, message: NewRequest | AbortRequest) -> None:
-        """A message read from the stream (or claimed)."""
-        if isinstance(message, AbortRequest):
-            await self.stream.ack([entry_id])
-            await self._abort(message.request_id)
-        elif message.request_id in self.ledger.entries:
-            if message.resubmitted:  # its gateway lost events: start it over, here or anywhere
-                await self._abort(message.request_id)  # acknowledges the old entry
-                self.ledger.open(message.request_id, entry_id)
-                await self._route(message)
-            elif entry_id != self.ledger.entries[message.request_id]:
-                await self.stream.ack([entry_id])  # its resubmitted copy came first: this one is done
-            # else the same entry, delivered again while in flight
-        elif self.ledger.take_early_abort(message.request_id):
-            await self.stream.ack([entry_id])
-        else:
-            self.ledger.open(message.request_id, entry_id)
-            if message.mm_inputs and await self.encoding.pending([m.content_hash for m in message.mm_inputs]):
-                self.encoding.route_when_encoded(message, self.ledger, self._route, self._budget_fingerprint)
-            else:
-                hashes = [m.content_hash for m in message.mm_inputs]  # published: no encoder budget
-                await self._route(message, await self.encoding.published(hashes, self._budget_fingerprint()))
-
-    async def _abort(self, request_id: str) -> None:
-        """Abort a request wherever it is (the ledger says where) and, n > 1, its children
-        wherever each is. A child's id (`p/1`, proto/parallel.py) aborts that child alone;
-        the parent's entry is done with its last child. A request id not seen yet is
-        remembered (boundedly) as an early abort: its NewRequest is dropped when it comes."""
-        parent_id = parent_request_id(request_id)
-        # Parked or in transit: taken out first, so nothing routes them afterwards.
-        gone = self.ledger.take_unrouted(request_id)
-        children = self.ledger.assigned_children(request_id)
-        # abort_request(parent) on a worker aborts the children forked there too.
-        for handle in self.ledger.holders(request_id):
-            if handle.scheduler.abort_request(request_id):
-                handle.wake.set()  # the worker learns to forget it in the next step
-                gone.append(request_id)
-        for child_id in {*children, *(rid for rid in gone if parent_request_id(rid) == request_id)}:
-            self.ledger.close(child_id)  # children have no stream entry of their own
-        if parent_id is not None:
-            self.ledger.close(request_id)
-            if gone:  # else already finished (the finish did this) or not forked yet
-                await self.stream.ack(self._close_parent_if_done(parent_id))
-        elif request_id in self.ledger.entries:
-            await self.stream.ack(self._close(request_id))
-        else:
-            self.ledger.remember_early_abort(request_id)
-
-    async def _route(self, item: Unrouted, published: Sequence[str] = ()) -> None:
-        """The live worker holding the longest cached prefix of the request's tokens,
-        unless it is much more loaded than another (the score: scheduler_svc.routing).
-        `published`: its media the encoder service has published (EncodingWait.published)."""
-        live = self.pool.live()
-        if not live:
-            self.ledger.park(item)
-            return
-        tokens = item.prompt_token_ids if isinstance(item, NewRequest) else item.token_ids
-        handle = pick_worker(live, tokens, lambda h: h.scheduler, mm_inputs=item.mm_inputs)
-        handle.scheduler.note_published(published)
-        add = handle.scheduler.add_request if isinstance(item, NewRequest) else handle.scheduler.add_state
-        error = add(item)
-        if error is not None:  # it can never fit on that worker: tell the client, drop it
-            done = self._close(item.request_id, item.parent_id if isinstance(item, SchedulerRequest) else None)
-            await self._publish(item.reply_channel, error)
-            await self.stream.ack(done)
-            return
-        self.ledger.assign(item.request_id, handle)
-        handle.wake.set()
-
-    def _budget_fingerprint(self) -> str | None:
-        """The workers' embeddings fingerprint when steps budget encoder work, else None."""
-        live = self.pool.live()
-        return live[0].scheduler.embeddings_fingerprint if live and live[0].scheduler.config.encoder_budget else None
-
-    async def _route_all(self, items: list[Unrouted], lost_worker: bool = False) -> None:
-        """Route each in turn (`lost_worker`: drained from a lost worker -- a request that
-        lost too many gets an error instead). Those not routed yet are in transit
-        meanwhile: an abort takes them out, and a sibling that fails to route does not
-        finish its parent's entry early."""
-        self.ledger.start_transit(items)
-        try:
-            for item in items:
-                if not self.ledger.end_transit(item):  # aborted meanwhile
-                    continue
-                losses = self.ledger.lost_worker(item.request_id) if lost_worker else 0
-                if losses > self.config.max_reroutes:
-                    await self._give_up(item, losses)
-                else:
-                    await self._route(item)
-        finally:
-            for item in items:
-                self.ledger.end_transit(item)
-
-    async def _give_up(self, state: SchedulerRequest, losses: int) -> None:
-        event = TokenEvent(state.request_id, index=state.num_output_tokens, finish_reason="error",
-                           error=f"request lost its worker {losses} times; giving up")
-        done = self._close(state.request_id, state.parent_id)
-        await self._publish(state.reply_channel, event)
-        await self.stream.ack(done)
-
-    # ---- requests out ----------------------------------------------------------------
-
-    async def _finished(self, states: list[SchedulerRequest]) -> None:
-        """A worker finished these requests (its step loop's update, in step order)."""
-        done = [entry_id for state in states for entry_id in self._close(state.request_id, state.parent_id)]
-        await self.stream.ack(done)
-
-    async def _publish(self, channel: str, event: TokenEvent) -> None:
-        """An error event for a client; with Redis out of reach it is lost (logged), and the
-        client's request ends by its timeout."""
-        try:
-            await self.redis.publish(channel, stream_encoder.encode([event]))
-        except (aioredis.RedisError, OSError) as exc:
-            log.warning("could not tell %s: %s", event.request_id, exc)
-
-    def _close(self, request_id: str, parent_id: str | None = None) -> list[bytes]:
-        """Take a done request out of the ledger, and its parent (n > 1) when that was its
-        last child; the stream entries to acknowledge. Synchronous, and done before any
-        await: a resubmitted copy of the request routed meanwhile (`_handle_entry`) must
-        never be closed for it."""
-        entry_id = self.ledger.close(request_id)
-        done = [] if entry_id is None else [entry_id]
-        if parent_id is not None:
-            done += self._close_parent_if_done(parent_id)
-        return done
-
-    def _close_parent_if_done(self, parent_id: str) -> list[bytes]:
-        """n > 1: the stream entry is the parent's, done with its last child (on a worker,
-        parked or in transit)."""
-        if (parent_id in self.ledger.entries and not self.pool.has_children(parent_id)
-                and not self.ledger.has_unrouted_children(parent_id)):
-            return self._close(parent_id)
-        return []
+async def _ignore(entry_id: bytes, message) -> None:
+    """The handler of a stream only used to create its group."""

@@ -38,10 +38,15 @@ class SchedulerServiceConfig:
     # host work it overlaps with a step competes with that step for the same cores
     # (docs/performance.md, "Async scheduling").
     async_scheduling: str = "auto"
+    # Scheduler shards (scheduler_svc/service.py): each its own requests stream, lease and
+    # share of the workers; every scheduler of a stack must be given the same number.
+    shards: int = 1
 
     def __post_init__(self) -> None:
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be 'auto', 'on' or 'off', got {self.async_scheduling!r}")
+        if self.shards < 1:
+            raise ValueError(f"shards must be >= 1, got {self.shards}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
 

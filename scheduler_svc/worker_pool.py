@@ -1,10 +1,13 @@
-"""The workers the scheduler service drives: discovery, joining, retiring, evacuation.
+"""The workers one scheduler shard drives: discovery, leasing, joining, retiring, evacuation.
 
 Workers register themselves in Redis (proto/registry.py). The pool reads the registry
-now and then: a new registration is dialled (gRPC `Describe`) and joins with a
-WorkerHandle -- its own BatchScheduler sized from the worker's blocks, its channel, its
-metrics recorder; a registration that vanished (or was replaced by a restarted worker)
-retires its handle. A retired handle is evacuated by its own step loop once that has
+now and then and keeps its shard's fair share of the live workers
+(scheduler_svc/worker_leases.py): below it, it leases free workers; a leased worker is
+dialled (gRPC `Describe`) and joins with a WorkerHandle -- its own BatchScheduler sized
+from the worker's blocks, its channel, its metrics recorder, its lease's fencing token;
+above it, its least loaded worker gets nothing new and is handed over (retired, its lease
+released) once its requests are done. A registration that vanished (or was replaced by a
+restarted worker), or a lease another shard holds now, retires its handle. A retired handle is evacuated by its own step loop once that has
 stopped (so a step in flight is never torn apart): it leaves the pool, its channel
 closes, and its requests come back drained, to be re-routed. A retired worker that still
 looks registered (a killed worker's key lingers until its TTL runs out) is not dialled
@@ -30,6 +33,7 @@ from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.metrics import WorkerRecorder
 from scheduler_svc.request import SchedulerRequest
+from scheduler_svc.worker_leases import WorkerLeases, fair_share, preference
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -46,6 +50,8 @@ class WorkerHandle:
     recorder: WorkerRecorder = field(default_factory=WorkerRecorder)  # request and step histograms
     schedules_ahead: bool = False  # async scheduling (SchedulerServiceConfig.schedules_ahead)
     task: asyncio.Task | None = None  # its step loop
+    fencing_token: int = 0  # its lease's token, stamped on every step
+    handing_over: bool = False  # beyond the shard's share: retired once its requests are done
 
     @property
     def worker_id(self) -> str:
@@ -67,8 +73,13 @@ REDIS_RESTART_GRACE_S = 5.0
 
 class WorkerPool:
     def __init__(self, registry: WorkerRegistry, redis: aioredis.Redis, batching: SchedulerConfig,
-                 retired_retry_s: float, schedules_ahead: Callable[[worker_pb2.WorkerInfo], bool]) -> None:
+                 retired_retry_s: float, schedules_ahead: Callable[[worker_pb2.WorkerInfo], bool],
+                 leases: WorkerLeases, shard: int = 0, led_shards: Callable[[], int] = lambda: 1) -> None:
+        """`led_shards()`: how many shards have a leader now (the share is taken of those)."""
         self._registry = registry
+        self.leases = leases
+        self._shard = shard
+        self._led_shards = led_shards
         self._redis = redis
         self._batching = batching
         self._retired_retry_s = retired_retry_s
@@ -91,16 +102,17 @@ class WorkerPool:
         return list(self._workers.values())
 
     def live(self) -> list[WorkerHandle]:
-        """The workers new requests may go to (not retiring, not draining)."""
-        return [h for h in self._workers.values() if not h.retiring and not h.draining]
+        """The workers new requests may go to (not retiring, draining or being handed over)."""
+        return [h for h in self._workers.values() if not (h.retiring or h.draining or h.handing_over)]
 
     def has_children(self, parent_id: str) -> bool:
         """True while a child of `parent_id` is unfinished on some worker."""
         return any(h.scheduler.has_children(parent_id) for h in self._workers.values())
 
     async def refresh(self) -> list[WorkerHandle]:
-        """Read the registry: retire the workers whose registration is gone, dial the new
-        ones. Returns a handle for each that answered, to `add` (with its step loop)."""
+        """Read the registry: retire the workers whose registration is gone, hand over
+        what is beyond the shard's share, lease and dial free workers up to it. Returns a
+        handle for each that joined, to `add` (with its step loop)."""
         now = time.monotonic()
         try:
             snapshot = await self._registry.read(self._redis)
@@ -123,12 +135,56 @@ class WorkerPool:
                 log.info("worker %s is draining: no new requests go there", worker_id)
                 handle.draining = True
         self._retired = {k: t for k, t in self._retired.items() if t > now}
-        joined = []
-        for worker_id, reg in live.items():
-            if worker_id not in self._workers and (worker_id, reg.started_at) not in self._retired:
-                if (handle := await self._dial(reg)) is not None:
-                    joined.append(handle)
+        # In the grace after a Redis restart, the workers still registering count as live.
+        counted = set(live) | (set(self._workers) if now < self._grace_until else set())
+        share = fair_share(len(counted), self._led_shards())
+        self._hand_over(share)
+        driving = sum(1 for h in self._workers.values() if not h.retiring and not h.handing_over)
+        joined: list[WorkerHandle] = []
+        free = [w for w in live if w not in self._workers and (w, live[w].started_at) not in self._retired]
+        for worker_id in preference(self._shard, free):
+            if driving + len(joined) >= share:
+                break
+            if (handle := await self._join(live[worker_id])) is not None:
+                joined.append(handle)
         return joined
+
+    def _hand_over(self, share: int) -> None:
+        """Beyond `share`: the least loaded worker gets nothing new; a worker being handed
+        over whose requests are done is retired (its step loop ends, `evacuate` releases
+        its lease for a shard below its share)."""
+        keeping = [h for h in self._workers.values() if not h.retiring and not h.handing_over]
+        if len(keeping) > share:
+            handle = min(keeping, key=lambda h: h.scheduler.load)
+            log.info("worker %s goes to another shard (this one drives %d, its share is %d)",
+                     handle.worker_id, len(keeping), share)
+            handle.handing_over = True
+        for handle in self._workers.values():
+            if handle.handing_over and not handle.retiring and not handle.scheduler.queues:
+                handle.retire("handed over to another shard")
+
+    async def _join(self, reg: WorkerRegistration) -> WorkerHandle | None:
+        """Lease the worker and dial it; None if another shard holds it or it does not answer."""
+        try:
+            token = await self.leases.acquire(reg.worker_id)
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("could not lease worker %s: %s", reg.worker_id, exc)
+            return None
+        if not token:
+            return None
+        handle = await self._dial(reg)
+        if handle is None:
+            await self.leases.release(reg.worker_id)
+            return None
+        handle.fencing_token = token
+        return handle
+
+    async def renew_leases(self) -> None:
+        """Renew the workers' leases; a worker whose lease another shard took is retired
+        (its steps would be refused). Redis errors are the caller's."""
+        for worker_id in await self.leases.renew():
+            if (handle := self._workers.get(worker_id)) is not None:
+                handle.retire("another shard holds its lease")
 
     async def _dial(self, reg: WorkerRegistration) -> WorkerHandle | None:
         channel = grpc.aio.insecure_channel(reg.address, options=GRPC_OPTIONS)
@@ -153,15 +209,18 @@ class WorkerPool:
         unfinished requests, reset to be recomputed elsewhere."""
         if self._workers.get(handle.worker_id) is handle:
             del self._workers[handle.worker_id]
-        self._retired[(handle.worker_id, handle.registration.started_at)] = (
-            time.monotonic() + self._retired_retry_s)
+        if not handle.handing_over:
+            self._retired[(handle.worker_id, handle.registration.started_at)] = (
+                time.monotonic() + self._retired_retry_s)
         await _close(handle)
+        await self.leases.release(handle.worker_id)
         return handle.scheduler.drain()
 
     async def close(self) -> None:
-        """Close every channel (the service is stopping)."""
+        """Close every channel and release every lease (the shard is stopping)."""
         for handle in list(self._workers.values()):
             await _close(handle)
+        await self.leases.release_all()
 
 
 async def _close(handle: WorkerHandle) -> None:

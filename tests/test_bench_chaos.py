@@ -29,6 +29,18 @@ def test_every_fault_once(tiny_model_dir, tmp_path):
             assert row.counts["error"] == 0, row
 
 
+def test_two_schedulers_each_leading_a_shard(tiny_model_dir, tmp_path):
+    """`--shards 2`: each scheduler leads a shard and drives one worker. A scheduler killed
+    (the other takes its shard and worker over, then hands it back once it is restarted) and
+    a worker killed (its shard's requests wait for it): nothing lost, outputs unchanged."""
+    chaos = bench_module("chaos")
+    rows = chaos.main(["--model", str(tiny_model_dir), "--shards", "2", "--faults", "kill-scheduler,kill-worker",
+                       "--requests", "6", "--max-tokens", "32", "--bound-s", "90", "--run-dir", str(tmp_path / "run")])
+    assert [r.fault for r in rows] == ["none", "kill-scheduler", "kill-worker"]
+    for row in rows:
+        assert row.counts["completed"] == row.sent and row.differs == 0, row
+
+
 def test_an_encoder_killed_under_image_load(vision_dir, tmp_path):
     """The encoder faults on the tiny vision checkpoint: 8 image requests of 2 frames new to
     the stack a round; SIGKILL one of two encoders, then the only one, once it has encoded a

@@ -15,6 +15,7 @@ from proto.keys import STREAM_FIELD, RedisKeys
 from proto.messages import AbortRequest, NewRequest, SamplingParams, stream_encoder
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.service_config import SchedulerServiceConfig
+from scheduler_svc.shard import Shard
 
 TIMEOUT_S = 20.0
 
@@ -29,7 +30,7 @@ async def xadd(client: aioredis.Redis, keys: RedisKeys, message) -> None:
     await client.xadd(keys.requests, {STREAM_FIELD: stream_encoder.encode(message)})
 
 
-def unassigned_ids(service: SchedulerService) -> set[str]:
+def unassigned_ids(service: Shard) -> set[str]:
     return {item.request_id for item in service.ledger.unassigned}
 
 
@@ -43,11 +44,13 @@ async def wait_for(predicate, what: str, timeout: float = 5.0) -> None:
 
 @contextlib.asynccontextmanager
 async def running(config: SchedulerServiceConfig):
+    """The service's shard 0, once it leads it."""
     service = SchedulerService(config)
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
     try:
-        yield service
+        await wait_for(lambda: service.shard is not None or task.done(), "the lead")
+        yield service.shard
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=10)
@@ -151,7 +154,7 @@ def test_the_leader_claims_requests_another_scheduler_read_and_left(redis_url):
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 
 
-def _park_children(service: SchedulerService, parent_id: str, n: int) -> list:
+def _park_children(service: Shard, parent_id: str, n: int) -> list:
     """As after a worker loss with no live worker left: the forked parent is gone, its
     children wait one by one (returned, for the caller to park or put in transit)."""
     from proto.parallel import child_request_id
