@@ -103,15 +103,19 @@ class BatchScheduler:
         for update()), and the last step planned ahead had room for every request."""
         return self.steps.num_in_flight == 1 and not self.queues.swapped and not self.planner.ahead_blocked
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int], mm_inputs: Sequence[MultiModalInput] = ()) -> int:
+    def cached_prefix_tokens(self, token_ids: Sequence[int], mm_inputs: Sequence[MultiModalInput] = (),
+                             hashes: dict | None = None) -> int:
         """Tokens of this sequence's prefix (with the images `mm_inputs` in it) an admission
         here would find in the prefix cache now (full blocks, its last token excluded, not
         ending inside an image); 0 with caching off. Changes nothing; costs one hash and
-        one lookup per block hit, plus one for the miss."""
+        one lookup per block hit, plus one for the miss. `hashes`: the sequence's block
+        hashes computed so far, shared by the caller across workers (keyed by block size
+        and hash function): each block is hashed once however many workers look it up."""
         bs = self.kv.block_size
+        own = [] if hashes is None else hashes.setdefault((bs, self.kv.hash_fn), [])
         if not mm_inputs:
-            return len(self.kv.find_cached_prefix(token_ids, [])) * bs
-        hit = self.kv.find_cached_prefix(token_ids, [], block_extra_keys(mm_inputs, bs),
+            return len(self.kv.find_cached_prefix(token_ids, own)) * bs
+        hit = self.kv.find_cached_prefix(token_ids, own, block_extra_keys(mm_inputs, bs),
                                          fit=lambda m: hit_blocks(mm_inputs, m, bs))
         return len(hit) * bs
 

@@ -35,11 +35,12 @@ T = TypeVar("T")
 
 
 def route_cost(scheduler: BatchScheduler, token_ids: Sequence[int], prefix_weight: float = 1.0,
-               mm_inputs: Sequence[MultiModalInput] = ()) -> float:
-    """cost(w) above for one worker's scheduler (`mm_inputs`: the images in token_ids)."""
+               mm_inputs: Sequence[MultiModalInput] = (), hashes: dict | None = None) -> float:
+    """cost(w) above for one worker's scheduler (`mm_inputs`: the images in token_ids;
+    `hashes`: the request's block hashes so far, shared across the workers looked at)."""
     hit = 0
     if prefix_weight:
-        hit = scheduler.cached_prefix_tokens(token_ids, mm_inputs)
+        hit = scheduler.cached_prefix_tokens(token_ids, mm_inputs, hashes)
         if mm_inputs:
             hit += scheduler.held_image_tokens(mm_inputs, hit)
     capacity = scheduler.kv.num_blocks * scheduler.kv.block_size
@@ -49,10 +50,13 @@ def route_cost(scheduler: BatchScheduler, token_ids: Sequence[int], prefix_weigh
 def pick_worker(candidates: Sequence[T], token_ids: Sequence[int],
                 scheduler_of: Callable[[T], BatchScheduler], prefix_weight: float = 1.0,
                 mm_inputs: Sequence[MultiModalInput] = ()) -> T:
-    """The candidate of lowest cost (see the module docstring); `candidates` non-empty."""
+    """The candidate of lowest cost (see the module docstring); `candidates` non-empty.
+    The request's blocks are hashed once, however many candidates look them up."""
+    hashes: dict = {}
+
     def key(c: T) -> tuple[float, float]:
         scheduler = scheduler_of(c)
-        return route_cost(scheduler, token_ids, prefix_weight, mm_inputs), scheduler.load
+        return route_cost(scheduler, token_ids, prefix_weight, mm_inputs, hashes), scheduler.load
     if len(candidates) == 1:
         return candidates[0]
     return min(candidates, key=key)

@@ -70,8 +70,9 @@ class WorkerLeases:
             try:
                 await lease.renew()
             except LeaseLost:
-                del self._leases[worker_id]
-                lost.append(worker_id)
+                if self._leases.get(worker_id) is lease:  # not released meanwhile
+                    del self._leases[worker_id]
+                    lost.append(worker_id)
         return lost
 
     async def release(self, worker_id: str) -> None:

@@ -17,6 +17,9 @@ box inside one overall budget (`--budget-s`, 480 s), carrying on past a step tha
             transformers on CUDA
   kernels   bench/kernels.py --quick: decode attention bandwidth against a measured device
             copy, paged against contiguous SDPA, prefill TFLOP/s
+  fleet     bench/fleet.py on the machine's 16 cores (no GPU: the model is simulated): one
+            scheduler driving 64 workers at 30 ms steps, 256 workers sharded over 8
+            schedulers at 100 ms, and the same 256 on one scheduler (FLEET_RUNS)
   serving   bench/gpu/serving.py: the `1b` preset in bf16, made there from the carried
             tokenizer; the stack against the in-process engine at concurrency 64 and 256;
             decode steps' model-bandwidth utilisation (bench/roofline.py)
@@ -44,7 +47,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Each step's own limit in seconds, on CUDA; the overall budget caps what is left.
-LIMITS = {"install": 60, "tests": 140, "vision": 60, "kernels": 75, "serving": 340}
+LIMITS = {"install": 60, "tests": 140, "vision": 60, "kernels": 75, "fleet": 270, "serving": 340}
+# bench/fleet.py on the machine's CPUs (the model is simulated): name -> flags. One scheduler
+# at a GPU-like 30 ms step; 256 workers at 100 ms steps (what 16 cores can simulate: the
+# simulated workers, gateways and clients cost more CPU per step than the schedulers)
+# sharded over 8 schedulers, and the same load on one scheduler (its prefix hit rate).
+FLEET_RUNS = {
+    "one-scheduler-64": ["--workers", "64", "--schedulers", "1", "--step-ms", "30", "--duration", "20",
+                         "--baseline-duration", "8", "--gateways", "2", "--prefixes", "16"],
+    "sharded-256": ["--workers", "256", "--schedulers", "8", "--step-ms", "100", "--concurrency", "1024", "--output-tokens", "64",
+                    "--duration", "30", "--baseline-duration", "8", "--gateways", "4", "--prefixes", "64"],
+    "one-scheduler-256": ["--workers", "256", "--schedulers", "1", "--step-ms", "100", "--concurrency", "1024", "--output-tokens", "64",
+                          "--duration", "30", "--baseline-duration", "0", "--gateways", "4", "--prefixes", "64"],
+}
+FLEET_RUNS_CPU = {"one-scheduler-4": ["--workers", "4", "--step-ms", "30", "--duration", "5",
+                                      "--baseline-duration", "3"]}
 IMPORTS = ("import fastapi, uvicorn, redis, msgspec, grpc, google.protobuf, llguidance, cffi, "
            "transformers, torch; import gateway.app, scheduler_svc.service, worker_svc.server, "
            "compose.cli; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())")
@@ -211,6 +228,24 @@ class Check:
         if code != 0:
             return StepResult("kernels", "failed", reason=f"exit {code}")
         return StepResult("kernels", "passed", results=json.loads(out.read_text()))
+
+    def fleet(self, limit: float) -> StepResult:
+        runs, results = FLEET_RUNS if self.cuda else FLEET_RUNS_CPU, {}
+        deadline = time.monotonic() + limit
+        for name, argv in runs.items():
+            out = self.work / f"fleet-{name}.json"
+            out.unlink(missing_ok=True)
+            one = [r["one_worker_tokens_per_s"] for r in results.values() if isinstance(r, dict)
+                   and r.get("one_worker_tokens_per_s")
+                   and r["step_model"]["step_ms"] == float(argv[argv.index("--step-ms") + 1])]
+            if "--baseline-duration" in argv and argv[argv.index("--baseline-duration") + 1] == "0" and one:
+                argv = [*argv, "--one-worker-tokens-per-s", str(one[-1])]
+            code = self.run([sys.executable, "bench/fleet.py", *argv, "--run-dir", str(self.work / "fleet"),
+                             "--json", str(out)], max(1.0, deadline - time.monotonic()))
+            results[name] = json.loads(out.read_text()) if code == 0 and out.exists() else f"exit {code}"
+        failed = [n for n, r in results.items() if not isinstance(r, dict)]
+        return StepResult("fleet", "failed" if failed else "passed",
+                          reason=f"{', '.join(failed)} did not finish" if failed else "", results=results)
 
     def serving(self, limit: float) -> StepResult:
         out = self.out / "serving.json"
