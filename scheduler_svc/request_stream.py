@@ -24,6 +24,7 @@ from redis.exceptions import ResponseError
 
 from proto.keys import SCHEDULER_GROUP, STREAM_FIELD
 from proto.messages import AbortRequest, NewRequest, stream_decoder
+from proto.outage_log import OutageLog
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -44,6 +45,8 @@ class RequestStream:
         self._handle = handle
         self._unacked: list[bytes] = []  # finished entries Redis has not acknowledged yet
         self._flusher: asyncio.Task | None = None  # acknowledging what ack_soon queued
+        self._ack_outage = OutageLog(log, "could not acknowledge finished requests; retrying with the next",
+                                     "acknowledging finished requests again")
 
     @property
     def key(self) -> str:
@@ -147,9 +150,10 @@ class RequestStream:
         try:
             await pipe.execute()
         except (aioredis.RedisError, OSError) as exc:
-            if len(batch) == len(entry_ids):  # once per outage
-                log.warning("could not acknowledge finished requests (%s); retrying with the next", exc)
+            self._ack_outage.failed(exc)
             self._unacked = batch + self._unacked
+            return
+        self._ack_outage.ok()
 
     def ack_soon(self, entry_ids: list[bytes]) -> None:
         """`ack` off the caller's path (a step loop's, between two steps): queued, and sent
