@@ -136,39 +136,13 @@ class IncrementalFakeWorker(FakeWorker):
             track = self._tracks[request_id] = _Track(req)
         return track
 
-    def _forward(self, step_id, order, scheduled, holders):
-        if any(self.requests[request_id].mm_inputs for request_id in order):
-            return super()._forward(step_id, order, scheduled, holders)  # images: FakeWorker's own way
-        written: dict[int, tuple[int, int]] = {}
-        for request_id in order:
-            req, num_new = self.requests[request_id], scheduled[request_id]
-            assert num_new > 0, f"{request_id} scheduled for {num_new} tokens"
-            end = req.num_computed_tokens + num_new
-            assert end <= len(req.token_ids), f"{request_id} scheduled past its last token"
-            sums = self._track(request_id, req).extend_sums()
-            req.first_read = [self._first_needed(req, g) for g in range(len(self.group_windows))]
-            for pos in range(req.num_computed_tokens, end):
-                for g in range(len(self.group_windows)):
-                    slot = self._slot(request_id, req, g, pos)
-                    assert slot not in written, f"slot {slot} written twice in step {step_id}"
-                    assert holders[slot // self.block_size] == [request_id], (
-                        f"{request_id} writes position {pos} into block {slot // self.block_size}, "
-                        f"held by {holders[slot // self.block_size]}")
-                    written[slot] = (pos, sums[pos])
-        self.cache.update(written)
-        sampled = []
-        for request_id in order:
-            req = self.requests[request_id]
-            req.num_computed_tokens += scheduled[request_id]
-            self._read_context(request_id, req)
-            if req.num_computed_tokens < len(req.token_ids):
-                continue  # a partial prefill samples nothing
-            token = self._track(request_id, req).context_token(req.num_computed_tokens, self.vocab_size)
-            req.token_ids.append(token)
-            reason = self._finish_reason(req, token)
-            req.finished, req.finished_in = bool(reason), step_id
-            sampled.append(worker_pb2.SampledToken(request_id=request_id, token_id=token, finish_reason=reason))
-        return sampled
+    def _checksums(self, request_id, req):
+        return self._track(request_id, req).extend_sums()
+
+    def _token(self, request_id, req, context):
+        if req.mm_inputs:
+            return super()._token(request_id, req, context)
+        return self._track(request_id, req).context_token(req.num_computed_tokens, self.vocab_size)
 
     def _read_context(self, request_id, req):
         track = self._track(request_id, req)

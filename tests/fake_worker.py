@@ -189,18 +189,10 @@ class FakeWorker:
                             or offset < end < offset + length), (
                     f"step {step_id}: {request_id}'s chunk [{req.num_computed_tokens}, {end}) "
                     f"splits image [{offset}, {offset + length})")
-            sums = _prefix_checksums(req.token_ids, req.mm_inputs)
+            sums = self._checksums(request_id, req)
             # what this step's first query sees, in each group
             req.first_read = [self._first_needed(req, g) for g in range(len(self.group_windows))]
-            for pos in range(req.num_computed_tokens, end):
-                for g in range(len(self.group_windows)):
-                    slot = self._slot(request_id, req, g, pos)
-                    assert slot not in written, f"slot {slot} written twice in step {step_id}"
-                    block_id = slot // self.block_size
-                    assert holders[block_id] == [request_id], (
-                        f"{request_id} writes position {pos} into block {block_id}, "
-                        f"held by {holders[block_id]}")
-                    written[slot] = (pos, sums[pos])
+            self._write(step_id, request_id, req, end, sums, written, holders)
         self.cache.update(written)
 
         sampled = []
@@ -210,8 +202,7 @@ class FakeWorker:
             context = self._read_context(request_id, req)  # what attention reads
             if req.num_computed_tokens < len(req.token_ids):
                 continue  # a partial prefill samples nothing
-            seen = (context, req.mm_inputs) if req.mm_inputs else context
-            token = zlib.crc32(repr(seen).encode()) % self.vocab_size
+            token = self._token(request_id, req, context)
             req.token_ids.append(token)
             reason = self._finish_reason(req, token)
             req.finished = bool(reason)
@@ -241,6 +232,29 @@ class FakeWorker:
     def _block_entries(self, cache: dict, block_ids: list[int]) -> list:
         bs = self.block_size
         return [[cache.get(b * bs + o) for o in range(bs)] for b in block_ids]
+
+    def _checksums(self, request_id: str, req: _WorkerRequest) -> list[int]:
+        """Each position's checksum of the prefix up to it (images' hashes included)."""
+        return _prefix_checksums(req.token_ids, req.mm_inputs)
+
+    def _token(self, request_id: str, req: _WorkerRequest, context: list[int]) -> int:
+        """The "model": a hash of the context read back (and of the images in it)."""
+        seen = (context, req.mm_inputs) if req.mm_inputs else context
+        return zlib.crc32(repr(seen).encode()) % self.vocab_size
+
+    def _write(self, step_id, request_id: str, req: _WorkerRequest, end: int, sums: list[int],
+               written: dict, holders) -> None:
+        """The K/V of positions num_computed_tokens..end-1 into `written`, each group's slot
+        (position, checksum of the prefix up to it); a slot written twice in a step, or a
+        block another live request holds, fails."""
+        for pos in range(req.num_computed_tokens, end):
+            for g in range(len(self.group_windows)):
+                slot = self._slot(request_id, req, g, pos)
+                assert slot not in written, f"slot {slot} written twice in step {step_id}"
+                block_id = slot // self.block_size
+                assert holders[block_id] == [request_id], (
+                    f"{request_id} writes position {pos} into block {block_id}, held by {holders[block_id]}")
+                written[slot] = (pos, sums[pos])
 
     def _read_context(self, request_id: str, req: _WorkerRequest) -> list[int]:
         sums = _prefix_checksums(req.token_ids, req.mm_inputs)

@@ -4,7 +4,6 @@ answer every step exactly as tests/fake_worker.py's FakeWorker does and fail whe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from proto.messages import NewRequest, SamplingParams
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from tests.fake_worker import FakeWorker
+from tests.test_bench_compare import bench_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,12 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def sim_worker():
     saved = list(sys.path)  # sim_worker.py puts the repo and tests/ first: put them back after
-    spec = importlib.util.spec_from_file_location("bench_sim_worker", ROOT / "bench" / "sim_worker.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
     try:
-        spec.loader.exec_module(module)
-        yield module
+        yield bench_module("sim_worker")
     finally:
         sys.path[:] = saved
 
