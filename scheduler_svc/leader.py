@@ -15,8 +15,10 @@ a worker's token is stamped on every `Step` sent to it, and a worker refuses a t
 the highest it has seen (worker_svc/server.py).
 
 A renewal finds the lease gone when Redis restarted empty or our lease ran out while we
-stalled: we take it back under the same token unless a newer token was drawn since (then
-another scheduler led meanwhile, and this one has lost).
+stalled: we take it back under the same token unless a newer token was drawn for this
+lease since (`<prefix>:scheduler-epoch:last` holds each lease's last token: then another
+owner held it meanwhile, and this one has lost). Tokens drawn for other leases do not
+count: a shard's workers draw theirs after the shard's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ if token < now then
 end
 token = string.format('%d', token)
 redis.call('SET', KEYS[2], token)
+redis.call('HSET', KEYS[3], KEYS[1], token)
 redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token, 'PX', ARGV[2])
 return token
 """
@@ -51,11 +54,14 @@ end
 if current then
   return 0
 end
-local epoch = tonumber(redis.call('GET', KEYS[2]) or '0')
-if epoch > tonumber(ARGV[3]) then
+local last = tonumber(redis.call('HGET', KEYS[3], KEYS[1]) or '0')
+if last > tonumber(ARGV[3]) then
   return 0
 end
-redis.call('SET', KEYS[2], ARGV[3])
+if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[3]) then
+  redis.call('SET', KEYS[2], ARGV[3])
+end
+redis.call('HSET', KEYS[3], KEYS[1], ARGV[3])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
@@ -78,7 +84,9 @@ class Lease:
     outranks every one drawn before it, whatever it leases)."""
 
     def __init__(self, redis: aioredis.Redis, key: str, epoch_key: str, owner: str, ttl_s: float):
-        self._redis, self._key_names, self._id = redis, [key, epoch_key], owner
+        """`epoch_key`: the stack's token counter; beside it, `<epoch_key>:last` records the
+        last token drawn for each lease key (a hash)."""
+        self._redis, self._key_names, self._id = redis, [key, epoch_key, f"{epoch_key}:last"], owner
         self.ttl_s = ttl_s
         self.token = 0  # the fencing token while we hold the lease; 0 before
 
@@ -88,14 +96,14 @@ class Lease:
 
     async def acquire(self) -> bool:
         """Take the lease if it is free (or ours from before); True if we hold it now."""
-        token = await self._redis.eval(_ACQUIRE, 2, *self._key_names, self._id, int(self.ttl_s * 1000))
+        token = await self._redis.eval(_ACQUIRE, 3, *self._key_names, self._id, int(self.ttl_s * 1000))
         if token:
             self.token = int(token)
         return bool(token)
 
     async def renew(self) -> None:
         """Extend the lease; LeaseLost if another owner has taken it."""
-        held = await self._redis.eval(_RENEW, 2, *self._key_names, self._value, int(self.ttl_s * 1000),
+        held = await self._redis.eval(_RENEW, 3, *self._key_names, self._value, int(self.ttl_s * 1000),
                                       self.token)
         if not held:
             raise LeaseLost(f"another owner holds {self._key_names[0]} (ours had token {self.token})")

@@ -156,9 +156,11 @@ class SchedulerService:
             if self._failed is not None and not self._failed.done():
                 self._failed.set_exception(exc)
         finally:
+            # Stopped before it leaves the books: the shard is not led again from this
+            # process while its read may still hand it entries (Shard._handle_entry).
+            await shard.stop()
             if self.shards.get(shard.shard) is shard:
                 del self.shards[shard.shard], self._shard_tasks[shard.shard]
-            await shard.stop()
 
     async def _drop(self, k: int) -> None:
         """Stop leading shard `k`: its task ends and gives its leases up."""

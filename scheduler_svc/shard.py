@@ -198,6 +198,8 @@ class Shard:
 
     async def _handle_entry(self, entry_id: bytes, message: NewRequest | AbortRequest) -> None:
         """A message read from the stream (or claimed)."""
+        if self._stopping:  # a read that outlived the shard: left pending for its next leader
+            return
         if isinstance(message, AbortRequest):
             await self.stream.ack([entry_id])
             await self._abort(message.request_id)

@@ -7,9 +7,10 @@ dialled (gRPC `Describe`) and joins with a WorkerHandle -- its own BatchSchedule
 from the worker's blocks, its channel, its metrics recorder, its lease's fencing token;
 above it, its least loaded worker gets nothing new and is handed over (retired, its lease
 released) once its requests are done. A registration that vanished (or was replaced by a
-restarted worker), or a lease another shard holds now, retires its handle. A retired handle is evacuated by its own step loop once that has
-stopped (so a step in flight is never torn apart): it leaves the pool, its channel
-closes, and its requests come back drained, to be re-routed. A retired worker that still
+restarted worker), or a lease another shard holds now, retires its handle. A retired
+handle is evacuated by its own step loop once that has stopped (so a step in flight is
+never torn apart): it leaves the pool, its channel closes, its lease is released, and its
+requests come back drained, to be re-routed. A retired worker that still
 looks registered (a killed worker's key lingers until its TTL runs out) is not dialled
 again for `retired_retry_s`.
 """

@@ -48,6 +48,15 @@ def test_one_shard_holds_a_worker_and_the_next_owner_gets_a_higher_token(redis_u
             lease = shard_lease(client, keys, "s", 0.5, shard=3)
             assert await lease.acquire() and lease.token > a.token("w")
             assert (await client.get(keys.shard_lease(3))).decode() == f"s:{lease.token}"
+            # A lease that ran out with no other owner since is taken back at renewal, though
+            # other leases drew newer tokens meanwhile (Redis stalled past the TTL).
+            shard0 = shard_lease(client, keys, "s0", 0.3, shard=0)
+            assert await shard0.acquire()
+            assert await WorkerLeases(client, keys, 0, ttl_s=5).acquire("w2") > shard0.token
+            await asyncio.sleep(0.5)
+            assert await client.get(keys.shard_lease(0)) is None
+            await shard0.renew()  # no LeaseLost
+            assert (await client.get(keys.shard_lease(0))).decode() == f"s0:{shard0.token}"
         finally:
             names = [k async for k in client.scan_iter(match=f"{keys.prefix}:*")]
             if names:
