@@ -36,7 +36,6 @@ from proto.scheduler_registry import SchedulerRegistry
 from scheduler_svc.heartbeat import Heartbeat, Load
 from scheduler_svc.leader import LeaseLost, shard_lease
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.service_config import SchedulerServiceConfig
 from scheduler_svc.shard import Shard
 
@@ -70,9 +69,6 @@ class SchedulerService:
         of the shards (a standby while others lead them all). Raises what crashed a shard."""
         stop = stop or asyncio.Event()
         self._failed = asyncio.get_running_loop().create_future()
-        for k in range(self.config.shards):
-            await RequestStream(self.redis, self.keys.shard_requests(k), self.config.consumer_name,
-                                self.config.read_batch, _ignore).create_group()
         metrics_server = self.metrics.serve(self.config.metrics_host, self.config.metrics_port, self.health)
         tasks = [asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
                  asyncio.create_task(self._balance(), name="balance-shards")]
@@ -189,7 +185,3 @@ class SchedulerService:
         loads = [shard.load() for _, shard in sorted(self.shards.items())]
         return Load([w for shard, _ in loads for w in shard.worker_ids], sum(w for _, w in loads),
                     [shard for shard, _ in loads])
-
-
-async def _ignore(entry_id: bytes, message) -> None:
-    """The handler of a stream only used to create its group."""
