@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from compose.launcher import free_port  # noqa: E402
 from proto.messages import TokenEvent  # noqa: E402
 from worker_svc.event_publisher import EventPublisher  # noqa: E402
 
@@ -64,9 +64,7 @@ def start_redis() -> tuple[subprocess.Popen, str]:
     binary = shutil.which("redis-server")
     if binary is None:
         sys.exit("no redis-server on PATH: install one, or pass --redis-url")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -43,9 +44,37 @@ def _die_with_parent() -> None:
 
 
 def free_port() -> int:
+    """A port free now, for a child to bind later. Drawn outside the kernel's ephemeral
+    range, so that the connections and port-0 binds made meanwhile (Redis clients, gRPC
+    servers) cannot take it before the child binds it; the kernel's own choice when that
+    range leaves no room."""
+    low, high = _ephemeral_range()
+    candidates = [*range(10_000, min(low, 65_536)), *range(max(high + 1, 10_000), 65_536)]
+    for port in random.sample(candidates, min(len(candidates), 64)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(unreadable: {exc})"
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):  # not Linux: the IANA dynamic range
+        return 49_152, 65_535
 
 
 @dataclass(frozen=True)
@@ -232,8 +261,9 @@ class Stack:
         while True:
             for name, proc in self.procs.items():
                 if proc.poll() is not None and name not in self._stopped:
+                    log = self.config.run_dir / (name + ".log")
                     raise RuntimeError(f"{name} exited with {proc.returncode} while waiting for {what}; "
-                                       f"see {self.config.run_dir / (name + '.log')}")
+                                       f"the end of {log}:\n{_tail(log)}")
             try:
                 if ready():
                     return

@@ -20,6 +20,7 @@ import torch
 from media_helpers import file_bytes, picture
 from prometheus_client import CollectorRegistry, generate_latest
 
+from compose.launcher import free_port
 from encoder_svc.config import EncoderServiceConfig
 from encoder_svc.jobs import EncodeJobStream
 from encoder_svc.service import EncoderService
@@ -234,7 +235,7 @@ def test_the_service_registers_serves_health_and_metrics(vision_dir, redis_url, 
     import json
     import urllib.request
 
-    service = make_service(vision_dir, redis_url, keys, encoder_id="enc-t", metrics_port=_free_port())
+    service = make_service(vision_dir, redis_url, keys, encoder_id="enc-t", metrics_port=free_port())
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,))
     thread.start()
@@ -276,14 +277,6 @@ def test_worker_metrics_count_queries_and_ready_embeddings():
     assert 'pagedserve:mm_cache_queries_total{worker="w"} 6.0' in text
     assert 'pagedserve:mm_cache_hits_total{worker="w"} 5.0' in text
     assert 'pagedserve:encoder_cache_hits_total{worker="w"} 2.0' in text
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_announcements_during_the_first_registry_read_share_its_answer(redis_url, keys):

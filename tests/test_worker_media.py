@@ -3,8 +3,6 @@ gateway stores (found, missing, not msgpack, Redis unreachable), the worker's /m
 encoded images and encoder-cache hits, and a real worker service reads a request's media
 from its own Redis and fails an expired one alone."""
 
-import contextlib
-import socket
 import threading
 import urllib.request
 import uuid
@@ -18,6 +16,7 @@ from media_helpers import picture
 from prometheus_client import CollectorRegistry, generate_latest
 from runner_helpers import FakeMediaSource, mm_inputs
 
+from compose.launcher import free_port
 from kvstore.kv_cache_groups import group_layers
 from proto import worker_pb2, worker_pb2_grpc
 from proto.keys import RedisKeys
@@ -77,9 +76,7 @@ def test_worker_metrics_count_encoded_images_and_cache_hits():
 def test_the_worker_service_reads_media_from_its_redis(vision_dir, processor, redis_url):
     """serve(): the runner gets a RedisMediaSource on the service's Redis and key prefix;
     an image request is served, one whose media expired fails alone, /metrics counts."""
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        metrics_port = s.getsockname()[1]
+    metrics_port = free_port()
     prefix = f"images-{uuid.uuid4().hex[:8]}"
     config = server.WorkerServiceConfig(runner=RunnerConfig(model=str(vision_dir), num_blocks=256),
                                         port=0, redis_url=redis_url, key_prefix=prefix,
