@@ -34,7 +34,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compose.launcher import free_port  # noqa: E402
+from compose.launcher import free_port, redis_server_argv  # noqa: E402
 from proto.messages import TokenEvent  # noqa: E402
 from worker_svc.event_publisher import EventPublisher  # noqa: E402
 
@@ -65,8 +65,7 @@ def start_redis() -> tuple[subprocess.Popen, str]:
     if binary is None:
         sys.exit("no redis-server on PATH: install one, or pass --redis-url")
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(redis_server_argv(binary, port), stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + 10
     while True:

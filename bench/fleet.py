@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE.parent))  # the repository before bench/: bench/kern
 
 import redis  # noqa: E402
 
-from compose.launcher import Stack, StackConfig, free_port  # noqa: E402
+from compose.launcher import Stack, StackConfig, free_port, redis_server_argv  # noqa: E402
 from proto.keys import RedisKeys  # noqa: E402
 from proto.messages import stats_decoder  # noqa: E402
 from proto.registry import WorkerRegistry  # noqa: E402
@@ -107,8 +107,7 @@ def model_facts(model_dir: Path) -> tuple[int, int]:
 
 def start_redis(children: Children) -> str:
     port = free_port()
-    children.start("redis", [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-                             "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(children.run_dir)])
+    children.start("redis", redis_server_argv(shutil.which("redis-server") or "redis-server", port, children.run_dir))
     url = f"redis://127.0.0.1:{port}/0"
     wait_until(lambda: redis.Redis.from_url(url).ping(), children, "redis-server to answer")
     return url

@@ -62,6 +62,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def redis_server_argv(binary: str, port: int, workdir: Path | None = None) -> list[str]:
+    """A throwaway redis-server on loopback: no snapshots, no append-only file; its working
+    directory `workdir` (where it would write) when given."""
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return argv + (["--dir", str(workdir)] if workdir is not None else [])
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -168,8 +175,7 @@ class Stack:
         if binary is None:
             raise RuntimeError("no redis-server on PATH: `make up` installs one, or pass --redis-url")
         port = free_port()
-        self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", str(self.config.run_dir.resolve())])
+        self._spawn("redis", redis_server_argv(binary, port, self.config.run_dir.resolve()))
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         self._wait_for(lambda: self._redis().ping(), "redis-server to answer")
 

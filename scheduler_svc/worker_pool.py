@@ -58,10 +58,11 @@ class WorkerHandle:
     def worker_id(self) -> str:
         return self.registration.worker_id
 
-    def retire(self, why: str) -> None:
-        """Route nothing more here; the step loop stops and evacuates the worker."""
+    def retire(self, why: str, level: int = logging.WARNING) -> None:
+        """Route nothing more here; the step loop stops and evacuates the worker. `level`:
+        INFO for a routine retirement (a hand-over), WARNING for a fault."""
         if not self.retiring:
-            log.warning("retiring worker %s: %s", self.worker_id, why)
+            log.log(level, "retiring worker %s: %s", self.worker_id, why)
             self.retiring = True
             self.wake.set()
 
@@ -162,7 +163,7 @@ class WorkerPool:
             handle.handing_over = True
         for handle in self._workers.values():
             if handle.handing_over and not handle.retiring and not handle.scheduler.queues:
-                handle.retire("handed over to another shard")
+                handle.retire("handed over to another shard", logging.INFO)
 
     async def _join(self, reg: WorkerRegistration) -> WorkerHandle | None:
         """Lease the worker and dial it; None if another shard holds it or it does not answer."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from compose.launcher import free_port
+from compose.launcher import free_port, redis_server_argv
 
 REDIS_IMAGE = "redis:7"
 
@@ -82,11 +82,8 @@ def redis_url(tmp_path_factory):
         pytest.fail("no redis-server on PATH: run `make test` (it installs one) or set REDIS_URL")
     port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    proc = subprocess.Popen(redis_server_argv(binary, port, workdir),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     try:
         _wait_for_redis(url)

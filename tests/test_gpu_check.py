@@ -82,6 +82,14 @@ def test_a_failing_step_is_reported_and_the_budget_skips_what_does_not_fit(tmp_p
     assert c.step("serving", broken).status == "skipped"  # under 5 s left of the budget
 
 
+def test_a_fleet_run_that_the_time_left_cannot_hold_is_skipped_not_started(tmp_path):
+    c = run_check(tmp_path)
+    t0 = time.monotonic()
+    result = c.fleet(limit=5.0)  # the CPU run measures 8 s, and starting it takes more
+    assert time.monotonic() - t0 < 1 and result.status == "skipped"
+    assert all(r.startswith("skipped") for r in result.results.values()) and "no time left" in result.reason
+
+
 def test_a_missing_bundle_fails_the_install_and_skips_the_rest(tmp_path):
     assert check.main(["--device", "cpu", "--bundle", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
                        "--work", str(tmp_path / "work")]) == 1
