@@ -51,14 +51,14 @@ sys.path.insert(0, str(HERE.parent))  # the repository before bench/: bench/kern
 
 import redis  # noqa: E402
 
-from compose.launcher import Stack, StackConfig, free_port, redis_server_argv  # noqa: E402
+from compose.launcher import Stack, StackConfig, die_with_parent, free_port, redis_server_argv  # noqa: E402
 from proto.keys import RedisKeys  # noqa: E402
 from proto.messages import stats_decoder  # noqa: E402
 from proto.registry import WorkerRegistry  # noqa: E402
 
 sys.path.append(str(HERE))
 from proc_cpu import cpu_by_process, cpu_used  # noqa: E402
-from sim_worker import RECORD_FIELDS, StepModel  # noqa: E402
+from sim_worker import RECORD_FIELDS, StepModel, worker_id  # noqa: E402
 
 SERVED_NAME = "fleet-sim"
 # Sizing the default processes at about half a core each, from a 2-core VM's costs: a
@@ -76,7 +76,8 @@ class Children:
 
     def start(self, name: str, argv: list[str]) -> None:
         with open(self.run_dir / f"{name}.log", "ab") as log:
-            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                                preexec_fn=die_with_parent)  # none outlives a killed run
 
     def check(self) -> None:
         for name, proc in self.procs.items():
@@ -170,10 +171,11 @@ def start_sims(args, children: Children, redis_url: str, key_prefix: str, worker
     vocab, eos = model_facts(Path(args.model))
     procs = args.sim_procs or min(os.cpu_count() or 1, math.ceil(workers * SIM_CPU_MS / (args.step_ms / 2)))
     procs = min(workers, procs)
-    for p, count in enumerate(split(workers, procs)):
+    counts = split(workers, procs)
+    for p, count in enumerate(counts):
         children.start(f"sim-{p}", [
             sys.executable, str(HERE / "sim_worker.py"), "--redis-url", redis_url, "--key-prefix", key_prefix,
-            "--model", SERVED_NAME, "--count", str(count), "--first", str(sum(split(workers, procs)[:p])),
+            "--model", SERVED_NAME, "--count", str(count), "--first", str(sum(counts[:p])),
             "--vocab-size", str(vocab), "--eos-token-id", str(eos), "--num-blocks", str(args.num_blocks),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--step-ms", str(args.step_ms),
             "--per-token-ms", str(args.per_token_ms), "--per-seq-ms", str(args.per_seq_ms),
@@ -184,6 +186,7 @@ def start_sims(args, children: Children, redis_url: str, key_prefix: str, worker
 def start_load(args, children: Children, ports: list[int], concurrency: int) -> int:
     """The clients, spread over processes; how many processes."""
     urls = [a for port in ports for a in ("--base-url", f"http://127.0.0.1:{port}/v1")]
+    vocab, _ = model_facts(Path(args.model))
     loads = args.load_procs or min(os.cpu_count() or 1,
                                    max(len(ports), math.ceil(concurrency * 1000 / args.step_ms / CLIENT_TOKENS_PER_S)))
     for i, c in enumerate(split(concurrency, loads)):
@@ -191,7 +194,7 @@ def start_load(args, children: Children, ports: list[int], concurrency: int) -> 
             sys.executable, str(HERE / "fleet_load.py"), *urls, "--model", SERVED_NAME, "--concurrency", str(c),
             "--prefixes", str(args.prefixes), "--prefix-tokens", str(args.prefix_tokens),
             "--suffix-tokens", str(args.suffix_tokens), "--output-tokens", str(args.output_tokens),
-            "--vocab-size", str(model_facts(Path(args.model))[0]), "--seed", str(args.seed),
+            "--vocab-size", str(vocab), "--seed", str(args.seed),
             "--ramp-s", str(args.ramp_s), "--process-index", str(i),
             "--out", str(children.run_dir / f"load-{i}.json")])
     return loads
@@ -207,7 +210,7 @@ def run_stack(args, redis_url: str, key_prefix: str, workers: int, schedulers: i
     scheduler_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
                       *(("--shards", str(shards)) if shards > 1 else ()), *args.scheduler_arg]
     gateway_args = ["--served-model-name", SERVED_NAME, "--log-level", "warning", *args.gateway_arg]
-    worker_ids = [f"sim-{i}" for i in range(workers)]
+    worker_ids = [worker_id(i) for i in range(workers)]
     try:
         procs = start_sims(args, children, redis_url, key_prefix, workers)
         wait_until(lambda: len(WorkerRegistry(keys).read_blocking(client).live) >= workers, children, "the workers")

@@ -32,13 +32,15 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import one  # noqa: E402  (bench/ is not a package)
+from workloads import WorkloadSpec  # noqa: E402
+
+TOKEN_LOW = WorkloadSpec.token_low  # prompt ids from [TOKEN_LOW, vocab): ordinary tokens
 
 
-def system_prompts(count: int, tokens: int, vocab_size: int, seed: int, token_low: int = 300) -> list[list[int]]:
-    """The shared prefixes: the same for every process given the seed; ids from
-    [token_low, vocab_size) (ordinary tokens, as bench/workloads.py draws them)."""
+def system_prompts(count: int, tokens: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """The shared prefixes: the same for every process given the seed."""
     rng = random.Random(seed)
-    return [[rng.randrange(token_low, vocab_size) for _ in range(tokens)] for _ in range(count)]
+    return [[rng.randrange(TOKEN_LOW, vocab_size) for _ in range(tokens)] for _ in range(count)]
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -60,7 +62,7 @@ async def run(args: argparse.Namespace) -> dict:
         while True:
             k = sent[0]
             sent[0] += 1
-            prompt = prefixes[k % len(prefixes)] + [rng.randrange(300, args.vocab_size)
+            prompt = prefixes[k % len(prefixes)] + [rng.randrange(TOKEN_LOW, args.vocab_size)
                                                     for _ in range(args.suffix_tokens)]
             result = await one(clients[i % len(clients)], request_args, prompt, len(prompt), args.output_tokens)
             if result.error is None:
@@ -75,8 +77,7 @@ async def run(args: argparse.Namespace) -> dict:
     await asyncio.gather(*tasks, return_exceptions=True)
     for client in clients:
         await client.aclose()
-    return {"sent": sent[0], "completed": len(done), "failed": len(failed), "done": done,
-            "failures": failed, "client_cpu_s": time.process_time()}
+    return {"done": done, "failures": failed}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -64,6 +64,11 @@ ORDER_TIMEOUT_S = 30.0  # as worker_svc/server.py: a step planned ahead waits th
 RECORD_FIELDS = ("start", "end", "tokens", "seqs", "sampled", "pending")
 
 
+def worker_id(i: int) -> str:
+    """The simulated worker of index `i` registers as this."""
+    return f"sim-{i}"
+
+
 @dataclass(frozen=True)
 class StepModel:
     step_ms: float = 30.0
@@ -145,15 +150,11 @@ class IncrementalFakeWorker(FakeWorker):
         return self._track(request_id, req).context_token(req.num_computed_tokens, self.vocab_size)
 
     def _read_context(self, request_id, req):
-        track = self._track(request_id, req)
-        sums = track.extend_sums()
-        for g, first in enumerate(req.first_read):
-            for pos in range(max(first, track.verified[g]), req.num_computed_tokens):
-                entry = self.cache.get(self._slot(request_id, req, g, pos))
-                assert entry == (pos, sums[pos]), (
-                    f"{request_id}: group {g}'s slot for position {pos} holds {entry}, not its prefix's K/V")
-            track.verified[g] = req.num_computed_tokens
-        return req.token_ids[:req.num_computed_tokens]
+        track = self._track(request_id, req)  # positions verified before are not read again
+        req.first_read = [max(first, seen) for first, seen in zip(req.first_read, track.verified)]
+        context = super()._read_context(request_id, req)
+        track.verified = [req.num_computed_tokens] * len(req.first_read)
+        return context
 
 
 class SimWorker(worker_pb2_grpc.WorkerServicer):
@@ -324,7 +325,7 @@ async def serve(args: argparse.Namespace) -> None:
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     workers, servers, regs = [], [], []
     for i in range(args.first, args.first + args.count):
-        workers.append(SimWorker(f"{args.id_prefix}-{i}", spec, model, client))
+        workers.append(SimWorker(worker_id(i), spec, model, client))
         servers.append(grpc.aio.server(options=GRPC_OPTIONS))
         worker_pb2_grpc.add_WorkerServicer_to_server(workers[-1], servers[-1])
         port = servers[-1].add_insecure_port("127.0.0.1:0")
@@ -360,8 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", required=True)
     p.add_argument("--key-prefix", default="pagedserve")
     p.add_argument("--count", type=int, default=1, help="workers in this process")
-    p.add_argument("--first", type=int, default=0, help="index of the first worker (ids <id-prefix>-<i>)")
-    p.add_argument("--id-prefix", default="sim")
+    p.add_argument("--first", type=int, default=0, help="index of the first worker (ids sim-<i>)")
     p.add_argument("--records", help="write every worker's step records here (JSON) on stop")
     for f in (*fields(SimSpec), *fields(StepModel)):
         p.add_argument("--" + f.name.replace("_", "-"), type={"int": int, "float": float, "str": str}[f.type],

@@ -47,13 +47,16 @@ class InProcessBackend(EventQueues):
         batch = [e for group in events.values() for e in group]
         self._loop.call_soon_threadsafe(self.deliver, batch)
 
-    async def submit(self, request: NewRequest) -> None:
+    async def shard_for(self, request: NewRequest) -> int:
+        return 0  # one engine: no shards
+
+    async def submit(self, request: NewRequest, shard: int = 0) -> None:
         self._engine.submit(request)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, shard: int = 0) -> None:
         self._engine.abort(request_id)
 
-    def abort_soon(self, request_id: str) -> None:
+    def abort_soon(self, request_id: str, shard: int = 0) -> None:
         self._engine.abort(request_id)
 
     async def live_workers(self) -> list[WorkerRegistration]:

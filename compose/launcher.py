@@ -33,7 +33,7 @@ from proto.keys import RedisKeys
 from proto.registry import WorkerRegistry
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: ask Linux for SIGTERM when the launcher dies."""
     try:
         import ctypes
@@ -228,7 +228,7 @@ class Stack:
         # A new session: Ctrl-C reaches us only, and we stop them in order. The parent-death
         # signal: if we are killed outright, they still go (no orphaned servers).
         self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+                                            start_new_session=True, preexec_fn=die_with_parent)
         log.close()
 
     # ---- readiness -------------------------------------------------------------------------

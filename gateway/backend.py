@@ -6,8 +6,8 @@ One `RedisBackend` per gateway process. It owns:
   `list[TokenEvent]`) and puts each event on the asyncio queue of its request;
 - the NewRequests it submitted whose events are still awaited (until their queues close):
   after its subscription was lost it sends each of them again (`_resubmit_open`);
-- which scheduler shard each request went to (gateway/shard_choice.py chooses), so its
-  aborts follow it there;
+- the choice of a scheduler shard for each request (`shard_for`, gateway/shard_choice.py),
+  which the caller passes to the request's submit and aborts;
 - a short-lived cache of the live workers' `WorkerRegistration`s and of the live
   schedulers' `SchedulerHeartbeat`s.
 """
@@ -18,7 +18,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterable
 
 import msgspec
@@ -31,9 +30,8 @@ from redis.exceptions import RedisError
 from gateway.event_queues import EventQueues
 from gateway.shard_choice import ShardChoice
 from proto.keys import STREAM_FIELD, RedisKeys
-from proto.messages import (AbortRequest, NewRequest, SchedulerHeartbeat, TokenEvent, WorkerRegistration,
+from proto.messages import (AbortRequest, NewRequest, SchedulerHeartbeat, WorkerRegistration,
                             WorkerStats, events_decoder, stats_decoder, stream_encoder)
-from proto.parallel import parent_request_id
 from proto.registry import WorkerRegistry
 from proto.scheduler_registry import SchedulerRegistry
 
@@ -43,7 +41,6 @@ _MAX_CONNECTIONS = 64  # commands to Redis in flight at once; more wait for a co
 _POOL_WAIT_S = 10.0
 _RESUBSCRIBE_DELAY_S = 0.25
 _RESUBSCRIBE_MAX_DELAY_S = 5.0
-_MAX_SHARDS_KEPT = 65536  # request ids whose shard is remembered for a late abort
 _RESUBMIT_FOR_S = 10.0  # how long open requests are tried to be sent again, all together
 
 
@@ -73,8 +70,6 @@ class RedisBackend(EventQueues):
         self._background: set[asyncio.Task] = set()
         self._open: dict[str, NewRequest] = {}  # submitted, events still awaited
         self._shard_choice = ShardChoice()
-        # request id -> the shard it went to, for its aborts (also after it closed)
-        self._shard_of: OrderedDict[str, int] = OrderedDict()
         self._resubmitted: set[str] = set()  # of those, sent again after a lost subscription
         self._workers: list[WorkerRegistration] = []
         self._workers_at = float("-inf")
@@ -165,19 +160,19 @@ class RedisBackend(EventQueues):
                 await self._xadd_retrying(msgspec.structs.replace(request, resubmitted=True), deadline)
             except (RedisError, OSError) as exc:
                 logger.warning("could not send %s again: %s", request.request_id, exc)
-                failed.append(request.request_id)
+                failed.append(request)
                 continue
             if request.request_id in self._open:
                 self._resubmitted.add(request.request_id)
             else:  # it ended while being sent: stop the new copy
-                self.abort_soon(request.request_id)
+                self.abort_soon(request.request_id, request.shard)
         if requests:
             logger.warning("reply channel %s is back; sent %d request(s) open across the gap again "
                            "(%d could not be sent)", self.reply_channel, len(requests), len(failed))
-        self.fail(failed, "token events were lost while the gateway's connection to Redis was down "
-                          "and the request could not be sent again; retry it")
-        for request_id in failed:
-            self.abort_soon(request_id)
+        self.fail([r.request_id for r in failed], "token events were lost while the gateway's connection to "
+                  "Redis was down and the request could not be sent again; retry it")
+        for request in failed:
+            self.abort_soon(request.request_id, request.shard)
 
     def _route(self, data: bytes) -> None:
         try:
@@ -189,15 +184,16 @@ class RedisBackend(EventQueues):
 
     # ---- requests -------------------------------------------------------------------------
 
-    async def submit(self, request: NewRequest) -> None:
-        """Queue it on a scheduler shard's stream (gateway/shard_choice.py); its events
-        are awaited (and it is sent again, to the same shard, after a lost subscription)
-        until its queue closes."""
-        request = msgspec.structs.replace(request, shard=self._shard_choice.pick(request, await self.schedulers()))
+    async def shard_for(self, request: NewRequest) -> int:
+        """The scheduler shard to send it to (gateway/shard_choice.py): its `submit` and
+        its aborts go there."""
+        return self._shard_choice.pick(request, await self.schedulers())
+
+    async def submit(self, request: NewRequest, shard: int = 0) -> None:
+        """Queue it on shard `shard`'s stream (`shard_for`); its events are awaited (and it
+        is sent again, to the same shard, after a lost subscription) until its queue closes."""
+        request = msgspec.structs.replace(request, shard=shard)
         self._open[request.request_id] = request
-        self._shard_of[request.request_id] = request.shard
-        while len(self._shard_of) > _MAX_SHARDS_KEPT:
-            self._shard_of.popitem(last=False)
         await self._xadd(request)
 
     def close(self, request_ids: Iterable[str]) -> bool:
@@ -207,9 +203,10 @@ class RedisBackend(EventQueues):
         super().close(request_ids)
         aborted = False
         for request_id in request_ids:
-            if self._open.pop(request_id, None) is not None and request_id in self._resubmitted:
+            request = self._open.pop(request_id, None)
+            if request is not None and request_id in self._resubmitted:
                 self._resubmitted.discard(request_id)
-                self.abort_soon(request_id)
+                self.abort_soon(request_id, request.shard)
                 aborted = True
         return aborted
 
@@ -229,16 +226,15 @@ class RedisBackend(EventQueues):
             await asyncio.sleep(delay)
             delay = min(delay * 2, _RESUBSCRIBE_MAX_DELAY_S)
 
-    async def abort(self, request_id: str) -> None:
-        """To the shard its request (a child's: its parent) went to."""
-        shard = self._shard_of.get(parent_request_id(request_id) or request_id, 0)
+    async def abort(self, request_id: str, shard: int = 0) -> None:
+        """To `shard`, the one its request (a child's: its parent) went to (`submit`)."""
         await self._client.xadd(self.keys.shard_requests(shard),
                                 {STREAM_FIELD: stream_encoder.encode(AbortRequest(request_id))})
 
-    def abort_soon(self, request_id: str) -> None:
+    def abort_soon(self, request_id: str, shard: int = 0) -> None:
         """Abort from code that cannot await (a cancelled stream's cleanup): the XADD runs as
         its own task, outside the cancelled scope."""
-        self._in_background(self._abort_logged(request_id))
+        self._in_background(self._abort_logged(request_id, shard))
 
     def _in_background(self, coroutine) -> None:
         """Run a coroutine as its own task, kept until done (`stop` waits for them)."""
@@ -246,9 +242,9 @@ class RedisBackend(EventQueues):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort_logged(self, request_id: str) -> None:
+    async def _abort_logged(self, request_id: str, shard: int) -> None:
         try:
-            await self.abort(request_id)
+            await self.abort(request_id, shard)
         except (RedisError, OSError):
             logger.warning("could not send the abort of %s", request_id, exc_info=True)
 

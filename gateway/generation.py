@@ -79,6 +79,7 @@ class Generation:
         self._backend = backend
         self._timeout_s = timeout_s
         self._submitted = False
+        self._shard = 0  # the scheduler shard it went to (RedisBackend.shard_for)
         self._prompt_logprobs: dict[int, Logprobs] = {}  # shared: every choice has the same prompt
         ids = sequence_ids(request.request_id, request.n)
         self._choices = {rid: _Choice(i, rid, tokenizer, text, request, self._prompt_logprobs)
@@ -105,9 +106,10 @@ class Generation:
         # Submitted lazily, on first iteration: a stream the server never starts (client gone
         # before the first byte) then leaves nothing behind at the scheduler.
         queue = self._backend.open(self._event_ids)
-        self._submitted = True  # before the XADD: if it is cancelled midway, close() aborts
         try:
-            await self._backend.submit(self.request)
+            self._shard = await self._backend.shard_for(self.request)
+            self._submitted = True  # before the XADD: if it is cancelled midway, close() aborts
+            await self._backend.submit(self.request, self._shard)
         except (RedisError, OSError) as exc:
             raise OpenAIError(503, f"The request queue is unreachable: {exc}") from exc
         while any(not c.finished for c in self._choices.values()):
@@ -142,7 +144,7 @@ class Generation:
         if self._submitted and running and not aborted:
             for choice in running:
                 choice.finished = True
-            self._backend.abort_soon(self.request_id)
+            self._backend.abort_soon(self.request_id, self._shard)
 
     async def _next_event(self, queue: asyncio.Queue[TokenEvent]) -> TokenEvent:
         """The next event, within the request timeout; while a choice waits for tokens lost
@@ -163,7 +165,7 @@ class Generation:
 
     async def _abort(self, request_id: str) -> None:
         try:
-            await self._backend.abort(request_id)
+            await self._backend.abort(request_id, self._shard)
         except (RedisError, OSError):
             logger.warning("could not abort %s after its stop string", request_id, exc_info=True)
 

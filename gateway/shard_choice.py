@@ -27,6 +27,7 @@ import struct
 from collections.abc import Sequence
 
 from proto.messages import NewRequest, SchedulerHeartbeat, ShardLoad
+from proto.rendezvous import rendezvous_order
 
 AFFINITY_TOKENS = 64  # a system prompt's start, and a conversation's first turn
 SLACK = 0.25  # a shard takes up to 25% more requests per worker than the mean (plus one)
@@ -57,8 +58,7 @@ class ShardChoice:
         if len(shards) <= 1:
             return next(iter(shards), 0)
         key = affinity_key(request, self._affinity_tokens)
-        ranked = sorted(shards, key=lambda k: hashlib.blake2b(key + k.to_bytes(4, "little"),
-                                                              digest_size=8).digest())
+        ranked = rendezvous_order(key, shards)
         chosen = self._within_bound(ranked, shards)
         self._sent[chosen] = self._sent.get(chosen, 0) + 1
         return chosen

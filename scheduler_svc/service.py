@@ -24,7 +24,6 @@ may lead it again later); one that crashes ends the process, as a bug should.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import time
@@ -32,6 +31,7 @@ import time
 import redis.asyncio as aioredis
 
 from proto.keys import RedisKeys
+from proto.rendezvous import rendezvous_order
 from proto.scheduler_registry import SchedulerRegistry
 from scheduler_svc.heartbeat import Heartbeat, Load
 from scheduler_svc.leader import LeaseLost, shard_lease
@@ -120,9 +120,7 @@ class SchedulerService:
 
     def _preference(self) -> list[int]:
         """The shards in the order this scheduler tries them (rendezvous hashing)."""
-        def rank(k: int) -> bytes:
-            return hashlib.blake2b(f"{self.config.consumer_name}:{k}".encode(), digest_size=8).digest()
-        return sorted(range(self.config.shards), key=rank)
+        return rendezvous_order(f"{self.config.consumer_name}:".encode(), range(self.config.shards))
 
     def led_shards(self) -> int:
         """Shards with a leader now (this scheduler's and the others'): each shard's

@@ -40,7 +40,8 @@ class StepLoop:
     def __init__(self, handle: WorkerHandle, redis: aioredis.Redis, keys: RedisKeys,
                  metrics: SchedulerMetrics, step_timeout_s: float, stats_interval_s: float,
                  on_finished: Callable[[list[SchedulerRequest]], Awaitable[None]], fencing_token: int = 0) -> None:
-        """`fencing_token`: the leader lease's token, stamped on every step (0: not fenced)."""
+        """`fencing_token`: the worker lease's token (scheduler_svc/worker_leases.py), stamped on
+        every step (0: not fenced)."""
         self._handle = handle
         self._redis = redis
         self._keys = keys

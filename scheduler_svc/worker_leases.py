@@ -17,13 +17,13 @@ finished its requests (WorkerPool, scheduler_svc/worker_pool.py).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
 from proto.keys import RedisKeys
+from proto.rendezvous import rendezvous_order
 from scheduler_svc.leader import Lease, LeaseLost
 
 
@@ -34,9 +34,7 @@ def fair_share(num_workers: int, num_shards: int) -> int:
 
 def preference(shard: int, worker_ids: Iterable[str]) -> list[str]:
     """The workers in the order shard `shard` tries to lease them (rendezvous hashing)."""
-    def rank(worker_id: str) -> bytes:
-        return hashlib.blake2b(f"{shard}:{worker_id}".encode(), digest_size=8).digest()
-    return sorted(worker_ids, key=rank)
+    return rendezvous_order(f"{shard}:".encode(), worker_ids)
 
 
 class WorkerLeases:

@@ -51,7 +51,8 @@ class WorkerHandle:
     recorder: WorkerRecorder = field(default_factory=WorkerRecorder)  # request and step histograms
     schedules_ahead: bool = False  # async scheduling (SchedulerServiceConfig.schedules_ahead)
     task: asyncio.Task | None = None  # its step loop
-    fencing_token: int = 0  # its lease's token, stamped on every step
+    fencing_token: int = 0  # the token it joined under, stamped on every step (kept here: a lease
+    # lost meanwhile must not leave its steps unfenced)
     handing_over: bool = False  # beyond the shard's share: retired once its requests are done
 
     @property

@@ -192,7 +192,15 @@ class FakeWorker:
             sums = self._checksums(request_id, req)
             # what this step's first query sees, in each group
             req.first_read = [self._first_needed(req, g) for g in range(len(self.group_windows))]
-            self._write(step_id, request_id, req, end, sums, written, holders)
+            for pos in range(req.num_computed_tokens, end):
+                for g in range(len(self.group_windows)):
+                    slot = self._slot(request_id, req, g, pos)
+                    assert slot not in written, f"slot {slot} written twice in step {step_id}"
+                    block_id = slot // self.block_size
+                    assert holders[block_id] == [request_id], (
+                        f"{request_id} writes position {pos} into block {block_id}, "
+                        f"held by {holders[block_id]}")
+                    written[slot] = (pos, sums[pos])
         self.cache.update(written)
 
         sampled = []
@@ -242,22 +250,10 @@ class FakeWorker:
         seen = (context, req.mm_inputs) if req.mm_inputs else context
         return zlib.crc32(repr(seen).encode()) % self.vocab_size
 
-    def _write(self, step_id, request_id: str, req: _WorkerRequest, end: int, sums: list[int],
-               written: dict, holders) -> None:
-        """The K/V of positions num_computed_tokens..end-1 into `written`, each group's slot
-        (position, checksum of the prefix up to it); a slot written twice in a step, or a
-        block another live request holds, fails."""
-        for pos in range(req.num_computed_tokens, end):
-            for g in range(len(self.group_windows)):
-                slot = self._slot(request_id, req, g, pos)
-                assert slot not in written, f"slot {slot} written twice in step {step_id}"
-                block_id = slot // self.block_size
-                assert holders[block_id] == [request_id], (
-                    f"{request_id} writes position {pos} into block {block_id}, held by {holders[block_id]}")
-                written[slot] = (pos, sums[pos])
-
     def _read_context(self, request_id: str, req: _WorkerRequest) -> list[int]:
-        sums = _prefix_checksums(req.token_ids, req.mm_inputs)
+        """The context attention reads: every position from the step's first query's
+        window on (`req.first_read`, per group) must hold its prefix's K/V."""
+        sums = self._checksums(request_id, req)
         for g, first in enumerate(req.first_read):
             for pos in range(first, req.num_computed_tokens):
                 entry = self.cache.get(self._slot(request_id, req, g, pos))
