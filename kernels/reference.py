@@ -24,6 +24,8 @@ OR(causal, same block) on global layers, AND(window, OR(causal, same block)) on 
 ones. A decode row (the last of its context) is never changed by its span.
 """
 
+import math
+
 import torch
 
 
@@ -99,3 +101,83 @@ def copy_blocks_reference(k_cache: torch.Tensor, v_cache: torch.Tensor,
     for src, dst in pairs:
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
+
+
+# -- a decoder layer's elementwise work (kernels/torch_layer_ops.py states the contract) -----
+# Every value is computed in fp32 and rounded to the model's dtype (`_rounded`) exactly where
+# the contract rounds: the rules, spelled out, rather than torch's dtype promotion.
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 x rounded to `dtype` (to nearest, ties to even) and back to fp32."""
+    return x.to(dtype).float()
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """Over the last dim: h = x in fp32, r = rsqrt(sum(h^2) / N + eps), then
+    llama: round(w * round(h * r)) (normalised, rounded to x's dtype, then weighed);
+    gemma: round(h * r * (1 + w)) (all fp32 until the one rounding)."""
+    dtype = x.dtype
+    h = x.float()
+    r = torch.rsqrt((h * h).sum(-1, keepdim=True) / h.shape[-1] + eps)
+    w = weight.float()
+    if gemma:
+        return (h * r * (1.0 + w)).to(dtype)
+    return (w * _rounded(h * r, dtype)).to(dtype)
+
+
+def add_rms_norm_reference(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float, gemma: bool,
+                           y_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """y normalised with y_weight when given (in y's dtype), added to the residual with one
+    rounding; returns (that sum normalised with weight, the sum)."""
+    if y_weight is not None:
+        y = rms_norm_reference(y, y_weight, eps, gemma)
+    new_residual = (residual.float() + y.float()).to(y.dtype)
+    return rms_norm_reference(new_residual, weight, eps, gemma), new_residual
+
+
+def act_mul_reference(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """gate_up [T, 2I] = (gate, up): round(round(act(gate)) * up), act in fp32:
+    silu(g) = g / (1 + exp(-g)); gelu_pytorch_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))."""
+    dtype = gate_up.dtype
+    inter = gate_up.shape[-1] // 2
+    g, up = gate_up[..., :inter].float(), gate_up[..., inter:].float()
+    if act == "silu":
+        a = g / (1.0 + torch.exp(-g))
+    elif act == "gelu_pytorch_tanh":
+        a = 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * (g * g * g))))
+    else:
+        raise ValueError(f"unknown activation {act!r}")
+    return (_rounded(a, dtype) * up).to(dtype)
+
+
+def rope_write_kv_reference(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                            eps: float = 0.0, gemma: bool = False) -> torch.Tensor:
+    """qkv [T, (H + 2 KV) D] = q heads, k heads, v heads. q and k heads: RMS-normed over D
+    when q_norm / k_norm are given (rms_norm_reference), then rotated with token t's table
+    rows c = cos[positions[t]], s = sin[positions[t]] (full width, s signed (-sin, sin)):
+    round(round(x * c) + round((x2, x1) * s)). Rotated k and raw v go to slot_mapping[t]
+    (write_kv_reference: slot < 0 skipped); returns the rotated q [T, H, D]."""
+    dtype = qkv.dtype
+    num_tokens = qkv.shape[0]
+    heads = qkv[:, :(num_heads + num_kv_heads) * head_dim].reshape(
+        num_tokens, num_heads + num_kv_heads, head_dim)
+    q, k = heads[:, :num_heads], heads[:, num_heads:]
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].reshape(num_tokens, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q = rms_norm_reference(q, q_norm, eps, gemma)
+        k = rms_norm_reference(k, k_norm, eps, gemma)
+    c = cos[positions.long()].float()[:, None, :]
+    s = sin[positions.long()].float()[:, None, :]
+    half = head_dim // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1).float()
+        return (_rounded(x.float() * c, dtype) + _rounded(swapped * s, dtype)).to(dtype)
+
+    q, k = rotate(q), rotate(k)
+    write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    return q.contiguous()
