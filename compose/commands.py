@@ -27,6 +27,7 @@ def _runner_config(args: argparse.Namespace):
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=None if args.quantization == "none" else args.quantization,
         device=args.device, attention_backend=args.attention_backend, seed=args.seed, threads=args.threads,
+        enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         encoder_cache_memory_bytes=args.encoder_cache_memory,
     )
 

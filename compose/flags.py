@@ -64,6 +64,10 @@ def add_runner_flags(f: EnvFlags) -> None:
                "quantized at load; matmuls with int8 dot products (VNNI/AMX-INT8) where torch has them")
     f.add("--device", default="cpu", help="cpu|cuda|cuda:N")
     f.add("--attention-backend", default="auto", help="auto|torch|cpu|triton")
+    f.switch("--enforce-eager", help="on a GPU, run every step eagerly: no CUDA graphs for decode steps")
+    f.add("--max-cudagraph-capture-size", type=int, default=256,
+          help="on a GPU, the largest decode batch replayed as a CUDA graph (graphs are captured at "
+               "start for 1, 2, 4, 8, 16, ... up to it); larger decode batches run eagerly")
     f.add("--threads", type=int, help="CPU compute threads (default: the CPUs the process may use -- affinity "
           "and cgroup quota -- adjusted while serving to what other processes leave: worker_svc/cpu_threads.py)")
     f.add("--seed", type=int, default=0)

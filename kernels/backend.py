@@ -9,6 +9,11 @@ query's device: each row's bidirectional block [s, e), [0, 0] for none; Gemma 3'
 the rule in kernels/reference.py) travels in the plan; None is the plain causal contract,
 at its cost.
 
+Beside them, `layer_ops`: the decoder layer's fused elementwise calls (norms with the
+residual add, RoPE with the cache write, the gated activation; kernels/torch_layer_ops.py
+says what each computes): the torch module on the torch and cpu backends, its Triton twin
+(kernels/triton_layer_ops.py, one launch each) on the triton backend.
+
 "torch" (kernels/torch_attention.py) runs anywhere. "cpu" (kernels/cpu_attention.py) is
 torch plus a C kernel for decode rows, compiled on first use with the machine's C compiler.
 "triton" (kernels/triton_attention.py,
@@ -23,10 +28,11 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from kernels import cpu_attention, torch_attention
+from kernels import cpu_attention, torch_attention, torch_layer_ops
 
 log = logging.getLogger("pagedserve.kernels")
 
@@ -39,6 +45,7 @@ class AttentionBackend:
     write_kv: Callable
     copy_blocks: Callable
     new_workspace: Callable
+    layer_ops: ModuleType = torch_layer_ops
 
 
 TORCH_BACKEND = AttentionBackend(
@@ -71,7 +78,7 @@ def cpu_backend() -> AttentionBackend:
 def triton_backend(device: torch.device) -> AttentionBackend:
     """The Triton backend for `device`; ImportError when triton is missing or too old,
     ValueError when the kernels cannot run on that device."""
-    from kernels import triton_attention, triton_cache  # imports triton
+    from kernels import triton_attention, triton_cache, triton_layer_ops  # imports triton
 
     if device.type == "cuda" and triton_attention.INTERPRETED:
         raise ValueError("the Triton kernels were imported with TRITON_INTERPRET=1 and would "
@@ -89,6 +96,7 @@ def triton_backend(device: torch.device) -> AttentionBackend:
         write_kv=triton_cache.write_kv,
         copy_blocks=triton_cache.copy_blocks,
         new_workspace=triton_attention.TritonWorkspace,
+        layer_ops=triton_layer_ops,
     )
 
 

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import cffi
+import numpy as np
 import torch
 
 from kernels import torch_attention
@@ -275,7 +276,7 @@ class CpuPlan:
     min_block_id: int  # the smallest and largest block ids their contexts use
     max_block_id: int
     num_rows: int  # query rows of the whole batch
-    long: torch_attention.AttentionPlan  # the other requests, for the torch path
+    long: torch_attention.AttentionPlan | None  # the other requests, for the torch path; None: none
     # int32 [num_rows, 2], contiguous: the rows' bidirectional spans, for the C kernel; None
     # when no short request has a row whose span reaches past it (the kernel gets NULL)
     bidir_spans: torch.Tensor | None = None
@@ -292,43 +293,37 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     is checked here (ValueError), and handed on to each path only where it changes a row."""
     reaching = None if bidir_spans is None else torch_attention.bidir_span_requests(
         bidir_spans, seq_lens, query_start_loc)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    short, long = [], []
-    for i, seq_len in enumerate(lens):
-        q_len = starts[i + 1] - starts[i]
-        if 1 <= q_len <= SHORT_MAX_Q_LEN:
-            short.append(i)
-        elif q_len > SHORT_MAX_Q_LEN:
-            long.append(i)
-    min_id = max_id = 0
-    if short:
-        needed = torch.tensor([-(-lens[i] // block_size) for i in short])
+    starts = query_start_loc.cpu().numpy()
+    lens = seq_lens.cpu().numpy().astype(np.int64)
+    q_lens = np.diff(starts)
+    short = np.flatnonzero((q_lens >= 1) & (q_lens <= SHORT_MAX_Q_LEN))
+    long = np.flatnonzero(q_lens > SHORT_MAX_Q_LEN).tolist()
+    min_id = max_id = max_q_len = max_scores = 0
+    if short.size:
+        needed = -(-lens[short] // block_size)
         if int(needed.max()) > block_tables.shape[1]:
             raise ValueError(f"a context needs {int(needed.max())} blocks; the block tables have "
                              f"{block_tables.shape[1]} columns")
-        used = block_tables[short][torch.arange(block_tables.shape[1])[None, :] < needed[:, None]]
-        if used.numel():
+        tables = block_tables.cpu().numpy()[short, :int(needed.max())]
+        used = tables[np.arange(tables.shape[1])[None, :] < needed[:, None]]
+        if used.size:
             min_id, max_id = int(used.min()), int(used.max())
-
-    def scored(i: int) -> int:  # query rows x keys the C kernel scores for request i
-        q_len = starts[i + 1] - starts[i]
-        keys = lens[i] if sliding_window is None else min(lens[i], sliding_window + q_len - 1)
-        return q_len * keys
+        short_q = q_lens[short]
+        keys = lens[short] if sliding_window is None else np.minimum(lens[short], sliding_window + short_q - 1)
+        max_q_len, max_scores = int(short_q.max()), int((short_q * keys).max())  # rows x keys scored
 
     return CpuPlan(
         block_tables=block_tables.to(torch.int32).contiguous(),
         seq_lens=seq_lens.to(torch.int32).contiguous(),
         query_start_loc=query_start_loc.to(torch.int32).contiguous(),
-        short_reqs=torch.tensor(short, dtype=torch.int32),
-        max_q_len=max((starts[i + 1] - starts[i] for i in short), default=0),
-        max_scores=max((scored(i) for i in short), default=0),
-        block_size=block_size, min_block_id=min_id, max_block_id=max_id, num_rows=starts[-1],
+        short_reqs=torch.from_numpy(short.astype(np.int32)),
+        max_q_len=max_q_len, max_scores=max_scores,
+        block_size=block_size, min_block_id=min_id, max_block_id=max_id, num_rows=int(starts[-1]),
         long=torch_attention.plan_attention(
             block_tables, seq_lens, query_start_loc, block_size, sliding_window, workspace, only=long,
-            bidir_spans=bidir_spans if reaching and any(reaching[i] for i in long) else None),
-        bidir_spans=(bidir_spans[: starts[-1]].to(torch.int32).contiguous()
-                     if reaching and any(reaching[i] for i in short) else None),
+            bidir_spans=bidir_spans if reaching and any(reaching[i] for i in long) else None) if long else None,
+        bidir_spans=(bidir_spans[: int(starts[-1])].to(torch.int32).contiguous()
+                     if reaching and any(reaching[i] for i in short.tolist()) else None),
     )
 
 
@@ -357,7 +352,7 @@ def paged_attention(kernels: CpuKernels, query: torch.Tensor, k_cache: torch.Ten
         rows_ok = query.stride(2) == 1 and query.stride(1) == query.shape[2]
         kernels.short_attention(query if rows_ok else query.contiguous(), k_cache, v_cache, plan,
                                 scale, sliding_window, soft_cap, out)
-    if plan.long.prefills:
+    if plan.long is not None and plan.long.prefills:
         torch_attention.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                         query_start_loc, scale, sliding_window, soft_cap,
                                         plan.long, out)

@@ -12,12 +12,11 @@ from gateway.media.store import content_hash
 from kvstore.kv_cache_groups import group_layers
 from proto import worker_pb2
 from proto.messages import MediaItem
-from worker_svc.batch import build_flat_batch
 from worker_svc.config import RunnerConfig
 from worker_svc.media_source import MISSING, MediaUnavailableError
 from worker_svc.model.registry import load_config
 from worker_svc.model_runner import ModelRunner
-from worker_svc.request_state import RequestState
+from worker_svc.request_state import RequestState, split_groups
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -104,8 +103,8 @@ class MiniScheduler:
                 req.new_requests.add(
                     request_id=rid, token_ids=r["tokens"], num_prompt_tokens=r["num_prompt"],
                     block_ids=r["blocks"], num_computed_tokens=r["computed"],
-                    sampling=worker_pb2.SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
-                                                       **r["sampling"]),
+                    sampling=worker_pb2.SamplingParams(**{"max_tokens": r["max_tokens"], "temperature": 0.0,
+                                                          **r["sampling"]}),
                     reply_channel=f"chan-{rid[-1]}", mm_inputs=r["mm_inputs"])
                 r["sent"] = True
             else:
@@ -220,17 +219,28 @@ def grouped_block_ids(runner: ModelRunner, block_ids: list[int]) -> list[int]:
     return [b + g * span for g in range(num_groups) for b in block_ids]
 
 
+def runner_state(runner: ModelRunner, new: worker_pb2.NewRequestData) -> RequestState:
+    """A request's state with its row in the runner's persistent batch (as a step adds one)."""
+    state = RequestState(new, runner.device)
+    state.row = runner.inputs.add(new.sampling, split_groups(new.block_ids, runner.kv_layout.num_groups))
+    return state
+
+
+def flat_batch(runner: ModelRunner, scheduled: list[tuple[RequestState, int]]):
+    """The runner's FlatBatch of `scheduled` (request, tokens), as its step builds it."""
+    return runner.inputs.prepare(scheduled, runner.plan_attention, runner.kv_layout.windows)
+
+
 def chunked_prefill_logits(runner: ModelRunner, prompt: list[int], chunks: list[int],
                            block_ids: list[int]) -> torch.Tensor:
     """Logits of every prompt row, computed chunk by chunk through the paged cache (in
     every KV cache group, a table shaped as `block_ids`: grouped_block_ids)."""
-    state = RequestState(worker_pb2.NewRequestData(
+    state = runner_state(runner, worker_pb2.NewRequestData(
         request_id="x", token_ids=prompt, num_prompt_tokens=len(prompt),
-        block_ids=grouped_block_ids(runner, block_ids)), runner.device, runner.kv_layout.num_groups)
+        block_ids=grouped_block_ids(runner, block_ids)))
     got = []
     for n in chunks:
-        batch = build_flat_batch([(state, n)], runner.config.block_size, runner.backend.plan,
-                                 runner.device, runner.kv_layout.windows)
+        batch = flat_batch(runner, [(state, n)])
         with torch.inference_mode():
             got.append(runner.model(batch.input_ids, batch.positions, batch.attn,
                                     (runner.kv_cache.k_caches, runner.kv_cache.v_caches),

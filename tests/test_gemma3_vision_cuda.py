@@ -38,10 +38,12 @@ def test_encoder_on_cuda_matches_transformers(vision_dir, dtype):
     assert (got - expected).abs().max().item() <= tol * scale
 
 
-def test_images_through_the_runner_on_cuda_equal_generate(vision_dir):
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_images_through_the_runner_on_cuda_equal_generate(vision_dir, enforce_eager):
     """The whole image path of a worker on CUDA (Triton kernels with bidir_spans, the encoder,
     the placement), fp32: greedy tokens of two requests with 1 and 3 images, chunked at image
-    starts, equal transformers' generate() on the processor's inputs on the same device."""
+    starts, equal transformers' generate() on the processor's inputs on the same device --
+    with the decode steps replayed as CUDA graphs (worker_svc/cuda_graphs.py), and eagerly."""
     from media_helpers import file_bytes, picture
     from runner_helpers import FakeMediaSource, MiniScheduler, make_runner, mm_inputs
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
@@ -52,8 +54,10 @@ def test_images_through_the_runner_on_cuda_equal_generate(vision_dir):
     hf = Gemma3ForConditionalGeneration.from_pretrained(vision_dir, dtype=torch.float32).cuda().eval()
     image_id = processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
     media = FakeMediaSource()
-    runner = make_runner(vision_dir, block_size=16, num_blocks=64, device="cuda", dtype="float32", media=media)
+    runner = make_runner(vision_dir, block_size=16, num_blocks=64, device="cuda", dtype="float32", media=media,
+                         enforce_eager=enforce_eager, max_cudagraph_capture_size=8)
     assert runner.backend.name == "triton" and runner.vision is not None
+    assert (runner.graphs is None) == enforce_eager
     sched = MiniScheduler(runner, block_size=16, num_blocks=64, token_budget=24)
     expected = {}
     for rid, sizes in (("a", [(91, 37)]), ("b", [(56, 56), (13, 200), (640, 480)])):
@@ -72,3 +76,4 @@ def test_images_through_the_runner_on_cuda_equal_generate(vision_dir):
         sched.add(rid, ids, 12, mm_inputs(ids, image_id, hashes))
     sched.run()
     assert {rid: sched.outputs(rid) for rid in expected} == expected
+    assert enforce_eager or runner.graphs.replays > 0

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from runner_helpers import MiniScheduler, grouped_block_ids, hf_greedy, make_runner
+from runner_helpers import MiniScheduler, flat_batch, grouped_block_ids, hf_greedy, make_runner, runner_state
 from safetensors.torch import save_file
 
+from kernels.backend import TORCH_BACKEND
 from proto import worker_pb2
-from worker_svc.batch import build_flat_batch
 from worker_svc.image_preprocess import ImagePreprocessConfig, preprocess_image
 from worker_svc.make_model import make_model
 from worker_svc.model.decoder import DecoderForCausalLM
@@ -28,7 +28,6 @@ from worker_svc.model.image_placement import (
 )
 from worker_svc.model.loader import iter_safetensors
 from worker_svc.model.registry import load_config, load_vision_config, read_config
-from worker_svc.request_state import RequestState
 
 BOI, IMAGE, EOI = 6, 7, 8  # the tiny tokenizer's ids of the three image tokens
 MM_TOKENS, IMAGE_SIZE = 4, 56
@@ -183,7 +182,7 @@ def test_loading_is_strict(vision_dir, encoder):
         fresh().load_weights(shaped)
     # and the text decoder takes its own tensors only, in any layout
     cfg = load_config(vision_dir)
-    decoder = lambda cfg: DecoderForCausalLM(cfg, None, 64, torch.float32, torch.device("cpu"))  # noqa: E731
+    decoder = lambda cfg: DecoderForCausalLM(cfg, TORCH_BACKEND, 64, torch.float32, torch.device("cpu"))  # noqa: E731
     decoder(cfg).load_weights(weights)
     with pytest.raises(KeyError, match="model.layers.3.mlp.gate_up_proj"):
         decoder(cfg).load_weights(weights + [("model.language_model.layers.3.mlp.up_proj.weight",
@@ -221,13 +220,12 @@ def run_with_images(runner, encoder, prompt, ranges, pixels, chunks, blocks) -> 
     replaced by the encoder's embeddings, the way the runner will do it."""
     with torch.no_grad():
         embeds = encoder(pixels)
-    state = RequestState(worker_pb2.NewRequestData(
+    state = runner_state(runner, worker_pb2.NewRequestData(
         request_id="x", token_ids=prompt, num_prompt_tokens=len(prompt),
-        block_ids=grouped_block_ids(runner, blocks)), runner.device, runner.kv_layout.num_groups)
+        block_ids=grouped_block_ids(runner, blocks)))
     got = []
     for n in chunks:
-        batch = build_flat_batch([(state, n)], runner.config.block_size, runner.backend.plan,
-                                 runner.device, runner.kv_layout.windows)
+        batch = flat_batch(runner, [(state, n)])
         slices = image_slices(ranges, state.num_computed_tokens, n, first_row=0)
         with torch.inference_mode():
             h = runner.model.embed(batch.input_ids)

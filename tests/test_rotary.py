@@ -1,11 +1,14 @@
-"""worker_svc/model/layers.RotaryEmbedding against transformers' Llama RoPE, bit for bit:
-query and key heads rotated together through the fused projection's strided view."""
+"""worker_svc/model/layers.RotaryEmbedding's tables, rotated by the layer ops
+(kernels/torch_layer_ops.py rope_write_kv: query and key heads together, from the fused
+projection's output, the keys straight into the cache) against transformers' Llama RoPE,
+bit for bit."""
 
 import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from kernels import torch_layer_ops
 from worker_svc.model.layers import RotaryEmbedding
 
 
@@ -28,7 +31,12 @@ def test_rotate_equals_transformers(dtype, scaling):
     want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
 
     ours = RotaryEmbedding(head_dim, max_pos, 10000.0, scaling, dtype, torch.device("cpu"))
-    qk = qkv[:, : (heads + kv_heads) * head_dim].view(37, heads + kv_heads, head_dim)
-    got_q, got_k = ours.rotate(qk, ours.tables(positions)).split([heads, kv_heads], dim=1)
+    k_cache = torch.full((5, 8, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    slots = torch.randperm(40, generator=gen)[:37]
+    got_q = torch_layer_ops.rope_write_kv(qkv, positions, ours.cos, ours.sin, heads, kv_heads, head_dim,
+                                          k_cache, v_cache, slots)
     assert torch.equal(got_q, want_q[0].transpose(0, 1))
-    assert torch.equal(got_k, want_k[0].transpose(0, 1))
+    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[slots], want_k[0].transpose(0, 1))
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(37, kv_heads, head_dim)
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], v)

@@ -21,10 +21,10 @@ from runner_helpers import FakeMediaSource, MiniScheduler, make_runner, mm_input
 from proto import worker_pb2
 from proto.messages import NO_TOKEN_ID as NO_TOKEN
 from proto.messages import MediaItem
-from worker_svc import batch as batch_module
-from worker_svc.batch import build_flat_batch
+from worker_svc import input_batch as input_batch_module
+from worker_svc.input_batch import InputBatch
 from worker_svc.media_source import MISSING
-from worker_svc.request_state import RequestState
+from worker_svc.request_state import RequestState, split_groups
 
 TOL = 2e-4  # logprobs, fp32
 
@@ -183,7 +183,7 @@ def test_image_tokens_see_each_other_both_ways(vision_dir, hf_vlm, processor, mo
     sched = run()
     assert prompt_error(sched, "r0", case.ids, bidir) < TOL
     assert prompt_error(sched, "r0", case.ids, causal) > 0.05
-    monkeypatch.setattr(batch_module, "_bidir_spans", lambda *args: None)
+    monkeypatch.setattr(input_batch_module, "bidir_spans_of", lambda *args: None)
     unmasked = run()
     assert prompt_error(unmasked, "r0", case.ids, causal) < TOL
     assert prompt_error(unmasked, "r0", case.ids, bidir) > 0.05
@@ -191,13 +191,14 @@ def test_image_tokens_see_each_other_both_ways(vision_dir, hf_vlm, processor, mo
 
 # ---- the flat batch's spans ---------------------------------------------------------------
 
-def _state(tokens: list[int], ranges: list[tuple[int, int]], computed: int = 0) -> RequestState:
-    """A request with block tables in two KV cache groups."""
-    return RequestState(worker_pb2.NewRequestData(
+def _state(inputs: InputBatch, tokens: list[int], ranges: list[tuple[int, int]], computed: int = 0) -> RequestState:
+    """A request with block tables in two KV cache groups, a row of `inputs`."""
+    new = worker_pb2.NewRequestData(
         request_id="x", token_ids=tokens, num_prompt_tokens=len(tokens), block_ids=list(range(16)),
         num_computed_tokens=computed,
         mm_inputs=[worker_pb2.MultiModalInput(content_hash=f"h{i}", offset=o, length=n)
-                   for i, (o, n) in enumerate(ranges)]), torch.device("cpu"), num_groups=2)
+                   for i, (o, n) in enumerate(ranges)])
+    return RequestState(new, torch.device("cpu"), row=inputs.add(new.sampling, split_groups(new.block_ids, 2)))
 
 
 def test_bidir_spans_of_a_step():
@@ -207,9 +208,11 @@ def test_bidir_spans_of_a_step():
         plans.append(bidir_spans)
         return None
 
-    text = _state(list(range(20)), [])
-    images = _state(list(range(30)), [(3, 4), (10, 4), (20, 4)], computed=12)  # starts inside image 1
-    batch = build_flat_batch([(text, 5), (images, 12)], 4, plan, torch.device("cpu"), group_windows=(None, 8))
+    inputs = InputBatch(num_groups=2, block_size=4, max_blocks_per_req=8, vocab_size=100, device=torch.device("cpu"))
+    windows = (None, 8)
+    text = _state(inputs, list(range(20)), [])
+    images = _state(inputs, list(range(30)), [(3, 4), (10, 4), (20, 4)], computed=12)  # starts inside image 1
+    batch = inputs.prepare([(text, 5), (images, 12)], plan, windows)
     spans = batch.attn.bidir_spans.tolist()
     assert spans[:5] == [[0, 0]] * 5
     assert spans[5:7] == [[10, 14]] * 2  # positions 12, 13
@@ -217,12 +220,10 @@ def test_bidir_spans_of_a_step():
     assert [(s.image, s.start, s.end, s.row) for _, s in batch.images] == [(1, 2, 4, 5), (2, 0, 4, 13)]
     assert len(plans) == 2 and all(p is batch.attn.bidir_spans for p in plans)
     plans.clear()
-    none = build_flat_batch([(text, 5), (_state(list(range(30)), [(3, 4)], computed=8), 4)], 4, plan,
-                            torch.device("cpu"), group_windows=(None, 8))
+    none = inputs.prepare([(text, 5), (_state(inputs, list(range(30)), [(3, 4)], computed=8), 4)], plan, windows)
     assert none.attn.bidir_spans is None and none.images == () and plans == [None, None]
     with pytest.raises(ValueError, match="ends inside image 1"):
-        build_flat_batch([(text, 5), (_state(list(range(30)), [(3, 4), (10, 4)]), 12)], 4, plan,
-                         torch.device("cpu"), group_windows=(None, 8))
+        inputs.prepare([(text, 5), (_state(inputs, list(range(30)), [(3, 4), (10, 4)]), 12)], plan, windows)
 
 
 # ---- what cannot run fails alone ------------------------------------------------------------

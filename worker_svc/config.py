@@ -25,6 +25,10 @@ class RunnerConfig:
     # to what other processes leave (worker_svc/cpu_threads.py)
     threads: int | None = None
     attention_backend: str = "auto"
+    # CUDA graphs for pure-decode steps (worker_svc/cuda_graphs.py): off with enforce_eager;
+    # captured for decode batches up to this many requests (larger ones run eagerly)
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int = 256
     seed: int = 0  # seeds the generator of requests that carry no seed of their own
     # image embeddings kept by content hash (worker_svc/encoder_cache.py), on the device;
     # vision checkpoints only

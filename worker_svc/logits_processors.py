@@ -81,6 +81,12 @@ class Penalties:
         return logits
 
 
+def uses_edits(p: RowParams) -> bool:
+    """Does a request with these settings need any of the edits above (a grammar aside)?"""
+    return (bool(p.logit_bias) or p.min_tokens > 0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+            or _uses_repetition(p))
+
+
 def _uses_repetition(p: RowParams) -> bool:
     return p.repetition_penalty > 0 and p.repetition_penalty != 1.0
 

@@ -36,3 +36,25 @@ def _gather(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int
     values, ids = logprobs.topk(k, dim=-1)
     values, ids = values.tolist(), ids.tolist()
     return [Logprobs(c, i[:n], v[:n]) for c, i, v, n in zip(chosen, ids, values, num_top)]
+
+
+def prompt_logprob_rows(scheduled):
+    """Flat-batch rows whose logits give prompt logprobs, for `scheduled` (request state,
+    tokens computed now) in batch order: the row of prompt position p predicts prompt token
+    p + 1. Returns (rows, target token ids, top-k per row, [(request, first prompt position,
+    count)]); call before num_computed_tokens moves."""
+    rows: list[int] = []
+    targets: list[int] = []
+    ks: list[int] = []
+    parts = []
+    row = 0
+    for state, n in scheduled:
+        start = state.num_computed_tokens
+        stop = min(start + n, state.num_prompt_tokens - 1)
+        if state.prompt_logprobs is not None and stop > start:
+            rows.extend(range(row, row + stop - start))
+            targets.extend(state.token_ids[start + 1:stop + 1])
+            ks.extend([state.prompt_logprobs] * (stop - start))
+            parts.append((state, start + 1, stop - start))
+        row += n
+    return rows, targets, ks, parts

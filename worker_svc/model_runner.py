@@ -32,6 +32,7 @@ token_id NO_TOKEN_ID (there is none; it may come in a step that samples nothing 
 request). The step and the other requests go on.
 """
 
+import dataclasses
 import functools
 import logging
 import time
@@ -46,18 +47,19 @@ from kvstore.kv_cache_groups import kv_capacity
 from proto import worker_pb2
 from proto.model_source import resolve_model
 from proto.messages import NO_TOKEN_ID, Logprobs, TokenEvent
-from worker_svc.batch import build_flat_batch
+from worker_svc.cuda_graphs import DecodeGraphs, GraphMemoryError, decode_graph_sizes
+from worker_svc.input_batch import InputBatch
 from worker_svc.config import RunnerConfig
 from worker_svc.cpu_threads import CpuShare, choose_threads
 from worker_svc.grammar import GrammarCompiler
 from worker_svc.kv_budget import kv_cache_bytes
-from worker_svc.logprobs import gather_logprobs
+from worker_svc.logprobs import gather_logprobs, prompt_logprob_rows
 from worker_svc.media_encoder import MediaEncoder
 from worker_svc.media_source import MediaSource
 from worker_svc.model.registry import load_config, load_vision_config
 from worker_svc.model.loader import load_model, resolve_dtype
 from worker_svc.published_embeddings import PublishedEmbeddings
-from worker_svc.request_state import RequestState
+from worker_svc.request_state import RequestState, split_groups
 from worker_svc.sampler import SamplingBatch, sample
 from worker_svc.stop import finish_reason
 from worker_svc.vision_step import ImageEmbedder, VisionStepStats, place_step_images
@@ -77,7 +79,7 @@ class StepOutput:
     vision: VisionStepStats | None = None  # what the step's images cost; None: no image in the step
 
 
-@dataclass
+@dataclass(slots=True)
 class _Produced:
     """What one request got from a step: a sampled token, and/or prompt logprobs."""
 
@@ -133,13 +135,31 @@ class ModelRunner:
         # KV cache groups (kvstore/kv_cache_groups.py): a block holds `group_size` layers' K/V
         self.kv_layout = self.model.kv_layout
         slots = self.kv_layout.group_size
-        num_blocks = config.num_blocks or num_blocks_for_memory(
-            kv_cache_bytes(self.device, config.kv_cache_memory_bytes, config.gpu_memory_utilization),
-            slots, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        # the persistent batch: each request's row of block tables and sampling settings
+        graph_sizes = decode_graph_sizes(config, self.device, self.backend.name)
+        self.inputs = InputBatch(self.kv_layout.num_groups, config.block_size,
+                                 -(-self.max_model_len // config.block_size), cfg.vocab_size, self.device,
+                                 graph_capacity=max(graph_sizes, default=0))
+        kv_bytes = kv_cache_bytes(self.device, config.kv_cache_memory_bytes, config.gpu_memory_utilization)
+        graph_bytes = self._graph_memory(graph_sizes)
+        if config.gpu_memory_utilization and graph_bytes >= kv_bytes and not config.num_blocks:
+            raise GraphMemoryError(
+                f"the CUDA graphs for decode batches up to {max(graph_sizes)} need {graph_bytes / 2**30:.2f} GiB, "
+                f"all of the {kv_bytes / 2**30:.2f} GiB --gpu-memory-utilization leaves for the KV cache: raise "
+                "it, lower --max-cudagraph-capture-size, or run with --enforce-eager")
+        num_blocks = config.num_blocks or num_blocks_for_memory(  # a share of the GPU counts the graphs
+            kv_bytes - (graph_bytes if config.gpu_memory_utilization else 0), slots, config.block_size,
+            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         self.kv_cache = KVCacheTensors(slots, num_blocks, config.block_size,
                                        cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         log.info("%s; %s", self.kv_layout.describe(),
                  kv_capacity(self.kv_layout, num_blocks, config.block_size, self.max_model_len))
+        self.graphs: DecodeGraphs | None = None
+        if graph_sizes:
+            self.graphs = DecodeGraphs(self.model, self.inputs, (self.kv_cache.k_caches, self.kv_cache.v_caches),
+                                       self.plan_attention, self.kv_layout.windows, graph_sizes)
+            report = self.graphs.capture(self.device, graph_bytes)
+            log.info("%s (%.0f MiB expected)", report.describe(), graph_bytes / 2**20)
         num_cpu_blocks = config.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = num_blocks_for_memory(
@@ -154,6 +174,16 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.grammars = GrammarCompiler(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
 
+    def _graph_memory(self, sizes: list[int]) -> int:
+        """What the decode graphs will hold (DecodeGraphs.profile, on a one-block cache)."""
+        if not sizes:
+            return 0
+        cfg = self.model_config
+        scratch = KVCacheTensors(self.kv_layout.group_size, 1, self.config.block_size, cfg.num_kv_heads,
+                                 cfg.head_dim, self.kv_dtype, self.device)
+        return DecodeGraphs.profile(self.model, self.inputs, (scratch.k_caches, scratch.v_caches),
+                                    self.plan_attention, self.kv_layout.windows, sizes, self.device)
+
     @property
     def num_requests(self) -> int:
         return len(self.requests)
@@ -163,6 +193,7 @@ class ModelRunner:
         from its tokens); how many were dropped."""
         dropped = len(self.requests)
         self.requests.clear()
+        self.inputs.clear()
         return dropped
 
     @property
@@ -193,7 +224,7 @@ class ModelRunner:
         for request_id in request.swapped_out_request_ids:
             state = self.requests.get(request_id)
             if state is not None:  # not scheduled until a replace_block_ids brings it back
-                state.drop_blocks()
+                self.inputs.drop_blocks(state.row)
 
     def _copy_in(self, request: worker_pb2.StepRequest) -> None:
         if request.blocks_to_swap_in:
@@ -205,10 +236,13 @@ class ModelRunner:
             self.kv_cache.copy_blocks([(p.src, p.dst) for p in request.blocks_to_copy])
 
     def _update_states(self, request: worker_pb2.StepRequest) -> None:
+        groups = self.kv_layout.num_groups
         for request_id in request.finished_request_ids:
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
         for new in request.new_requests:
-            state = self.requests[new.request_id] = RequestState(new, self.device, self.kv_layout.num_groups)
+            self._forget(new.request_id)  # sent again: its old row goes
+            state = self.requests[new.request_id] = RequestState(new, self.device)
+            state.row = self.inputs.add(new.sampling, split_groups(new.block_ids, groups))
             if state.image_ranges:
                 state.failure = self._image_failure(state)
             if new.sampling.HasField("grammar"):  # replays any outputs (a resumed request)
@@ -225,7 +259,14 @@ class ModelRunner:
                     f"step {request.step_id}: request {cached.request_id!r} has "
                     f"num_computed_tokens={state.num_computed_tokens} on the worker, "
                     f"the scheduler says {cached.num_computed_tokens}")
-            state.set_block_ids(cached.new_block_ids, cached.replace_block_ids)
+            if cached.new_block_ids or cached.replace_block_ids:
+                self.inputs.set_blocks(state.row, split_groups(cached.new_block_ids, groups),
+                                       cached.replace_block_ids)
+
+    def _forget(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.inputs.remove(state.row)
 
     def _image_failure(self, state: RequestState) -> str | None:
         """Why this worker cannot serve `state`'s images, or None."""
@@ -315,19 +356,23 @@ class ModelRunner:
                  image_embeddings: dict[str, torch.Tensor] | None = None) -> list[_Produced]:
         """Forward the flat batch (with the images' embeddings by content hash over their
         soft tokens' rows), advance num_computed_tokens, sample, gather logprobs."""
-        batch = build_flat_batch(scheduled, self.config.block_size, self.plan_attention,
-                                 self.device, self.kv_layout.windows)
-        prompt_rows, prompt_targets, prompt_ks, prompt_parts = self._prompt_logprob_rows(scheduled)
-        indices = batch.logits_indices
-        if prompt_rows:
-            indices = torch.cat([indices, torch.tensor(prompt_rows, device=self.device)])
-        inputs_embeds = None
-        if batch.images:
-            inputs_embeds = place_step_images(self.model.embed(batch.input_ids), batch.images,
-                                              image_embeddings or {})
-        logits = self.model(batch.input_ids, batch.positions, batch.attn,
-                            (self.kv_cache.k_caches, self.kv_cache.v_caches), indices,
-                            inputs_embeds=inputs_embeds)
+        prompt_rows, prompt_targets, prompt_ks, prompt_parts = prompt_logprob_rows(scheduled)
+        size = self._graph_size(scheduled) if self.graphs is not None and not prompt_rows else None
+        batch = self.inputs.prepare(scheduled, self.plan_attention, self.kv_layout.windows, pad_to=size)
+        if size is not None:  # every request decodes and samples: the rows are the requests
+            y, residual = self.graphs.replay(size)
+            logits = self.model.logits(y[:len(scheduled)], residual[:len(scheduled)])
+        else:
+            indices = batch.logits_indices
+            if prompt_rows:
+                indices = torch.cat([indices, torch.tensor(prompt_rows, device=self.device)])
+            inputs_embeds = None
+            if batch.images:
+                inputs_embeds = place_step_images(self.model.embed(batch.input_ids), batch.images,
+                                                  image_embeddings or {})
+            logits = self.model(batch.input_ids, batch.positions, batch.attn,
+                                (self.kv_cache.k_caches, self.kv_cache.v_caches), indices,
+                                inputs_embeds=inputs_embeds)
         for state, n in scheduled:
             state.num_computed_tokens += n
         reqs = batch.sampling_requests
@@ -341,17 +386,28 @@ class ModelRunner:
                 out.prompt_logprobs, out.prompt_index = logprobs[start:start + count], position
                 start += count
         if reqs:
-            self._sample(logits[:len(reqs)], reqs, produced)
+            self._sample(logits[:len(reqs)], reqs, batch.sampling, produced)
         return list(produced.values())
 
-    def _sample(self, logits: torch.Tensor, reqs: tuple[RequestState, ...],
+    def _graph_size(self, scheduled: list[tuple[RequestState, int]]) -> int | None:
+        """The captured size a step replays: every request computes its last token (one) and
+        samples, and there are at most the largest size of them; else None (eager)."""
+        if all(n == 1 and state.num_computed_tokens + 1 == len(state.token_ids) for state, n in scheduled):
+            return self.graphs.size_for(len(scheduled))
+        return None
+
+    def _sample(self, logits: torch.Tensor, reqs: tuple[RequestState, ...], sampling: SamplingBatch,
                 produced: dict[int, _Produced]) -> None:
-        vocab_size = self.model_config.vocab_size
-        allowed = self.grammars.allowed([r.grammar for r in reqs], vocab_size, self.device) \
-            if any(r.grammar is not None for r in reqs) else None
-        sampling = SamplingBatch.build(
-            [r.sampling for r in reqs], [r.draw_generator() for r in reqs], vocab_size, self.device,
-            histories=reqs, eos_token_ids=self.model_config.eos_token_ids, allowed=allowed)
+        """Sample on the device from the persistent batch's settings, with the per-step
+        edits and per-request generators of the rows that need them; the ids come to the
+        host in one copy."""
+        if any(r.generator is not None for r in reqs):
+            sampling = dataclasses.replace(sampling, generators=tuple(r.draw_generator() for r in reqs))
+        if any(r.edits or r.grammar is not None for r in reqs):
+            vocab_size = self.model_config.vocab_size
+            allowed = self.grammars.allowed([r.grammar for r in reqs], vocab_size, self.device) \
+                if any(r.grammar is not None for r in reqs) else None
+            sampling = sampling.with_edits(reqs, vocab_size, self.model_config.eos_token_ids, self.device, allowed)
         token_ids = sample(logits, sampling, self.generator)
         rows = [i for i, r in enumerate(reqs) if r.sampling.HasField("logprobs")]
         logprobs = gather_logprobs(logits[rows], token_ids[rows],
@@ -360,27 +416,6 @@ class ModelRunner:
             produced[id(req)].token_id = token_id
         for i, lp in zip(rows, logprobs):
             produced[id(reqs[i])].logprobs = lp
-
-    @staticmethod
-    def _prompt_logprob_rows(scheduled: list[tuple[RequestState, int]]):
-        """Flat-batch rows whose logits give prompt logprobs: the row of prompt position p
-        predicts prompt token p + 1. Returns (rows, target token ids, top-k per row,
-        [(request, first prompt position, count)]); call before num_computed_tokens moves."""
-        rows: list[int] = []
-        targets: list[int] = []
-        ks: list[int] = []
-        parts: list[tuple[RequestState, int, int]] = []
-        row = 0
-        for state, n in scheduled:
-            start = state.num_computed_tokens
-            stop = min(start + n, state.num_prompt_tokens - 1)
-            if state.sampling.HasField("prompt_logprobs") and stop > start:
-                rows.extend(range(row, row + stop - start))
-                targets.extend(state.token_ids[start + 1:stop + 1])
-                ks.extend([state.sampling.prompt_logprobs] * (stop - start))
-                parts.append((state, start + 1, stop - start))
-            row += n
-        return rows, targets, ks, parts
 
     def _append(self, state: RequestState, token_id: int) -> str | None:
         state.token_ids.append(token_id)

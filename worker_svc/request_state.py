@@ -4,6 +4,7 @@ import torch
 
 from proto import worker_pb2
 from worker_svc.model.image_placement import PlaceholderRange
+from worker_svc.logits_processors import uses_edits
 from worker_svc.sampler import position_seed
 
 
@@ -21,19 +22,20 @@ def split_groups(block_ids, num_groups: int) -> list[list[int]]:
 
 class RequestState:
     """Invariants: token_ids[:num_computed_tokens] have K/V in the slots named by each KV
-    cache group's block table (token t in block_tables[g][t // block_size]; a sliding group's
+    cache group's block table, kept in the request's `row` of the persistent batch
+    (worker_svc/input_batch.py; token t in table[g][t // block_size]; a sliding group's
     blocks behind its window are holes); num_prompt_tokens <= len(token_ids);
     once finish_reason is set the request never samples again (it waits for the scheduler
     to list it in finished_request_ids). Image i's soft tokens are
     token_ids[image_ranges[i].offset : offset + length], its media stored under
     image_hashes[i] (NewRequestData.mm_inputs, in prompt order; both empty for text)."""
 
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_tables",
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "row",
                  "num_computed_tokens", "sampling", "generator", "reply_channel",
                  "finish_reason", "grammar", "image_ranges", "image_hashes", "images_end", "failure",
-                 "num_cached_tokens")
+                 "num_cached_tokens", "edits", "prompt_logprobs")
 
-    def __init__(self, new: worker_pb2.NewRequestData, device: torch.device, num_groups: int = 1):
+    def __init__(self, new: worker_pb2.NewRequestData, device: torch.device, row: int = 0):
         if not new.token_ids:
             raise ValueError(f"request {new.request_id!r} has no tokens")
         if not 0 <= new.num_computed_tokens < len(new.token_ids):
@@ -43,9 +45,14 @@ class RequestState:
         self.request_id: str = new.request_id
         self.token_ids: list[int] = list(new.token_ids)
         self.num_prompt_tokens: int = new.num_prompt_tokens
-        self.block_tables: list[list[int]] = split_groups(new.block_ids, num_groups)
+        self.row: int = row  # the request's row of the persistent batch: its block tables
         self.num_computed_tokens: int = new.num_computed_tokens
         self.sampling: worker_pb2.SamplingParams = new.sampling
+        # logit_bias, min_tokens or penalties: the sampler builds edits for it each step
+        self.edits: bool = uses_edits(new.sampling)
+        # top-k of the prompt logprobs asked for; None: none
+        self.prompt_logprobs: int | None = (new.sampling.prompt_logprobs if new.sampling.HasField("prompt_logprobs")
+                                            else None)
         self.reply_channel: str = new.reply_channel
         # Prompt tokens the scheduler took from the prefix cache when it first admitted the
         # request: published with its first output token (TokenEvent.num_cached_tokens).
@@ -70,21 +77,6 @@ class RequestState:
         self.generator: torch.Generator | None = None
         if new.sampling.HasField("seed"):
             self.generator = torch.Generator(device=device)
-
-    def set_block_ids(self, block_ids, replace: bool) -> None:
-        """A step's block ids for the request (each group's in turn): appended to its
-        tables, or, with `replace`, its tables."""
-        if replace:
-            self.block_tables = split_groups(block_ids, len(self.block_tables))
-        elif len(self.block_tables) == 1:
-            self.block_tables[0].extend(block_ids)
-        else:
-            for table, ids in zip(self.block_tables, split_groups(block_ids, len(self.block_tables))):
-                table.extend(ids)
-
-    def drop_blocks(self) -> None:
-        """Swapped out: no tables until a replace brings it back."""
-        self.block_tables = [[] for _ in self.block_tables]
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ position what it would have drawn without the move. The other rows share the run
 generator.
 """
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -37,14 +38,23 @@ def position_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
+def row_settings(p, vocab_size: int) -> tuple[float, int, float, float]:
+    """One request's (temperature, top_k, top_p, min_p), normalised so "off" is uniform:
+    temperature below GREEDY_EPS is greedy, top_k the vocabulary size where off (0 or
+    >= vocab), top_p 1.0 where off (outside (0, 1)), min_p 0.0 where off (outside (0, 1])."""
+    min_p = float(getattr(p, "min_p", 0.0))
+    return (float(p.temperature), p.top_k if 0 < p.top_k < vocab_size else vocab_size,
+            float(p.top_p) if 0.0 < p.top_p < 1.0 else 1.0, min_p if 0.0 < min_p <= 1.0 else 0.0)
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling settings as tensors, normalised so "off" is uniform:
-    temperature 0 → greedy, top_k 0 → off, top_p outside (0, 1) → off."""
+    """Per-row sampling settings as tensors, normalised (row_settings). The worker's come
+    from its persistent batch (worker_svc/input_batch.py), views of the step's inputs."""
 
     temperatures: torch.Tensor  # float32 [S]; 1.0 on greedy rows (unused there)
-    greedy: torch.Tensor  # bool [S]
-    top_ks: torch.Tensor | None  # int64 [S], vocab size where off; None: no row uses it
+    greedy: torch.Tensor  # bool [S] (or int 0/1)
+    top_ks: torch.Tensor | None  # int [S], vocab size where off; None: no row uses it
     top_ps: torch.Tensor | None  # float32 [S], 1.0 where off; None: no row uses it
     generators: tuple[torch.Generator | None, ...]  # per row; None = the shared generator
     all_greedy: bool
@@ -66,12 +76,12 @@ class SamplingBatch:
         as having no tokens yet."""
         if histories is None:
             histories = [NoHistory()] * len(params)
-        greedy = [p.temperature < GREEDY_EPS for p in params]
-        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
-        ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        ps = [p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]
-        min_ps = [float(getattr(p, "min_p", 0.0)) if 0.0 < getattr(p, "min_p", 0.0) <= 1.0 else 0.0
-                  for p in params]
+        settings = [row_settings(p, vocab_size) for p in params]
+        greedy = [t < GREEDY_EPS for t, *_ in settings]
+        temps = [1.0 if g else t for (t, *_), g in zip(settings, greedy)]
+        ks = [k for _, k, _, _ in settings]
+        ps = [p for _, _, p, _ in settings]
+        min_ps = [m for *_, m in settings]
         sampled_rows = [i for i, g in enumerate(greedy) if not g]
         use_k = any(ks[i] < vocab_size for i in sampled_rows)
         use_p = any(ps[i] < 1.0 for i in sampled_rows)
@@ -90,10 +100,29 @@ class SamplingBatch:
             allowed=allowed,
         )
 
+    def with_edits(self, rows: Sequence, vocab_size: int, eos_token_ids: Collection[int],
+                   device: torch.device, allowed: torch.Tensor | None = None) -> "SamplingBatch":
+        """This batch with the step's edits of `rows` (each row's `sampling` params and its
+        tokens so far, e.g. the worker's RequestState): logit biases, min_tokens bans and
+        penalties (worker_svc/logits_processors.py), and the grammar mask `allowed`."""
+        params = [r.sampling for r in rows]
+        return dataclasses.replace(
+            self, allowed=allowed, logit_bias=build_logit_bias(params, vocab_size, device),
+            min_tokens_ban=build_min_tokens_ban(params, rows, eos_token_ids, vocab_size, device),
+            penalties=build_penalties(params, rows, vocab_size, device))
+
+    @property
+    def has_edits(self) -> bool:
+        return (self.allowed is not None or self.logit_bias is not None or self.min_tokens_ban is not None
+                or self.penalties is not None)
+
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """The request-specific edits (module docstring), on a float32 copy of `logits`. A row
-        that every edit together leaves without a finite logit keeps its raw logits (only an
-        absurd request, e.g. every token a stop id under min_tokens, gets there)."""
+        """The request-specific edits (module docstring), on a float32 copy of `logits`
+        (`logits` itself when no row has one). A row that every edit together leaves without
+        a finite logit keeps its raw logits (only an absurd request, e.g. every token a stop
+        id under min_tokens, gets there)."""
+        if not self.has_edits:
+            return logits
         raw = logits
         logits = logits.to(torch.float32, copy=True)
         if self.allowed is not None:
@@ -120,7 +149,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
     sorted_logits, order = logits.sort(dim=-1)  # ascending: the tail comes first
     vocab = logits.shape[-1]
     if top_ks is not None:
-        kth = sorted_logits.gather(-1, (vocab - top_ks).clamp(min=0)[:, None])
+        kth = sorted_logits.gather(-1, (vocab - top_ks.long()).clamp(min=0)[:, None])
         sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
     if top_ps is not None:
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
@@ -182,4 +211,4 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     # exponential_ can return 0: keep p / E finite (a zero-probability token stays at 0)
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     sampled = first_argmax(probs / noise)
-    return torch.where(batch.greedy, greedy_ids, sampled)
+    return torch.where(batch.greedy.bool(), greedy_ids, sampled)

@@ -11,6 +11,12 @@ forward(input_ids [T], positions [T], attn metadata, kv cache, logits_indices [S
                                       (Gemma: h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))))
     logits = lm_head(norm(h[logits_indices]))  (* final soft-cap: c * tanh(logits / c))
 
+computed as `hidden_states` (the layers) then `logits`. Each add is fused with the norm
+after it, and q/k norms, RoPE and the K/V cache write are one call, through the backend's
+layer ops (kernels/torch_layer_ops.py on the CPU, kernels/triton_layer_ops.py on CUDA):
+on a GPU a layer is nine launches (norm, QKV, RoPE + cache write, attention, O, norm,
+gate-up, activation, down).
+
 Parameter names follow transformers' <Family>ForCausalLM, except q/k/v and gate/up, which
 are stacked into one matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps the
 checkpoint's separate tensors into their slices. Every op is written in transformers'
@@ -57,24 +63,19 @@ class Attention(nn.Module):
             self.q_norm = rms_norm(cfg, cfg.head_dim)
             self.k_norm = rms_norm(cfg, cfg.head_dim)
         self.qk_norm = cfg.qk_norm
+        self.eps, self.gemma = cfg.rms_norm_eps, cfg.gemma_norms
         self.backend = backend
 
-    def forward(self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
-                attn: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """`ropes`: the step's RotaryEmbedding.tables of each RoPE spec, shared by every layer."""
+    def forward(self, ropes: list[tuple], x: torch.Tensor, attn: AttentionMetadata, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        """`ropes`: the step's (cos, sin, positions) of each RoPE spec (layer ops' rope_tables)."""
         num_tokens = x.shape[0]
-        rope = ropes[self.rope_index]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            q = RotaryEmbedding.rotate(self.q_norm(q), rope)
-            k = RotaryEmbedding.rotate(self.k_norm(k), rope)
-        else:  # q and k heads rotated together: one set of elementwise ops for both
-            q, k = RotaryEmbedding.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin, positions = ropes[self.rope_index]
         group = attn.groups[self.kv_group]
-        self.backend.write_kv(k, v, k_cache, v_cache, group.slot_mapping)
+        q = self.backend.layer_ops.rope_write_kv(
+            self.qkv_proj(x), positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+            k_cache, v_cache, group.slot_mapping, self.q_norm.weight if self.qk_norm else None,
+            self.k_norm.weight if self.qk_norm else None, self.eps, self.gemma)
         out = self.backend.paged_attention(
             q, k_cache, v_cache, group.block_tables, attn.seq_lens, attn.query_start_loc,
             self.scale, sliding_window=self.window, soft_cap=self.soft_cap, plan=group.plan)
@@ -82,25 +83,46 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One layer in the residual-stream form: it takes the previous layer's output `y` (for
+    the first layer the embeddings, with `residual` None) and the residual stream, and
+    returns its own MLP output and the stream; each add is fused with the norm after it
+    (kernels/torch_layer_ops.py `add_rms_norm`). Gemma's norm of a sublayer's output
+    (`post_feedforward_layernorm`) is applied by whoever adds it: the next layer, or the
+    final norm (`output_weight`)."""
+
     def __init__(self, cfg: DecoderConfig, layer: int, rope_index: int, backend: AttentionBackend,
                  kv_group: int = 0):
         super().__init__()
         self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
         self.self_attn = Attention(cfg, layer, rope_index, backend, kv_group)
         self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, backend.layer_ops)
         self.sandwich = cfg.gemma_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = rms_norm(cfg, cfg.hidden_size)
             self.post_feedforward_layernorm = rms_norm(cfg, cfg.hidden_size)
+        self.eps, self.gemma = cfg.rms_norm_eps, cfg.gemma_norms
+        self.ops = backend.layer_ops
 
-    def forward(self, ropes, h, attn, k_cache, v_cache):
-        a = self.self_attn(ropes, self.input_layernorm(h), attn, k_cache, v_cache)
-        if self.sandwich:
-            h = h + self.post_attention_layernorm(a)
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+    @property
+    def output_weight(self) -> torch.Tensor | None:
+        """The norm on this layer's output before it joins the residual stream (Gemma)."""
+        return self.post_feedforward_layernorm.weight if self.sandwich else None
+
+    def forward(self, ropes, y, residual, y_weight, attn, k_cache, v_cache):
+        ops, eps, gemma = self.ops, self.eps, self.gemma
+        if residual is None:
+            residual = y
+            x = ops.rms_norm(y, self.input_layernorm.weight, eps, gemma)
+        else:
+            x, residual = ops.add_rms_norm(y, residual, self.input_layernorm.weight, eps, gemma, y_weight)
+        a = self.self_attn(ropes, x, attn, k_cache, v_cache)
+        if self.sandwich:  # h += post_attention_layernorm(a); x = pre_feedforward_layernorm(h)
+            x, residual = ops.add_rms_norm(a, residual, self.pre_feedforward_layernorm.weight, eps, gemma,
+                                           self.post_attention_layernorm.weight)
+        else:
+            x, residual = ops.add_rms_norm(a, residual, self.post_attention_layernorm.weight, eps, gemma)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -122,6 +144,7 @@ class DecoderForCausalLM(nn.Module):
                  dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.cfg = cfg
+        self.ops = backend.layer_ops
         specs = list(dict.fromkeys(cfg.rope))  # distinct RoPE specs, in first-use order
         # not submodules: no weights, one table per spec shared by its layers
         self.rotaries = [RotaryEmbedding(cfg.head_dim, max_positions, s.theta, s.scaling, dtype, device)
@@ -154,13 +177,33 @@ class DecoderForCausalLM(nn.Module):
         per layer slot: `kv_layout.group_size` of each, layer i reading slot `kv_slots[i]`).
         `inputs_embeds` [T, hidden], when given, is the step's input instead of
         `embed(input_ids)` (a step carrying image embeddings)."""
+        return self.logits(*self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds),
+                           logits_indices)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                      kv_caches: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+                      inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers: (the last layer's output, the residual stream before it is added),
+        each [T, hidden]; what a decode step's CUDA graph captures."""
         k_caches, v_caches = kv_caches
-        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        ropes = [rotary.tables(positions) for rotary in self.rotaries]
+        y = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        ropes = [self.ops.rope_tables(rotary.cos, rotary.sin, positions) for rotary in self.rotaries]
+        residual, y_weight = None, None
         for layer, slot in zip(self.model.layers, self.kv_slots):
-            h = layer(ropes, h, attn, k_caches[slot], v_caches[slot])
-        # The final norm is per row, so it may follow the row selection.
-        logits = self.lm_head(self.model.norm(h.index_select(0, logits_indices)))
+            y, residual = layer(ropes, y, residual, y_weight, attn, k_caches[slot], v_caches[slot])
+            y_weight = layer.output_weight
+        return y, residual
+
+    def logits(self, y: torch.Tensor, residual: torch.Tensor,
+               logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the rows `logits_indices` (all rows: None) of `hidden_states`' output:
+        the last add, the final norm (per row, so after the row selection), the LM head."""
+        if logits_indices is not None:
+            y, residual = y.index_select(0, logits_indices), residual.index_select(0, logits_indices)
+        last = self.model.layers[-1]
+        h, _ = self.ops.add_rms_norm(y, residual, self.model.norm.weight, self.cfg.rms_norm_eps,
+                                     self.cfg.gemma_norms, last.output_weight)
+        logits = self.lm_head(h)
         cap = self.cfg.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

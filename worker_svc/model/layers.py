@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import torch_layer_ops
+
 
 class RMSNorm(nn.Module):
     """weight * (x / rms(x)), the normalisation done in fp32 and cast back before the
@@ -20,10 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return torch_layer_ops.rms_norm(x, self.weight, self.eps, gemma=False)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -36,9 +35,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+        return torch_layer_ops.rms_norm(x, self.weight, self.eps, gemma=True)
 
 
 def rms_norm(cfg, size: int) -> nn.Module:
@@ -69,15 +66,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE from cos/sin tables precomputed for every position < max_positions
-    (the same fp32 `position * inv_freq` products transformers computes per call).
-
-    Per step, `tables` gathers the rows of the step's positions once for every layer, and
-    `rotate` turns query and key heads together (one [tokens, heads + kv_heads, head_dim]
-    view of the fused projection): four elementwise ops per layer where rotating q and k
-    one half at a time took fourteen. The tables are stored full width, cos as (cos, cos)
-    and sin as (-sin, sin), so x1*cos - x2*sin and x2*cos + x1*sin, transformers' two halves,
-    are x*cos + (x2, x1)*sin with the same products and sums, bit for bit."""
+    """Rotate-half RoPE's cos/sin tables, precomputed for every position < max_positions
+    (the same fp32 `position * inv_freq` products transformers computes per call), in the
+    model's dtype and full width: cos as (cos, cos), sin as (-sin, sin), so that rotating is
+    x * cos[p] + (x2, x1) * sin[p] (kernels/torch_layer_ops.py `rotate`: transformers' two
+    halves, bit for bit). The layer ops read the rows of a step's positions themselves."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  dtype: torch.dtype, device: torch.device):
@@ -91,18 +84,6 @@ class RotaryEmbedding(nn.Module):
             self.cos = torch.cat((cos, cos), dim=-1)
             self.sin = torch.cat((-sin, sin), dim=-1)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, 1, head_dim] of each token's position ([T] int64)."""
-        return (self.cos.index_select(0, positions)[:, None, :],
-                self.sin.index_select(0, positions)[:, None, :])
-
-    @staticmethod
-    def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [T, heads, head_dim] (any strides) rotated by its tokens' `tables`; contiguous."""
-        cos, sin = tables
-        half = x.shape[-1] // 2
-        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + swapped * sin
 
 class PackedLinear(nn.Module):
     """An inference-only nn.Linear whose weight is packed once, at load, into oneDNN's
@@ -157,18 +138,17 @@ ACTIVATIONS = MappingProxyType({"silu": F.silu,
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act is SiLU
-    (Llama, Qwen, Mistral) or tanh-approximated GELU (Gemma)."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul, and the activation
+    and product one call of the layer ops (`ops`: kernels/torch_layer_ops.py or its Triton
+    twin); act is SiLU (Llama, Qwen, Mistral) or tanh-approximated GELU (Gemma)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str, ops=torch_layer_ops):
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {sorted(ACTIVATIONS)}")
-        self.act = ACTIVATIONS[act]
-        self.intermediate_size = intermediate_size
+        self.act, self.ops = act, ops
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.ops.act_mul(self.gate_up_proj(x), self.act))

@@ -1,0 +1,367 @@
+"""The persistent batch: what the worker keeps of its requests between steps, laid out for
+one copy to the device per step.
+
+Each request the worker holds owns a *row* (`InputBatch.add`, freed by `remove`) for as
+long as it holds it. A row keeps the request's block table of each KV cache group and its
+sampling settings (temperature, top-k, top-p, min-p, normalised once:
+worker_svc/sampler.py `row_settings`). Row 0 is nobody's: its tables are zeros, the rows a
+CUDA graph pads its batch with read it (kvstore/cache_tensors.py: block 0 holds finite
+values), and write to slot -1 (nowhere).
+
+The block tables live twice: in host memory (numpy, `[G, rows, max_blocks_per_req]`, the
+truth, where the slot mapping is computed) and on the device. A step's new and replaced
+block ids change the host rows and are remembered as (flat index, id) pairs; `prepare`
+ships them with the step's inputs and scatters them into the device tables with one
+index_put_. On the CPU the two are one memory.
+
+A step (`prepare`): the scheduled (request, tokens) pairs in batch order become, in a
+staging buffer of int32 (pinned host memory on a GPU):
+
+    input_ids [T]    the tokens computed now          positions [T]    their positions
+    slots [G, T]     where each token's K/V go in each group's blocks (table[p // bs] * bs + p % bs)
+    seq_lens [R]     each request's context after the step
+    query_start_loc [R + 1]                            logits_indices [S]  the rows that sample
+    row_ids [R]      each request's row               the sampling rows' settings [S] x 4
+    table diffs      (flat index, block id) pairs
+
+built with one Python pass over the requests (their starts, lengths, last tokens) and
+vectorised numpy for everything per token; the buffer goes to the device in ONE
+non-blocking copy, the diffs are scattered, and each group's step block table is gathered
+from the device tables by `row_ids` (one index_select). Nothing else is built per step:
+the attention metadata, the logits rows and the sampling settings are views of that copy.
+
+Two buffers exist. The eager one is sized for the step (grown when a step needs more); the
+graph one is fixed at `graph_capacity` requests, so that captured CUDA graphs
+(worker_svc/cuda_graphs.py) read their inputs at fixed addresses: `prepare(..., pad_to=b)`
+lays a pure-decode step out there, padded to `b` rows (row 0, position 0, slot -1,
+context 1). Both are reused every step: a step's tensors are valid until the next
+`prepare` (the runner finishes a step -- its sampled ids copied to the host -- before it
+prepares the next, so a non-blocking copy never overwrites inputs still being read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from worker_svc.batch import AttentionMetadata, FlatBatch, GroupAttention, bidir_spans_of, effective_window, \
+    whole_image_slices
+from worker_svc.request_state import RequestState
+from worker_svc.sampler import GREEDY_EPS, SamplingBatch, row_settings
+
+DUMMY_ROW = 0
+# int32 sections of a staging buffer, in order: name -> (length in tokens, in requests)
+# multiples; "slots" has one token-length section per KV cache group.
+_TOKEN_SECTIONS = ("input_ids", "positions")
+_REQUEST_SECTIONS = ("seq_lens", "logits_indices", "row_ids", "temperatures", "greedy", "top_ks",
+                     "top_ps", "min_ps")
+_FLOAT_SECTIONS = ("temperatures", "top_ps", "min_ps")
+
+
+class _Buffers:
+    """A staging buffer of int32 for `tokens` tokens, `requests` requests and `diffs` table
+    diffs, in host memory (pinned where the device is a GPU), and its twin on the device
+    (the same memory unless `separate`); named views of both."""
+
+    def __init__(self, tokens: int, requests: int, diffs: int, groups: int, device: torch.device,
+                 separate: bool):
+        self.tokens, self.requests, self.diffs = tokens, requests, diffs
+        spans: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, length in ([(n, tokens) for n in _TOKEN_SECTIONS] + [("slots", groups * tokens)]
+                             + [("query_start_loc", requests + 1)]
+                             + [(n, requests) for n in _REQUEST_SECTIONS]
+                             + [("diff_index", diffs), ("diff_value", diffs)]):
+            spans[name] = (offset, length)
+            offset += length
+        self.host_tensor = torch.zeros(offset, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.device_tensor = torch.zeros(offset, dtype=torch.int32, device=device) if separate else self.host_tensor
+        host = self.host_tensor.numpy()
+        self.host: dict[str, np.ndarray] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        for name, (start, length) in spans.items():
+            h, d = host[start:start + length], self.device_tensor[start:start + length]
+            if name in _FLOAT_SECTIONS:
+                h, d = h.view(np.float32), d.view(torch.float32)
+            self.host[name], self.dev[name] = h, d
+        self.host["slots"] = self.host["slots"].reshape(groups, tokens)
+        self.dev["slots"] = self.dev["slots"].view(groups, tokens)
+        self.separate = separate
+
+    def fits(self, tokens: int, requests: int, diffs: int) -> bool:
+        return tokens <= self.tokens and requests <= self.requests and diffs <= self.diffs
+
+    def commit(self) -> None:
+        """The one host-to-device copy of the step (none on the CPU)."""
+        if self.separate:
+            self.device_tensor.copy_(self.host_tensor, non_blocking=True)
+
+
+class InputBatch:
+    """Rows of per-request state on the host and the device, and the step's inputs built
+    from them (module docstring). `max_blocks_per_req`: the widest block table a request
+    may have (max_model_len / block_size, rounded up). `separate_device_memory`: keep the
+    device's copy apart from the host's, as on a GPU (default: unless the device is the
+    CPU; tests set it on the CPU to check the GPU's bookkeeping)."""
+
+    def __init__(self, num_groups: int, block_size: int, max_blocks_per_req: int, vocab_size: int,
+                 device: torch.device, graph_capacity: int = 0, rows: int = 64,
+                 separate_device_memory: bool | None = None):
+        self.num_groups, self.block_size, self.width = num_groups, block_size, max_blocks_per_req
+        self.vocab_size = vocab_size
+        self.device = device
+        self._on_gpu = device.type != "cpu" if separate_device_memory is None else separate_device_memory
+        self._tables = np.zeros((num_groups, rows, max_blocks_per_req), dtype=np.int32)
+        self._tables_dev = self._device_tables()
+        self._num_blocks = np.zeros(rows, dtype=np.int64)
+        self._settings = np.zeros((rows, 4), dtype=np.float64)  # temperature, top_k, top_p, min_p
+        self._free = list(range(rows - 1, DUMMY_ROW, -1))  # row 0 is nobody's
+        self._pending: list[np.ndarray] = []  # flat indices of host table entries to ship
+        self._eager = _Buffers(64, 16, 64, num_groups, device, self._on_gpu)
+        # a graph step's diffs: a new block per request and group fits; more (a swapped-in
+        # request's whole table) go ahead through the eager buffers
+        self._graph = _Buffers(graph_capacity, graph_capacity, 2 * graph_capacity * num_groups, num_groups, device,
+                               self._on_gpu) if graph_capacity else None
+        if self._graph is not None:  # each group's step table for graph steps, at a fixed address
+            self.graph_tables = torch.zeros(num_groups, graph_capacity, max_blocks_per_req,
+                                            dtype=torch.int32, device=device)
+
+    # -- rows ------------------------------------------------------------------------------------
+
+    @property
+    def num_rows(self) -> int:
+        return self._tables.shape[1]
+
+    def _device_tables(self) -> torch.Tensor:
+        host = torch.from_numpy(self._tables)
+        return host.to(self.device, copy=True) if self._on_gpu else host
+
+    def add(self, params, block_tables: Sequence[Sequence[int]]) -> int:
+        """A row for a new request: its sampling `params` (proto SamplingParams) and block
+        tables (one list per group); returns the row."""
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self._settings[row] = row_settings(params, self.vocab_size)
+        self.set_blocks(row, block_tables, replace=True)
+        return row
+
+    def remove(self, row: int) -> None:
+        self._num_blocks[row] = 0
+        self._free.append(row)
+
+    def clear(self) -> None:
+        self._num_blocks[:] = 0
+        self._free = list(range(self.num_rows - 1, DUMMY_ROW, -1))
+
+    def num_blocks(self, row: int) -> int:
+        return int(self._num_blocks[row])
+
+    def block_table(self, row: int, group: int = 0) -> list[int]:
+        return self._tables[group, row, :self._num_blocks[row]].tolist()
+
+    def set_blocks(self, row: int, block_ids: Sequence[Sequence[int]], replace: bool) -> None:
+        """Each group's `block_ids[g]` appended to the row's table, or, with `replace`, as
+        its table (the same count in every group)."""
+        start = 0 if replace else int(self._num_blocks[row])
+        count = len(block_ids[0])
+        end = start + count
+        if end > self.width:
+            raise ValueError(f"a block table of {end} blocks is wider than the {self.width} blocks "
+                             f"max_model_len allows")
+        if any(len(ids) != count for ids in block_ids):
+            raise ValueError(f"KV cache groups got {[len(ids) for ids in block_ids]} block ids: "
+                             "every group gets the same count")
+        for g, ids in enumerate(block_ids):
+            self._tables[g, row, start:end] = ids
+        self._num_blocks[row] = end
+        if self._on_gpu and count:
+            cols = np.arange(start, end)
+            self._pending.append(((np.arange(self.num_groups)[:, None] * self.num_rows + row) * self.width
+                                  + cols[None, :]).ravel())
+
+    def drop_blocks(self, row: int) -> None:
+        """Swapped out: no table until a replace brings one back."""
+        self._num_blocks[row] = 0
+
+    def _grow(self) -> None:
+        old = self.num_rows
+        rows = old * 2
+        tables = np.zeros((self.num_groups, rows, self.width), dtype=np.int32)
+        tables[:, :old] = self._tables
+        self._tables = tables
+        self._tables_dev = self._device_tables()  # the whole table, so nothing is pending
+        self._pending.clear()
+        self._num_blocks = np.concatenate([self._num_blocks, np.zeros(old, dtype=np.int64)])
+        self._settings = np.concatenate([self._settings, np.zeros((old, 4))])
+        self._free.extend(range(rows - 1, old - 1, -1))
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def prepare(self, scheduled: Sequence[tuple[RequestState, int]], plan_fn: Callable,
+                windows: Sequence[int | None], pad_to: int | None = None) -> FlatBatch:
+        """The step's FlatBatch (worker_svc/batch.py) for `scheduled` (request, tokens to
+        compute) in batch order. `plan_fn`: the attention backend's plan, called once per
+        KV cache group with its window. `pad_to`: lay a pure-decode step out in the graph
+        buffers, padded to that many requests (None: the eager buffers, unpadded)."""
+        num_reqs = len(scheduled)
+        row_list: list[int] = []
+        start_list: list[int] = []
+        length_list: list[int] = []
+        ids: list[int] = []
+        samplers: list[RequestState] = []
+        sample_rows: list[int] = []
+        images = []
+        token = 0
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            end = start + n
+            tokens = req.token_ids
+            if n <= 0 or end > len(tokens):
+                raise ValueError(f"request {req.request_id!r}: cannot compute {n} tokens from "
+                                 f"{start} (it has {len(tokens)})")
+            row_list.append(req.row)
+            start_list.append(start)
+            length_list.append(n)
+            if n == 1:
+                ids.append(tokens[start])
+            else:
+                ids.extend(tokens[start:end])
+            if start < req.images_end:
+                images.extend((req, s) for s in whole_image_slices(req, start, n, token))
+            token += n
+            if end == len(tokens):
+                samplers.append(req)
+                sample_rows.append(token - 1)
+        num_tokens = token
+        rows = np.array(row_list, dtype=np.int64)
+        starts = np.array(start_list, dtype=np.int64)
+        lengths = np.array(length_list, dtype=np.int64)
+        ends = starts + lengths
+        needed = -(-ends // self.block_size)
+        short = needed > self._num_blocks[rows]
+        if short.any():
+            i = int(np.flatnonzero(short)[0])
+            raise ValueError(f"request {scheduled[i][0].request_id!r}: {int(ends[i])} tokens need "
+                             f"{int(needed[i])} blocks, its block table has {int(self._num_blocks[rows[i]])}")
+        diffs = np.concatenate(self._pending) if self._pending else np.zeros(0, dtype=np.int64)
+        self._pending.clear()
+
+        if pad_to is not None:
+            buf = self._graph
+            if buf is None or num_tokens != num_reqs or pad_to > buf.requests or num_reqs > pad_to or images:
+                raise ValueError(f"a graph step takes a pure-decode batch of at most {pad_to} requests")
+            if len(diffs) > buf.diffs:  # too many for the graph buffers: ahead, on their own
+                self._apply_diffs(self._eager_buffers(0, 0, len(diffs)), diffs)
+                diffs = diffs[:0]
+            width = self.width
+        else:
+            buf = self._eager_buffers(num_tokens, num_reqs, len(diffs))
+            width = int(needed.max())
+        total_tokens = num_tokens if pad_to is None else pad_to
+        total_reqs = num_reqs if pad_to is None else pad_to
+        h = buf.host
+        h["input_ids"][:num_tokens] = ids
+        qsl = h["query_start_loc"]
+        qsl[0] = 0
+        if num_tokens == num_reqs:  # pure decode: one token per request
+            positions = starts
+            token_rows = rows
+            qsl[1:total_reqs + 1] = np.arange(1, total_reqs + 1)
+        else:
+            np.cumsum(lengths, out=qsl[1:num_reqs + 1])
+            req_of_token = np.repeat(np.arange(num_reqs), lengths)
+            positions = np.arange(num_tokens) - qsl[req_of_token] + starts[req_of_token]
+            token_rows = rows[req_of_token]
+        h["positions"][:num_tokens] = positions
+        h["slots"][:, :num_tokens] = (self._tables[:, token_rows, positions // self.block_size] * self.block_size
+                                      + positions % self.block_size)
+        h["seq_lens"][:num_reqs] = ends
+        h["row_ids"][:num_reqs] = rows
+        h["logits_indices"][:len(sample_rows)] = sample_rows
+        if total_tokens > num_tokens:  # graph padding: rows nobody reads, writing nowhere
+            h["input_ids"][num_tokens:total_tokens] = 0
+            h["positions"][num_tokens:total_tokens] = 0
+            h["slots"][:, num_tokens:total_tokens] = -1
+            h["seq_lens"][num_reqs:total_reqs] = 1
+            h["row_ids"][num_reqs:total_reqs] = DUMMY_ROW
+            h["logits_indices"][len(sample_rows):total_reqs] = np.arange(len(sample_rows), total_reqs)
+        sampling = self._stage_sampling(h, samplers)
+        self._apply_diffs(buf, diffs)
+        d = buf.dev
+        row_ids = d["row_ids"][:total_reqs]
+        if pad_to is not None:
+            tables = self.graph_tables[:, :pad_to]
+            for g in range(self.num_groups):
+                torch.index_select(self._tables_dev[g], 0, row_ids, out=tables[g])
+        else:
+            tables = self._tables_dev[:, :, :width].index_select(1, row_ids)
+        seq_lens = d["seq_lens"][:total_reqs]
+        query_start_loc = d["query_start_loc"][:total_reqs + 1]
+        bidir_spans = bidir_spans_of(images, num_tokens, self.device) if images else None
+        max_seq_len = int(ends.max()) if num_reqs else 1
+        groups = tuple(
+            GroupAttention(slot_mapping=d["slots"][g, :total_tokens], block_tables=tables[g],
+                           plan=plan_fn(tables[g], seq_lens, query_start_loc, self.block_size,
+                                        effective_window(window, max_seq_len), bidir_spans=bidir_spans))
+            for g, window in enumerate(windows))
+        return FlatBatch(
+            input_ids=d["input_ids"][:total_tokens],
+            positions=d["positions"][:total_tokens],
+            attn=AttentionMetadata(groups=groups, seq_lens=seq_lens, query_start_loc=query_start_loc,
+                                   bidir_spans=bidir_spans),
+            logits_indices=d["logits_indices"][:len(sample_rows) if pad_to is None else pad_to],
+            sampling_requests=tuple(samplers),
+            images=tuple(images),
+            sampling=sampling(d) if sampling is not None else None,
+        )
+
+    def _eager_buffers(self, tokens: int, requests: int, diffs: int) -> _Buffers:
+        """The eager buffers, grown (at least doubled) when they hold less than asked."""
+        if not self._eager.fits(tokens, requests, diffs):
+            old = self._eager
+            self._eager = _Buffers(max(tokens, old.tokens * 2), max(requests, old.requests * 2),
+                                   max(diffs, old.diffs * 2), self.num_groups, self.device, self._on_gpu)
+        return self._eager
+
+    def _apply_diffs(self, buf: _Buffers, diffs: np.ndarray) -> None:
+        """Ship `buf` to the device with the table entries `diffs` (flat indices), and
+        scatter those into the device tables."""
+        count = len(diffs)
+        if count:
+            buf.host["diff_index"][:count] = diffs
+            buf.host["diff_value"][:count] = self._tables.reshape(-1)[diffs]
+        buf.commit()
+        if count:
+            self._tables_dev.view(-1)[buf.dev["diff_index"][:count]] = buf.dev["diff_value"][:count]
+
+    def _stage_sampling(self, h: dict[str, np.ndarray], samplers: Sequence[RequestState]):
+        """Stage the sampling rows' settings; returns a function of the device views giving
+        the step's SamplingBatch (its per-step edits and generators are the runner's), or
+        None when no row samples."""
+        count = len(samplers)
+        if not count:
+            return None
+        settings = self._settings[[s.row for s in samplers]]
+        temps = settings[:, 0]
+        greedy = temps < GREEDY_EPS
+        h["temperatures"][:count] = np.where(greedy, 1.0, temps)
+        h["greedy"][:count] = greedy
+        h["top_ks"][:count] = settings[:, 1]
+        h["top_ps"][:count] = settings[:, 2]
+        h["min_ps"][:count] = settings[:, 3]
+        drawn = settings[~greedy]
+        use_k = bool((drawn[:, 1] < self.vocab_size).any())
+        use_p = bool((drawn[:, 2] < 1.0).any())
+        use_min_p = bool((drawn[:, 3] > 0.0).any())
+        all_greedy = bool(greedy.all())
+
+        def on_device(d: dict[str, torch.Tensor]) -> SamplingBatch:
+            return SamplingBatch(
+                temperatures=d["temperatures"][:count], greedy=d["greedy"][:count],
+                top_ks=d["top_ks"][:count] if use_k else None, top_ps=d["top_ps"][:count] if use_p else None,
+                generators=(None,) * count, all_greedy=all_greedy,
+                min_ps=d["min_ps"][:count] if use_min_p else None)
+        return on_device
