@@ -1,8 +1,10 @@
 """Model steps against this machine's roofline, measured in one run.
 
     python bench/roofline.py --model-dir models/small                 # decode at batch 64
+    python bench/roofline.py --model-dir models/small --batch 32 --host-split   # the host's share
     python bench/roofline.py --model-dir models/small --workload      # + the serving workload
-    python bench/roofline.py --model-dir models/1b --device cuda      # a GPU, the model's bf16
+    python bench/roofline.py --model-dir models/1b --device cuda --batch 1 64 256 --count-kernels
+    python bench/roofline.py --model-dir models/1b --device cuda --enforce-eager   # without CUDA graphs
 
 1. The machine: the matmul rate in the model's dtype (a large torch.matmul) and memory
    bandwidth, medians of several runs, same threads as the model. On the CPU the bandwidth
@@ -10,8 +12,10 @@
    device-to-device copy's (read + write bytes over time), the bandwidth a decode step's
    utilisation is quoted against (`bandwidth_utilisation`: its bytes over its time, over
    that bandwidth).
-2. Decode steps at `--batch` requests, each with a `--context`-token context: the median
-   step time of ModelRunner.step (scheduling not timed) against its floor,
+2. Decode steps at each `--batch` requests (one runner for all), each with a
+   `--context`-token context: the median step time of ModelRunner.step (scheduling not
+   timed; on a GPU pure-decode steps replay CUDA graphs unless `--enforce-eager`) against
+   its floor,
        floor = max(FLOPs / matmul rate, bytes / read bandwidth)
    FLOPs: 2 x (every linear weight) per token, lm_head only for the rows that sample,
    plus QK^T and PV over each query's context. Bytes: every linear weight once per step,
@@ -159,17 +163,20 @@ def step_cost(cfg: DecoderConfig, elem: int, work: list[tuple[int, int, bool]],
     return StepCost(Cost(linear_flops, weights), Cost(attention_flops, kv_read + kv_written))
 
 
-class Driver:
-    """BatchScheduler + ModelRunner in this thread; times ModelRunner.step only."""
+def make_runner(args) -> ModelRunner:
+    return ModelRunner(RunnerConfig(model=args.model_dir, threads=args.threads,
+                                    kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
+                                    block_size=args.block_size, attention_backend=args.attention_backend,
+                                    device=args.device, dtype=args.dtype, quantization=args.quantization,
+                                    kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager))
 
-    def __init__(self, args):
-        self.runner = ModelRunner(RunnerConfig(model=args.model_dir, threads=args.threads,
-                                               kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
-                                               block_size=args.block_size,
-                                               attention_backend=args.attention_backend,
-                                               device=args.device, dtype=args.dtype,
-                                               quantization=args.quantization,
-                                               kv_cache_dtype=args.kv_cache_dtype))
+
+class Driver:
+    """BatchScheduler + ModelRunner in this thread; times ModelRunner.step only. `runner`:
+    one to reuse (it must hold no requests), else a new one."""
+
+    def __init__(self, args, runner: ModelRunner | None = None):
+        self.runner = runner or make_runner(args)
         info = self.runner.describe()
         self.scheduler = BatchScheduler.for_worker(
             SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens), info)
@@ -202,37 +209,109 @@ class Driver:
         return step, output.result, elapsed, step_cost(self.cfg, self.elem, work, self.layer_elem, self.kv_elem)
 
 
-def decode_roofline(args, rate: float, bandwidth: float) -> dict:
-    driver = Driver(args)
+class ForwardTimer:
+    """Times the runner's model forward inside each step (CPU: a forward there is synchronous)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.times: list[float] = []
+        forward = runner.model.forward
+
+        def timed(*a, **k):
+            start = time.perf_counter()
+            out = forward(*a, **k)
+            self.times.append(time.perf_counter() - start)
+            return out
+
+        runner.model.forward = timed  # an instance attribute: nn.Module.__call__ finds it first
+
+
+def count_kernels(driver: Driver) -> dict:
+    """What one step launches: CUDA kernels from torch.profiler on a GPU; on the CPU, the
+    aten operators that did work (views, reshapes and allocations left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = driver.runner.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            driver.step()
+            torch.cuda.synchronize(device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.name.lower().startswith(("memcpy", "memset"))]
+        # the device's busy time: what the step would take if the host never made it wait
+        return {"kind": "CUDA kernels", "count": len(kernels),
+                "busy_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3}
+    return {"kind": "aten operators doing work", "count": _count_ops(driver.step)}
+
+
+def _count_ops(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    free = ("view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "split", "split_with_sizes",
+            "slice", "select", "unsqueeze", "squeeze", "detach", "alias", "empty", "empty_like",
+            "empty_strided", "reshape", "permute", "unbind", "chunk", "narrow", "_reshape_alias",
+            "lift_fresh")
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] not in free:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counter:
+        fn()
+    return counter.count
+
+
+def decode_roofline(args, rate: float, bandwidth: float, batch: int, runner: ModelRunner) -> dict:
+    driver = Driver(args, runner)
+    timer = ForwardTimer(runner) if args.host_split and runner.device.type == "cpu" else None
     gen = torch.Generator().manual_seed(0)
-    for _ in range(args.batch):
+    for _ in range(batch):
         driver.add(torch.randint(300, driver.cfg.vocab_size - 1, (args.context,), generator=gen).tolist(),
                    max_tokens=driver.runner.max_model_len - args.context)
     while True:  # prefill everything; the first all-decode step starts the measurement
         step, *_ = driver.step()
-        if len(step.num_scheduled_tokens) == args.batch and set(step.num_scheduled_tokens.values()) == {1}:
+        if len(step.num_scheduled_tokens) == batch and set(step.num_scheduled_tokens.values()) == {1}:
             break
     for _ in range(args.warmup):
         driver.step()
-    times, costs = [], []
+    times, costs, forwards = [], [], []
     for _ in range(args.steps):
+        if timer is not None:
+            timer.times.clear()
         _, _, elapsed, cost = driver.step()
         times.append(elapsed)
         costs.append(cost)
+        if timer is not None:
+            forwards.append(sum(timer.times))
+    extra = {}
+    if forwards:
+        extra.update(forward_ms=statistics.median(forwards) * 1e3,
+                     host_ms=statistics.median(t - f for t, f in zip(times, forwards)) * 1e3)
+    if args.count_kernels:
+        extra["kernels"] = count_kernels(driver)
+    graphs = runner.graphs
+    extra["cuda_graphs"] = bool(graphs is not None and graphs.size_for(batch) is not None)
+    runner.forget_all()  # the next batch starts on an empty runner
     cost = costs[len(costs) // 2]  # contexts grow by one token a step: the middle one
     step_s = statistics.median(times)
     floor = cost.floor(rate, bandwidth)
     phases = cost.phases_floor(rate, bandwidth)
-    return dict(batch=args.batch, context=args.context, step_ms=step_s * 1e3,
+    return dict(batch=batch, context=args.context, step_ms=step_s * 1e3, **extra,
                 flops=cost.flops, bytes=cost.bytes, compute_ms=cost.flops / rate * 1e3,
                 memory_ms=cost.bytes / bandwidth * 1e3, floor_ms=floor * 1e3,
                 ratio=step_s / floor, phases_floor_ms=phases * 1e3, phases_ratio=step_s / phases,
-                tokens_per_s=args.batch / step_s,
+                tokens_per_s=batch / step_s,
                 bandwidth_utilisation=cost.bytes / step_s / bandwidth)
 
 
-def workload_roofline(args, rate: float, bandwidth: float) -> dict:
-    driver = Driver(args)
+def workload_roofline(args, rate: float, bandwidth: float, runner: ModelRunner) -> dict:
+    driver = Driver(args, runner)
     spec = WorkloadSpec(kind=args.dataset, num_requests=args.num_requests, input_mean=args.input_mean,
                         output_mean=args.output_mean, spread=args.spread, seed=args.seed)
     pending = collections.deque(make_workload(spec, args.model_dir))
@@ -270,11 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype (the floor counts its bytes)")
     p.add_argument("--threads", type=int, help="torch threads (default: the worker's choice, worker_svc/cpu_threads.py)")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, nargs="+", default=[64], help="decode batch sizes, one runner for all")
     p.add_argument("--context", type=int, default=320, help="tokens of context per request")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--enforce-eager", action="store_true", help="on a GPU: no CUDA graphs")
+    p.add_argument("--host-split", action="store_true",
+                   help="CPU: also time the forward inside each step; report the host work around it")
+    p.add_argument("--count-kernels", action="store_true",
+                   help="count what one decode step launches (CUDA kernels; aten operators on the CPU)")
     p.add_argument("--block-size", type=int, default=RunnerConfig.block_size, help="tokens per KV block")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     p.add_argument("--workload", action="store_true", help="also the serving workload")
@@ -295,21 +379,31 @@ def main(argv: list[str] | None = None) -> int:
     dtype, _ = resolve_dtype(args.dtype, load_config(args.model_dir), device)  # the runner's
     rate, bandwidth = machine_limits(device, dtype)
     kind = "memory read" if device.type == "cpu" else "device copy"
+    runner = make_runner(args)
     result = dict(device=str(device), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
                   matmul_gflops=rate / 1e9, read_gbps=bandwidth / 1e9, bandwidth_kind=kind,
-                  decode=decode_roofline(args, rate, bandwidth))
+                  cuda_graphs=runner.graphs.sizes if runner.graphs is not None else None,
+                  decodes=[decode_roofline(args, rate, bandwidth, b, runner) for b in args.batch])
+    result["decode"] = result["decodes"][0]
     where = f"{result['threads']} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"machine: {result['dtype']} matmul {rate / 1e9:.1f} GFLOP/s, {kind} {bandwidth / 1e9:.1f} GB/s "
           f"({where})")
-    d = result["decode"]
-    print(f"decode step, batch {d['batch']}, context ~{d['context']}: {d['step_ms']:.2f} ms "
-          f"(median of {args.steps}); compute floor {d['compute_ms']:.2f} ms "
-          f"({d['flops'] / 1e9:.2f} GFLOP), memory floor {d['memory_ms']:.2f} ms "
-          f"({d['bytes'] / 1e6:.0f} MB) -> {d['ratio']:.2f}x the floor, "
-          f"{d['bandwidth_utilisation']:.0%} of the {kind} bandwidth; the phases one after the "
-          f"other {d['phases_floor_ms']:.2f} ms -> {d['phases_ratio']:.2f}x")
+    for d in result["decodes"]:
+        print(f"decode step, batch {d['batch']}, context ~{d['context']}"
+              f"{' (CUDA graph)' if d['cuda_graphs'] else ''}: {d['step_ms']:.2f} ms "
+              f"(median of {args.steps}); compute floor {d['compute_ms']:.2f} ms "
+              f"({d['flops'] / 1e9:.2f} GFLOP), memory floor {d['memory_ms']:.2f} ms "
+              f"({d['bytes'] / 1e6:.0f} MB) -> {d['ratio']:.2f}x the floor, "
+              f"{d['bandwidth_utilisation']:.0%} of the {kind} bandwidth; the phases one after the "
+              f"other {d['phases_floor_ms']:.2f} ms -> {d['phases_ratio']:.2f}x")
+        if "host_ms" in d:
+            print(f"  forward {d['forward_ms']:.2f} ms, host work around it {d['host_ms']:.3f} ms")
+        if "kernels" in d:
+            busy = d["kernels"].get("busy_ms")
+            print(f"  {d['kernels']['count']} {d['kernels']['kind']} in one step"
+                  + (f", busy {busy:.2f} ms of it" if busy is not None else ""))
     if args.workload:
-        w = result["workload"] = workload_roofline(args, rate, bandwidth)
+        w = result["workload"] = workload_roofline(args, rate, bandwidth, runner)
         print(f"workload ({w['requests']} requests, concurrency {w['concurrency']}, {w['steps']} steps): "
               f"step time {w['step_time_s']:.1f} s, floor {w['floor_s']:.1f} s -> {w['ratio']:.2f}x; "
               f"{w['output_tokens_per_s']:.0f} output tok/s (floor {w['floor_output_tokens_per_s']:.0f})")

@@ -11,15 +11,17 @@ box inside one overall budget (`--budget-s`, 480 s), carrying on past a step tha
 
   install   the bundle's wheels and Redis; every service's modules import
   tests     the GPU-marked tests (`pytest -m gpu`): Triton kernels against the torch
-            references in fp16/bf16, the CUDA worker against transformers
+            references in fp16/bf16, the CUDA worker against transformers, CUDA-graph
+            replay against eager steps
   vision    the GPU-marked Gemma 3 vision tests (tests/*vision*.py): the vision encoder,
             and images through the runner (Triton with bidirectional image spans), against
             transformers on CUDA
   kernels   bench/kernels.py --quick: decode attention bandwidth against a measured device
             copy, paged against contiguous SDPA, prefill TFLOP/s
   serving   bench/gpu/serving.py: the `1b` preset in bf16, made there from the carried
-            tokenizer; the stack against the in-process engine at concurrency 64 and 256;
-            decode steps' model-bandwidth utilisation (bench/roofline.py)
+            tokenizer; decode steps' model-bandwidth utilisation and kernels per step, with
+            CUDA graphs and with --enforce-eager (bench/roofline.py); the stack against the
+            in-process engine at concurrency 256 and 64
   fleet     bench/fleet.py on the machine's 16 cores (no GPU: the model is simulated): one
             scheduler driving 64 workers at 30 ms steps, 256 workers sharded over 8
             schedulers at 100 ms, and the same 256 on one scheduler (FLEET_RUNS), as many

@@ -1,18 +1,19 @@
-"""The GPU check's serving step: the stack against the in-process engine, and decode steps
-against the device's bandwidth, on a random checkpoint made from a carried tokenizer.
+"""The GPU check's serving step: decode steps against the device's bandwidth, and the stack
+against the in-process engine, on a random checkpoint made from a carried tokenizer.
 
     python bench/gpu/serving.py --device cuda --preset 1b --tokenizer .gpu-bundle/tokenizers/llama-1b \
         --json serving.json
 
 1. The checkpoint: `make_model(preset, arch=llama)` with the tokenizer given (nothing is
    trained here: a `1b` vocabulary takes a minute of BPE training), bf16 on a GPU.
-2. For each `--concurrency`: bench/compare.py with the contenders `stack` and `engine`, one
-   round, `2 x concurrency` requests of the serving workload (input mean 256, output mean
-   128): output tokens/s of each, the stack over the engine, TTFT and TPOT p50, the worker's
-   mean step and the mean gap between steps.
-3. For each `--roofline-batches`: bench/roofline.py's decode step at that batch (context
-   320): its time, the floor, and its model-bandwidth utilisation (weights + K/V read and
-   written per step, over the step, over a measured device-to-device copy's bandwidth).
+2. bench/roofline.py's decode step at each `--roofline-batches` (context 320), with CUDA
+   graphs and with --enforce-eager (one process each): its time, the floor, its
+   model-bandwidth utilisation (weights + K/V read and written per step, over the step,
+   over a measured device-to-device copy's bandwidth), and the CUDA kernels one step runs.
+3. For each `--concurrency`: bench/compare.py with the contenders `stack` and `engine`,
+   `--rounds` interleaved rounds, `2 x concurrency` requests of the serving workload (input
+   mean 256, output mean 128): output tokens/s of each, the stack over the engine, TTFT
+   and TPOT p50, the worker's mean step and the mean gap between steps.
 The JSON (`--json`) is rewritten after each part, so a run stopped by its time box keeps
 what it measured.
 """
@@ -60,7 +61,7 @@ def make_checkpoint(args) -> Path:
 def compare(args, model: Path, concurrency: int) -> dict:
     out_dir = args.work / f"compare-{concurrency}"
     cmd = [sys.executable, str(ROOT / "bench/compare.py"), "--model-dir", str(model), "--contenders", "stack",
-           "engine", "--runs", "1", "--concurrency", str(concurrency),
+           "engine", "--runs", str(args.rounds), "--concurrency", str(concurrency),
            "--num-requests", str(max(16, 2 * concurrency)), "--input-mean", str(args.input_mean),
            "--output-mean", str(args.output_mean), "--device", args.device, "--dtype", args.dtype,
            "--out-dir", str(out_dir)]
@@ -76,16 +77,21 @@ def compare(args, model: Path, concurrency: int) -> dict:
     return row
 
 
-def roofline(args, model: Path, batch: int) -> dict:
-    out = args.work / f"roofline-{batch}.json"
+def roofline(args, model: Path, eager: bool) -> dict:
+    """{batch: the decode step's numbers} of one bench/roofline.py process."""
+    out = args.work / f"roofline-{'eager' if eager else 'graphs'}.json"
     subprocess.run([sys.executable, str(ROOT / "bench/roofline.py"), "--model-dir", str(model),
-                    "--device", args.device, "--dtype", args.dtype, "--batch", str(batch), "--context", "320",
+                    "--device", args.device, "--dtype", args.dtype, "--context", "320",
+                    "--batch", *map(str, args.roofline_batches), "--count-kernels",
+                    *(["--enforce-eager"] if eager else []),
                     "--kv-cache-gib", str(args.roofline_kv_gib), "--out", str(out)], check=True, cwd=ROOT)
     result = json.loads(out.read_text())
-    d = result["decode"]
-    return {"step_ms": d["step_ms"], "floor_ratio": d["ratio"], "bandwidth_utilisation": d["bandwidth_utilisation"],
-            "bytes_per_step": d["bytes"], "copy_GB_per_s": result["read_gbps"],
-            "matmul_GFLOP_per_s": result["matmul_gflops"]}
+    return {str(d["batch"]): {"step_ms": d["step_ms"], "floor_ms": d["floor_ms"], "floor_ratio": d["ratio"],
+                              "bandwidth_utilisation": d["bandwidth_utilisation"], "bytes_per_step": d["bytes"],
+                              "cuda_graph": d["cuda_graphs"], "kernels_per_step": d["kernels"]["count"],
+                              "kernels_busy_ms": d["kernels"].get("busy_ms"),
+                              "copy_GB_per_s": result["read_gbps"], "matmul_GFLOP_per_s": result["matmul_gflops"]}
+            for d in result["decodes"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="1b")
     p.add_argument("--tokenizer", type=Path, required=True, help="a bundle's tokenizer folder")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--concurrency", type=int, nargs="*", default=[256, 64],
+                   help="none: the decode steps only")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of each contender per concurrency")
     p.add_argument("--input-mean", type=int, default=256)
     p.add_argument("--output-mean", type=int, default=128)
     p.add_argument("--roofline-batches", type=int, nargs="+", default=[1, 64, 256])
@@ -119,17 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     model = make_checkpoint(args)
     result["make_model_s"] = round(time.monotonic() - t0, 1)
     save()
+    for mode, eager in (("graphs", False), ("eager", True)) if gpu else (("eager", True),):
+        result["decode_roofline"][mode] = roofline(args, model, eager)
+        save()
+        for b, row in result["decode_roofline"][mode].items():
+            print(f"decode batch {b} ({mode}): {row['step_ms']:.2f} ms = {row['floor_ratio']:.2f}x the floor, "
+                  f"{row['bandwidth_utilisation']:.0%} of the copy bandwidth, {row['kernels_per_step']} kernels",
+                  flush=True)
     for c in args.concurrency:
         result["serving"][str(c)] = compare(args, model, c)
         save()
-    for b in args.roofline_batches:
-        result["decode_roofline"][str(b)] = roofline(args, model, b)
-        save()
-    for c, row in result["serving"].items():
+        row = result["serving"][str(c)]
         print(f"concurrency {c}: stack {row['stack']['output_throughput_median']:.0f} tok/s, engine "
-              f"{row['engine']['output_throughput_median']:.0f} tok/s, stack/engine {row['stack_over_engine']:.2f}")
-    for b, row in result["decode_roofline"].items():
-        print(f"decode batch {b}: {row['step_ms']:.2f} ms, {row['bandwidth_utilisation']:.0%} of the copy bandwidth")
+              f"{row['engine']['output_throughput_median']:.0f} tok/s, stack/engine {row['stack_over_engine']:.2f}",
+              flush=True)
     return 0
 
 
