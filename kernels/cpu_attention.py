@@ -295,36 +295,52 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
         bidir_spans, seq_lens, query_start_loc)
     starts = query_start_loc.cpu().numpy()
     lens = seq_lens.cpu().numpy().astype(np.int64)
-    q_lens = np.diff(starts)
-    short = np.flatnonzero((q_lens >= 1) & (q_lens <= SHORT_MAX_Q_LEN))
-    long = np.flatnonzero(q_lens > SHORT_MAX_Q_LEN).tolist()
+    num_rows = int(starts[-1])
     min_id = max_id = max_q_len = max_scores = 0
-    if short.size:
-        needed = -(-lens[short] // block_size)
-        if int(needed.max()) > block_tables.shape[1]:
-            raise ValueError(f"a context needs {int(needed.max())} blocks; the block tables have "
-                             f"{block_tables.shape[1]} columns")
-        tables = block_tables.cpu().numpy()[short, :int(needed.max())]
-        used = tables[np.arange(tables.shape[1])[None, :] < needed[:, None]]
-        if used.size:
-            min_id, max_id = int(used.min()), int(used.max())
-        short_q = q_lens[short]
-        keys = lens[short] if sliding_window is None else np.minimum(lens[short], sliding_window + short_q - 1)
-        max_q_len, max_scores = int(short_q.max()), int((short_q * keys).max())  # rows x keys scored
+    if num_rows == len(lens):  # one query row each (decodes): every request is short
+        short, long = torch.arange(len(lens), dtype=torch.int32), []
+        if len(lens):
+            longest = int(lens.max())
+            min_id, max_id = _block_id_range(block_tables.cpu().numpy(), -(-longest // block_size))
+            max_q_len, max_scores = 1, longest if sliding_window is None else min(longest, sliding_window)
+    else:
+        q_lens = np.diff(starts)
+        short_rows = np.flatnonzero((q_lens >= 1) & (q_lens <= SHORT_MAX_Q_LEN))
+        short, long = torch.from_numpy(short_rows.astype(np.int32)), np.flatnonzero(q_lens > SHORT_MAX_Q_LEN).tolist()
+        if short_rows.size:
+            needed = -(-lens[short_rows] // block_size)
+            min_id, max_id = _block_id_range(block_tables.cpu().numpy()[short_rows], int(needed.max()))
+            short_q = q_lens[short_rows]
+            keys = lens[short_rows] if sliding_window is None else np.minimum(lens[short_rows],
+                                                                             sliding_window + short_q - 1)
+            max_q_len, max_scores = int(short_q.max()), int((short_q * keys).max())  # rows x keys scored
 
     return CpuPlan(
-        block_tables=block_tables.to(torch.int32).contiguous(),
-        seq_lens=seq_lens.to(torch.int32).contiguous(),
-        query_start_loc=query_start_loc.to(torch.int32).contiguous(),
-        short_reqs=torch.from_numpy(short.astype(np.int32)),
+        block_tables=_int32(block_tables), seq_lens=_int32(seq_lens), query_start_loc=_int32(query_start_loc),
+        short_reqs=short,
         max_q_len=max_q_len, max_scores=max_scores,
-        block_size=block_size, min_block_id=min_id, max_block_id=max_id, num_rows=int(starts[-1]),
+        block_size=block_size, min_block_id=min_id, max_block_id=max_id, num_rows=num_rows,
         long=torch_attention.plan_attention(
             block_tables, seq_lens, query_start_loc, block_size, sliding_window, workspace, only=long,
             bidir_spans=bidir_spans if reaching and any(reaching[i] for i in long) else None) if long else None,
-        bidir_spans=(bidir_spans[: int(starts[-1])].to(torch.int32).contiguous()
+        bidir_spans=(bidir_spans[:num_rows].to(torch.int32).contiguous()
                      if reaching and any(reaching[i] for i in short.tolist()) else None),
     )
+
+
+def _block_id_range(tables, widest: int) -> tuple[int, int]:
+    """The smallest and largest block ids in the first `widest` columns of `tables` (numpy
+    [R, W]): every entry the short requests' rows may read. A row's entries past its own
+    context are block ids too (tables are padded with real ids or 0), so checking them
+    all holds. ValueError for a table narrower than `widest`."""
+    if widest > tables.shape[1]:
+        raise ValueError(f"a context needs {widest} blocks; the block tables have {tables.shape[1]} columns")
+    used = tables[:, :widest]
+    return (int(used.min()), int(used.max())) if used.size else (0, 0)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
 def paged_attention(kernels: CpuKernels, query: torch.Tensor, k_cache: torch.Tensor,

@@ -45,8 +45,9 @@ def test_step_cost_counts_weights_attention_and_kv():
 def test_decode_roofline_runs_and_reports_its_bandwidth_share(tiny_model_dir, tmp_path):
     roofline = _roofline()
     out = tmp_path / "roofline.json"
-    assert roofline.main(["--model-dir", str(tiny_model_dir), "--batch", "4", "--context", "16",
-                          "--steps", "3", "--warmup", "1", "--threads", "1", "--out", str(out)]) == 0
+    assert roofline.main(["--model-dir", str(tiny_model_dir), "--batch", "4", "2", "--context", "16",
+                          "--steps", "3", "--warmup", "1", "--threads", "1", "--host-split", "--count-kernels",
+                          "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["dtype"] == "float32"
     assert result["bandwidth_kind"] == "memory read" and result["read_gbps"] > 0
@@ -55,3 +56,8 @@ def test_decode_roofline_runs_and_reports_its_bandwidth_share(tiny_model_dir, tm
     assert d["floor_ms"] <= d["phases_floor_ms"] <= d["compute_ms"] + d["memory_ms"]
     share = d["bytes"] / (d["step_ms"] / 1e3) / (result["read_gbps"] * 1e9)
     assert d["bandwidth_utilisation"] == pytest.approx(share)
+    assert [d["batch"] for d in result["decodes"]] == [4, 2]  # one runner, both batch sizes
+    for d in result["decodes"]:
+        assert 0 < d["host_ms"] and 0 < d["sampling_ms"] and 0 < d["forward_ms"] < d["step_ms"]
+        assert d["kernels"]["kind"] == "aten operators doing work" and d["kernels"]["count"] > 20
+        assert d["cuda_graphs"] is False

@@ -91,7 +91,12 @@ class Model:
             qsl[i + 1] - 1 for i, (s, n) in enumerate(scheduled) if s in samplers]
         if samplers:
             greedy = [s.sampling.temperature == 0 for s in samplers]
-            assert batch.sampling.greedy.tolist() == greedy and batch.sampling.all_greedy == all(greedy)
+            assert batch.sampling.all_greedy == all(greedy)
+            if not all(greedy):  # (an all-greedy step stages no settings: none is read)
+                assert batch.sampling.greedy.tolist() == greedy
+                drawn = [s.sampling.temperature for s in samplers if s.sampling.temperature]
+                assert batch.sampling.temperatures[:len(greedy)][~batch.sampling.greedy.bool()].tolist() == \
+                    pytest.approx(drawn)
         if pad_to is not None:  # padding: row 0's tables, position 0, context 1, K/V nowhere
             assert len(batch.input_ids) == pad_to == len(batch.attn.seq_lens)
             assert batch.positions[t:].tolist() == [0] * (pad_to - t)

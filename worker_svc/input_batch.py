@@ -24,8 +24,10 @@ staging buffer of int32 (pinned host memory on a GPU):
     row_ids [R]      each request's row               the sampling rows' settings [S] x 4
     table diffs      (flat index, block id) pairs
 
-built with one Python pass over the requests (their starts, lengths, last tokens) and
-vectorised numpy for everything per token; the buffer goes to the device in ONE
+built in one Python pass over the requests (a decoding request's slot from its table row;
+a prefill chunk's slots with numpy), one assignment per section (a numpy call costs more
+than a few requests' Python: docs/benchmarks.md, "The worker's host work per step"); the
+buffer goes to the device in ONE
 non-blocking copy, the diffs are scattered, and each group's step block table is gathered
 from the device tables by `row_ids` (one index_select). Nothing else is built per step:
 the attention metadata, the logits rows and the sampling settings are views of that copy.
@@ -52,6 +54,8 @@ from worker_svc.request_state import RequestState
 from worker_svc.sampler import GREEDY_EPS, SamplingBatch, row_settings
 
 DUMMY_ROW = 0
+_NO_DIFFS = np.zeros(0, dtype=np.int64)
+_NO_DIFFS.flags.writeable = False
 # int32 sections of a staging buffer, in order: name -> (length in tokens, in requests)
 # multiples; "slots" has one token-length section per KV cache group.
 _TOKEN_SECTIONS = ("input_ids", "positions")
@@ -117,6 +121,7 @@ class InputBatch:
         self._tables_dev = self._device_tables()
         self._num_blocks = np.zeros(rows, dtype=np.int64)
         self._settings = np.zeros((rows, 4), dtype=np.float64)  # temperature, top_k, top_p, min_p
+        self._drawing: set[int] = set()  # rows that draw (not greedy): a step without them stages nothing
         self._free = list(range(rows - 1, DUMMY_ROW, -1))  # row 0 is nobody's
         self._pending: list[np.ndarray] = []  # flat indices of host table entries to ship
         self._eager = _Buffers(64, 16, 64, num_groups, device, self._on_gpu)
@@ -144,23 +149,21 @@ class InputBatch:
         if not self._free:
             self._grow()
         row = self._free.pop()
-        self._settings[row] = row_settings(params, self.vocab_size)
+        settings = self._settings[row] = row_settings(params, self.vocab_size)
+        if settings[0] >= GREEDY_EPS:
+            self._drawing.add(row)
         self.set_blocks(row, block_tables, replace=True)
         return row
 
     def remove(self, row: int) -> None:
         self._num_blocks[row] = 0
+        self._drawing.discard(row)
         self._free.append(row)
 
     def clear(self) -> None:
         self._num_blocks[:] = 0
+        self._drawing.clear()
         self._free = list(range(self.num_rows - 1, DUMMY_ROW, -1))
-
-    def num_blocks(self, row: int) -> int:
-        return int(self._num_blocks[row])
-
-    def block_table(self, row: int, group: int = 0) -> list[int]:
-        return self._tables[group, row, :self._num_blocks[row]].tolist()
 
     def set_blocks(self, row: int, block_ids: Sequence[Sequence[int]], replace: bool) -> None:
         """Each group's `block_ids[g]` appended to the row's table, or, with `replace`, as
@@ -207,46 +210,50 @@ class InputBatch:
         KV cache group with its window. `pad_to`: lay a pure-decode step out in the graph
         buffers, padded to that many requests (None: the eager buffers, unpadded)."""
         num_reqs = len(scheduled)
-        row_list: list[int] = []
-        start_list: list[int] = []
-        length_list: list[int] = []
+        bs, groups, host_tables, have = self.block_size, range(self.num_groups), self._tables, self._num_blocks
+        rows: list[int] = []
+        ends: list[int] = []
+        query_start_loc = [0]
         ids: list[int] = []
+        positions: list[int] = []
+        slots: list[list[int]] = [[] for _ in groups]
         samplers: list[RequestState] = []
         sample_rows: list[int] = []
         images = []
-        token = 0
-        for req, n in scheduled:
-            start = req.num_computed_tokens
+        token = width = 0
+        for req, n in scheduled:  # per-request scalars in Python: a handful of requests' numpy calls cost more
+            start, row, tokens = req.num_computed_tokens, req.row, req.token_ids
             end = start + n
-            tokens = req.token_ids
             if n <= 0 or end > len(tokens):
                 raise ValueError(f"request {req.request_id!r}: cannot compute {n} tokens from "
                                  f"{start} (it has {len(tokens)})")
-            row_list.append(req.row)
-            start_list.append(start)
-            length_list.append(n)
+            need = -(-end // bs)
+            if need > have[row]:
+                raise ValueError(f"request {req.request_id!r}: {end} tokens need {need} blocks, its "
+                                 f"block table has {int(have[row])}")
+            width = max(width, need)
+            rows.append(row)
+            ends.append(end)
             if n == 1:
                 ids.append(tokens[start])
+                positions.append(start)
+                for g in groups:
+                    slots[g].append(int(host_tables[g, row, start // bs]) * bs + start % bs)
             else:
                 ids.extend(tokens[start:end])
+                positions.extend(range(start, end))
+                chunk = np.arange(start, end)
+                for g in groups:
+                    slots[g].extend((host_tables[g, row, chunk // bs] * bs + chunk % bs).tolist())
             if start < req.images_end:
                 images.extend((req, s) for s in whole_image_slices(req, start, n, token))
             token += n
+            query_start_loc.append(token)
             if end == len(tokens):
                 samplers.append(req)
                 sample_rows.append(token - 1)
         num_tokens = token
-        rows = np.array(row_list, dtype=np.int64)
-        starts = np.array(start_list, dtype=np.int64)
-        lengths = np.array(length_list, dtype=np.int64)
-        ends = starts + lengths
-        needed = -(-ends // self.block_size)
-        short = needed > self._num_blocks[rows]
-        if short.any():
-            i = int(np.flatnonzero(short)[0])
-            raise ValueError(f"request {scheduled[i][0].request_id!r}: {int(ends[i])} tokens need "
-                             f"{int(needed[i])} blocks, its block table has {int(self._num_blocks[rows[i]])}")
-        diffs = np.concatenate(self._pending) if self._pending else np.zeros(0, dtype=np.int64)
+        diffs = np.concatenate(self._pending) if self._pending else _NO_DIFFS
         self._pending.clear()
 
         if pad_to is not None:
@@ -259,25 +266,14 @@ class InputBatch:
             width = self.width
         else:
             buf = self._eager_buffers(num_tokens, num_reqs, len(diffs))
-            width = int(needed.max())
         total_tokens = num_tokens if pad_to is None else pad_to
         total_reqs = num_reqs if pad_to is None else pad_to
         h = buf.host
         h["input_ids"][:num_tokens] = ids
-        qsl = h["query_start_loc"]
-        qsl[0] = 0
-        if num_tokens == num_reqs:  # pure decode: one token per request
-            positions = starts
-            token_rows = rows
-            qsl[1:total_reqs + 1] = np.arange(1, total_reqs + 1)
-        else:
-            np.cumsum(lengths, out=qsl[1:num_reqs + 1])
-            req_of_token = np.repeat(np.arange(num_reqs), lengths)
-            positions = np.arange(num_tokens) - qsl[req_of_token] + starts[req_of_token]
-            token_rows = rows[req_of_token]
         h["positions"][:num_tokens] = positions
-        h["slots"][:, :num_tokens] = (self._tables[:, token_rows, positions // self.block_size] * self.block_size
-                                      + positions % self.block_size)
+        for g in groups:
+            h["slots"][g, :num_tokens] = slots[g]
+        h["query_start_loc"][:num_reqs + 1] = query_start_loc
         h["seq_lens"][:num_reqs] = ends
         h["row_ids"][:num_reqs] = rows
         h["logits_indices"][:len(sample_rows)] = sample_rows
@@ -285,6 +281,7 @@ class InputBatch:
             h["input_ids"][num_tokens:total_tokens] = 0
             h["positions"][num_tokens:total_tokens] = 0
             h["slots"][:, num_tokens:total_tokens] = -1
+            h["query_start_loc"][num_reqs + 1:total_reqs + 1] = np.arange(num_reqs + 1, total_reqs + 1)
             h["seq_lens"][num_reqs:total_reqs] = 1
             h["row_ids"][num_reqs:total_reqs] = DUMMY_ROW
             h["logits_indices"][len(sample_rows):total_reqs] = np.arange(len(sample_rows), total_reqs)
@@ -301,7 +298,7 @@ class InputBatch:
         seq_lens = d["seq_lens"][:total_reqs]
         query_start_loc = d["query_start_loc"][:total_reqs + 1]
         bidir_spans = bidir_spans_of(images, num_tokens, self.device) if images else None
-        max_seq_len = int(ends.max()) if num_reqs else 1
+        max_seq_len = max(ends, default=1)
         groups = tuple(
             GroupAttention(slot_mapping=d["slots"][g, :total_tokens], block_tables=tables[g],
                            plan=plan_fn(tables[g], seq_lens, query_start_loc, self.block_size,
@@ -344,6 +341,12 @@ class InputBatch:
         count = len(samplers)
         if not count:
             return None
+        if not self._drawing or not any(s.row in self._drawing for s in samplers):  # all greedy
+
+            def greedy(d: dict[str, torch.Tensor]) -> SamplingBatch:  # the settings are not read
+                return SamplingBatch(temperatures=d["temperatures"][:count], greedy=d["greedy"][:count],
+                                     top_ks=None, top_ps=None, generators=(None,) * count, all_greedy=True)
+            return greedy
         settings = self._settings[[s.row for s in samplers]]
         temps = settings[:, 0]
         greedy = temps < GREEDY_EPS

@@ -37,7 +37,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -61,7 +61,6 @@ from worker_svc.model.loader import load_model, resolve_dtype
 from worker_svc.published_embeddings import PublishedEmbeddings
 from worker_svc.request_state import RequestState, split_groups
 from worker_svc.sampler import SamplingBatch, sample
-from worker_svc.stop import finish_reason
 from worker_svc.vision_step import ImageEmbedder, VisionStepStats, place_step_images
 
 
@@ -86,7 +85,7 @@ class _Produced:
     state: RequestState
     token_id: int | None = None
     logprobs: Logprobs | None = None
-    prompt_logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs] | None = None
     prompt_index: int = 0  # prompt position of prompt_logprobs[0]
 
 
@@ -172,6 +171,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.requests: dict[str, RequestState] = {}
+        self._prompt_logprobs: set[str] = set()  # the requests held that ask for prompt logprobs
         self.grammars = GrammarCompiler(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
 
     def _graph_memory(self, sizes: list[int]) -> int:
@@ -193,6 +193,7 @@ class ModelRunner:
         from its tokens); how many were dropped."""
         dropped = len(self.requests)
         self.requests.clear()
+        self._prompt_logprobs.clear()
         self.inputs.clear()
         return dropped
 
@@ -241,8 +242,11 @@ class ModelRunner:
             self._forget(request_id)
         for new in request.new_requests:
             self._forget(new.request_id)  # sent again: its old row goes
-            state = self.requests[new.request_id] = RequestState(new, self.device)
+            state = self.requests[new.request_id] = RequestState(new, self.device,
+                                                                  eos_token_ids=self.model_config.eos_token_ids)
             state.row = self.inputs.add(new.sampling, split_groups(new.block_ids, groups))
+            if state.prompt_logprobs is not None:
+                self._prompt_logprobs.add(new.request_id)
             if state.image_ranges:
                 state.failure = self._image_failure(state)
             if new.sampling.HasField("grammar"):  # replays any outputs (a resumed request)
@@ -267,6 +271,7 @@ class ModelRunner:
         state = self.requests.pop(request_id, None)
         if state is not None:
             self.inputs.remove(state.row)
+            self._prompt_logprobs.discard(request_id)
 
     def _image_failure(self, state: RequestState) -> str | None:
         """Why this worker cannot serve `state`'s images, or None."""
@@ -281,10 +286,12 @@ class ModelRunner:
         if self.cpu_share is not None and (threads := self.cpu_share.threads()):
             torch.set_num_threads(threads)
         with torch.inference_mode():
-            self._swap_out(request)
+            return self._step(request, start)
+
+    def _step(self, request: worker_pb2.StepRequest, start: float) -> StepOutput:
+        self._swap_out(request)
         self._update_states(request)
-        with torch.inference_mode():
-            self._copy_in(request)
+        self._copy_in(request)
         scheduled = []
         failed: list[tuple[RequestState, str]] = []
         for request_id, n in request.num_scheduled_tokens.items():
@@ -305,9 +312,7 @@ class ModelRunner:
         for state, message in failed:
             self._fail(state, message, result, events)
         if scheduled:
-            with torch.inference_mode():
-                produced = self._execute(scheduled, embeddings)
-            for out in produced:
+            for out in self._execute(scheduled, embeddings):
                 state, reason = out.state, None
                 if out.token_id is not None:
                     reason = self._append(state, out.token_id)
@@ -330,8 +335,7 @@ class ModelRunner:
         Requests an image of theirs failed move from `scheduled` to `failed`. Returns
         (what is left scheduled, embeddings by content hash, the step's VisionStepStats),
         the last two None when no chunk holds an image."""
-        with torch.inference_mode():
-            images = self.vision.prepare(scheduled)
+        images = self.vision.prepare(scheduled)
         if not images.embeddings and not images.failed:
             return scheduled, None, None
         if images.failed:
@@ -356,7 +360,8 @@ class ModelRunner:
                  image_embeddings: dict[str, torch.Tensor] | None = None) -> list[_Produced]:
         """Forward the flat batch (with the images' embeddings by content hash over their
         soft tokens' rows), advance num_computed_tokens, sample, gather logprobs."""
-        prompt_rows, prompt_targets, prompt_ks, prompt_parts = prompt_logprob_rows(scheduled)
+        prompt_rows, prompt_targets, prompt_ks, prompt_parts = (
+            prompt_logprob_rows(scheduled) if self._prompt_logprobs else ((), (), (), ()))
         size = self._graph_size(scheduled) if self.graphs is not None and not prompt_rows else None
         batch = self.inputs.prepare(scheduled, self.plan_attention, self.kv_layout.windows, pad_to=size)
         if size is not None:  # every request decodes and samples: the rows are the requests
@@ -419,9 +424,9 @@ class ModelRunner:
 
     def _append(self, state: RequestState, token_id: int) -> str | None:
         state.token_ids.append(token_id)
-        state.finish_reason = finish_reason(
-            state.sampling, state.num_output_tokens, token_id, self.model_config.eos_token_ids,
-            state.num_tokens, self.max_model_len)
+        num_tokens = len(state.token_ids)
+        state.finish_reason = state.stop.reason(num_tokens - state.num_prompt_tokens, token_id, num_tokens,
+                                                self.max_model_len)
         grammar = state.grammar
         if grammar is not None:
             if grammar.error or not grammar.advance(token_id):

@@ -1,11 +1,14 @@
 """What the worker remembers about one request between steps."""
 
+from collections.abc import Collection
+
 import torch
 
 from proto import worker_pb2
 from worker_svc.model.image_placement import PlaceholderRange
 from worker_svc.logits_processors import uses_edits
 from worker_svc.sampler import position_seed
+from worker_svc.stop import StopRule
 
 
 def split_groups(block_ids, num_groups: int) -> list[list[int]]:
@@ -33,9 +36,10 @@ class RequestState:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "row",
                  "num_computed_tokens", "sampling", "generator", "reply_channel",
                  "finish_reason", "grammar", "image_ranges", "image_hashes", "images_end", "failure",
-                 "num_cached_tokens", "edits", "prompt_logprobs")
+                 "num_cached_tokens", "edits", "prompt_logprobs", "stop")
 
-    def __init__(self, new: worker_pb2.NewRequestData, device: torch.device, row: int = 0):
+    def __init__(self, new: worker_pb2.NewRequestData, device: torch.device, row: int = 0,
+                 eos_token_ids: Collection[int] = ()):
         if not new.token_ids:
             raise ValueError(f"request {new.request_id!r} has no tokens")
         if not 0 <= new.num_computed_tokens < len(new.token_ids):
@@ -50,6 +54,7 @@ class RequestState:
         self.sampling: worker_pb2.SamplingParams = new.sampling
         # logit_bias, min_tokens or penalties: the sampler builds edits for it each step
         self.edits: bool = uses_edits(new.sampling)
+        self.stop = StopRule.of(new.sampling, eos_token_ids)  # its finish rule (the model's EOS ids)
         # top-k of the prompt logprobs asked for; None: none
         self.prompt_logprobs: int | None = (new.sampling.prompt_logprobs if new.sampling.HasField("prompt_logprobs")
                                             else None)

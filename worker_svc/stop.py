@@ -5,6 +5,7 @@ both carry max_tokens, stop_token_ids, ignore_eos and min_tokens.
 """
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 
@@ -13,6 +14,32 @@ class StopParams(Protocol):
     stop_token_ids: Sequence[int]
     ignore_eos: bool
     min_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StopRule:
+    """A request's finish rule, read once from its params (`of`) and applied after each of
+    its sampled tokens (`reason`)."""
+
+    stop_ids: frozenset[int]  # its stop_token_ids, and the model's EOS ids unless ignore_eos
+    min_tokens: int
+    max_tokens: int
+
+    @classmethod
+    def of(cls, params: StopParams, eos_token_ids: Collection[int]) -> "StopRule":
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(eos_token_ids)
+        return cls(frozenset(stops), params.min_tokens, params.max_tokens)
+
+    def reason(self, num_output_tokens: int, new_token_id: int, num_tokens: int,
+               max_model_len: int) -> str | None:
+        """finish_reason's answer (below), with the params read already."""
+        if num_output_tokens >= self.min_tokens and new_token_id in self.stop_ids:
+            return "stop"
+        if 0 < self.max_tokens <= num_output_tokens or num_tokens >= max_model_len:
+            return "length"
+        return None
 
 
 def finish_reason(params: StopParams, num_output_tokens: int, new_token_id: int,
@@ -29,11 +56,4 @@ def finish_reason(params: StopParams, num_output_tokens: int, new_token_id: int,
       unset value).
     "stop" wins over "length" when both hold.
     """
-    if num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and new_token_id in eos_token_ids:
-            return "stop"
-        if new_token_id in params.stop_token_ids:
-            return "stop"
-    if 0 < params.max_tokens <= num_output_tokens or num_tokens >= max_model_len:
-        return "length"
-    return None
+    return StopRule.of(params, eos_token_ids).reason(num_output_tokens, new_token_id, num_tokens, max_model_len)
