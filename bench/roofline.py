@@ -57,6 +57,7 @@ from worker_svc.host_memory import run_with_malloc_tunables  # noqa: E402
 from worker_svc.model.config import DecoderConfig  # noqa: E402
 from worker_svc.model.registry import load_config  # noqa: E402
 from worker_svc.model.loader import resolve_dtype  # noqa: E402
+from worker_svc import model_runner  # noqa: E402
 from worker_svc.model_runner import ModelRunner  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # after ROOT: bench/kernels.py must not shadow kernels/
@@ -209,20 +210,30 @@ class Driver:
         return step, output.result, elapsed, step_cost(self.cfg, self.elem, work, self.layer_elem, self.kv_elem)
 
 
-class ForwardTimer:
-    """Times the runner's model forward inside each step (CPU: a forward there is synchronous)."""
+class HostSplit:
+    """Times, inside each CPU step, the model's forward and the sampler's pass over the
+    logits (there both are synchronous); what is left of the step is the worker's own host
+    work. Installed for the life of the bench process: the forward as an instance attribute
+    (nn.Module.__call__ finds it first), the sampler in the runner's module namespace."""
 
     def __init__(self, runner: ModelRunner):
-        self.times: list[float] = []
-        forward = runner.model.forward
+        self.forward: list[float] = []
+        self.sampling: list[float] = []
+        runner.model.forward = self._timed(runner.model.forward, self.forward)
+        model_runner.sample = self._timed(model_runner.sample, self.sampling)
 
+    @staticmethod
+    def _timed(fn, into: list[float]):
         def timed(*a, **k):
             start = time.perf_counter()
-            out = forward(*a, **k)
-            self.times.append(time.perf_counter() - start)
+            out = fn(*a, **k)
+            into.append(time.perf_counter() - start)
             return out
+        return timed
 
-        runner.model.forward = timed  # an instance attribute: nn.Module.__call__ finds it first
+    def clear(self) -> None:
+        self.forward.clear()
+        self.sampling.clear()
 
 
 def count_kernels(driver: Driver) -> dict:
@@ -269,7 +280,7 @@ def _count_ops(fn) -> int:
 
 def decode_roofline(args, rate: float, bandwidth: float, batch: int, runner: ModelRunner) -> dict:
     driver = Driver(args, runner)
-    timer = ForwardTimer(runner) if args.host_split and runner.device.type == "cpu" else None
+    timer = HostSplit(runner) if args.host_split and runner.device.type == "cpu" else None
     gen = torch.Generator().manual_seed(0)
     for _ in range(batch):
         driver.add(torch.randint(300, driver.cfg.vocab_size - 1, (args.context,), generator=gen).tolist(),
@@ -280,19 +291,20 @@ def decode_roofline(args, rate: float, bandwidth: float, batch: int, runner: Mod
             break
     for _ in range(args.warmup):
         driver.step()
-    times, costs, forwards = [], [], []
+    times, costs, forwards, samplings = [], [], [], []
     for _ in range(args.steps):
         if timer is not None:
-            timer.times.clear()
+            timer.clear()
         _, _, elapsed, cost = driver.step()
         times.append(elapsed)
         costs.append(cost)
         if timer is not None:
-            forwards.append(sum(timer.times))
+            forwards.append(sum(timer.forward))
+            samplings.append(sum(timer.sampling))
     extra = {}
     if forwards:
-        extra.update(forward_ms=statistics.median(forwards) * 1e3,
-                     host_ms=statistics.median(t - f for t, f in zip(times, forwards)) * 1e3)
+        extra.update(forward_ms=statistics.median(forwards) * 1e3, sampling_ms=statistics.median(samplings) * 1e3,
+                     host_ms=statistics.median(t - f - s for t, f, s in zip(times, forwards, samplings)) * 1e3)
     if args.count_kernels:
         extra["kernels"] = count_kernels(driver)
     graphs = runner.graphs
@@ -356,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--enforce-eager", action="store_true", help="on a GPU: no CUDA graphs")
     p.add_argument("--host-split", action="store_true",
-                   help="CPU: also time the forward inside each step; report the host work around it")
+                   help="CPU: also time the forward and the sampler's pass inside each step; report the "
+                        "host work around them")
     p.add_argument("--count-kernels", action="store_true",
                    help="count what one decode step launches (CUDA kernels; aten operators on the CPU)")
     p.add_argument("--block-size", type=int, default=RunnerConfig.block_size, help="tokens per KV block")
@@ -397,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{d['bandwidth_utilisation']:.0%} of the {kind} bandwidth; the phases one after the "
               f"other {d['phases_floor_ms']:.2f} ms -> {d['phases_ratio']:.2f}x")
         if "host_ms" in d:
-            print(f"  forward {d['forward_ms']:.2f} ms, host work around it {d['host_ms']:.3f} ms")
+            print(f"  forward {d['forward_ms']:.2f} ms, the sampler's pass over the logits "
+                  f"{d['sampling_ms']:.3f} ms, the host work around them {d['host_ms']:.3f} ms")
         if "kernels" in d:
             busy = d["kernels"].get("busy_ms")
             print(f"  {d['kernels']['count']} {d['kernels']['kind']} in one step"
