@@ -6,10 +6,14 @@ gateway's, each vision worker's, each encoder service's), and what grew in betwe
     after = settle(urls)                       # once every encoder's queue is empty
     server = server_counters(before, after)    # {"encoded": 336.0, "encoded_by_encoders": ...}
 
-A counter is summed over every page that exports it (None where none does). The vision
-counters the workers and the encoder services share (`mm_items_encoded_total`,
-`encoder_seconds`) are also split by their label: `worker="..."` (a worker's own encoding,
-on the question's path) or `encoder="..."` (`pagedserve encoder`, ahead of the question).
+A counter is summed over its series, each series counted once however many pages show it:
+the gateway's /metrics shows every worker's and encoder's image counters too (issue 46), so
+the gateway's page alone is enough, and a series also read from its own process's page is
+taken from the freshest of them (the largest value: the gateway's copy may be a second
+behind). None where no page exports it. The vision counters the workers and the encoder
+services share (`mm_items_encoded_total`, `encoder_seconds`) are also split by their label:
+`worker="..."` (a worker's own encoding, on the question's path) or `encoder="..."`
+(`pagedserve encoder`, ahead of the question).
 """
 
 from __future__ import annotations
@@ -49,17 +53,26 @@ def labelled(samples: Samples, name: str, label: str) -> float | None:
     return sum(values) if values else None
 
 
+def merged(pages: list[Samples]) -> Samples:
+    """Every series of `pages` once: a series several pages show (the gateway's copy of a
+    worker's counter and the worker's own) at its largest value, the freshest."""
+    out: Samples = {}
+    for page in pages:
+        for key, value in page.items():
+            out[key] = max(value, out.get(key, value))
+    return out
+
+
 def server_counters(before: list[Samples], after: list[Samples]) -> dict[str, float | None]:
-    """Each counter's growth, summed over the pages that export it; None where none does.
-    `encoder_queue_depth`: the encode jobs still unfinished after (the most any page says)."""
+    """Each counter's growth, summed over its series (`merged`); None where no page exports
+    it. `encoder_queue_depth`: the encode jobs still unfinished after (the most any page says)."""
+    b, a = merged(before), merged(after)
     out: dict[str, float | None] = {}
     for key, name in COUNTERS.items():
-        pairs = [(b, a) for b, a in zip(before, after) if any(n == name for n, _ in a)]
-        out[key] = sum(metric(a, name) - metric(b, name) for b, a in pairs) if pairs else None
+        out[key] = metric(a, name) - metric(b, name) if any(n == name for n, _ in a) else None
     for key, (name, label) in LABELLED.items():
-        grown = [(labelled(a, name, label), labelled(b, name, label) or 0.0) for b, a in zip(before, after)]
-        grown = [a - b for a, b in grown if a is not None]
-        out[key] = sum(grown) if grown else None
+        grown = labelled(a, name, label)
+        out[key] = grown - (labelled(b, name, label) or 0.0) if grown is not None else None
     depths = [metric(a, QUEUE_DEPTH) for a in after if any(n == QUEUE_DEPTH for n, _ in a)]
     out["encoder_queue_depth"] = max(depths) if depths else None
     return out

@@ -5,9 +5,10 @@
         1. jobs: those a dead encoder left pending for longer than --claim-ttl-s (every
            half of it), else new ones (XREADGROUP, up to --batch, blocking --read-block-ms)
         2. their media, each once: skipped when already published; claimed
-           (`RedisKeys.encoding(hash)`: free or only QUEUED by the gateway, now this
-           encoder's for --claim-ttl-s) just before its batch is encoded, skipped when
-           another encoder holds the claim
+           (`RedisKeys.encoding(hash)`: free or only QUEUED by the gateway, and not
+           published, now this encoder's for --claim-ttl-s; one Lua script) just before
+           its batch is encoded, skipped when another encoder or a worker that took it
+           over holds the claim, or published it meanwhile
         3. fetched, decoded, preprocessed and encoded in batches of --batch
            (worker_svc/media_encoder.py, the workers' own path), published with
            --embeddings-ttl-s and the claims given up (worker_svc/published_embeddings.py)
@@ -18,6 +19,8 @@ as failed: the worker that needs it fails the request with the reason, as withou
 Registration (`RedisKeys.encoder(id)`, an `EncoderRegistration` with a TTL, and the set
 `RedisKeys.encoders`) is what makes gateways announce new media (gateway/media/encode_jobs.py):
 without a live encoder they announce nothing and the workers encode as they always did.
+Each heartbeat also writes its counters (`RedisKeys.encoder_stats(id)`, `EncoderStats`, the
+same TTL), which the gateways' /metrics show beside the workers'.
 """
 
 from __future__ import annotations
@@ -25,18 +28,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import redis
 import torch
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from encoder_svc.config import EncoderServiceConfig
 from encoder_svc.jobs import EncodeJobStream
-from proto.encoder_messages import EncodeJob, EncoderRegistration
+from proto.encoder_messages import EncodeJob, EncoderRegistration, EncoderStats
 from proto.keys import RedisKeys
-from proto.metrics import EncoderRecorder, MetricsServer, encoder_families, serve_metrics
+from proto.metrics import EncoderRecorder, MetricsServer, serve_metrics, vision_families
 from proto.model_source import resolve_model, served_name
 from worker_svc.cpu_threads import choose_threads
 from worker_svc.media_encoder import MediaEncoder
@@ -46,7 +49,7 @@ from worker_svc.model.registry import load_config, load_vision_config
 from worker_svc.published_embeddings import PublishedEmbeddings
 
 log = logging.getLogger(__name__)
-_registration_encoder = msgspec.msgpack.Encoder()
+_encoder = msgspec.msgpack.Encoder()
 
 
 class EncoderService:
@@ -87,8 +90,8 @@ class EncoderService:
     def run(self, stop: threading.Event) -> None:
         """Register, serve /metrics and /health, and encode until `stop` is set."""
         self.jobs.create_group()
-        metrics: MetricsServer | None = serve_metrics(_Collector(self), self.config.host,
-                                                      self.config.metrics_port, self.health)
+        metrics: MetricsServer | None = serve_metrics(_Collector(self.config.encoder_id, self.stats, self.jobs.depth),
+                                                      self.config.host, self.config.metrics_port, self.health)
         if metrics is not None:
             self.registration = msgspec.structs.replace(
                 self.registration, metrics_address=f"{self.config.host}:{metrics.port}")
@@ -153,10 +156,20 @@ class EncoderService:
 
     # ---- registration and health ------------------------------------------------------
 
+    def stats(self) -> EncoderStats:
+        """Its counters now (read from any thread: each is replaced whole by the loop)."""
+        return EncoderStats(encoder_id=self.config.encoder_id, vision=self.recorder.snapshot(),
+                            items_published=self.items_published, bytes_published=self.bytes_published,
+                            items_found=self.items_found, items_failed=self.items_failed,
+                            updated_at=time.time())
+
     def _register(self) -> None:
+        """The registration and the stats, both with the registration's TTL: a dead
+        encoder's counters leave the gateway's /metrics as it leaves the registry."""
+        ttl_ms = int(self.config.registration_ttl_s * 1000)
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.keys.encoder(self.config.encoder_id), _registration_encoder.encode(self.registration),
-                 px=int(self.config.registration_ttl_s * 1000))
+        pipe.set(self.keys.encoder(self.config.encoder_id), _encoder.encode(self.registration), px=ttl_ms)
+        pipe.set(self.keys.encoder_stats(self.config.encoder_id), _encoder.encode(self.stats()), px=ttl_ms)
         pipe.sadd(self.keys.encoders, self.config.encoder_id)
         pipe.execute()
         self._last_beat = time.monotonic()
@@ -171,7 +184,7 @@ class EncoderService:
     def _deregister(self) -> None:
         try:
             pipe = self.client.pipeline(transaction=False)
-            pipe.delete(self.keys.encoder(self.config.encoder_id))
+            pipe.delete(self.keys.encoder(self.config.encoder_id), self.keys.encoder_stats(self.config.encoder_id))
             pipe.srem(self.keys.encoders, self.config.encoder_id)
             pipe.execute()
         except (redis.RedisError, OSError):
@@ -194,33 +207,20 @@ def _distinct(jobs: Iterator[EncodeJob]) -> list[str]:
 
 class _Collector:
     """The encoder's /metrics: what it encoded (and how long each batch took), published,
-    found published and failed, and the jobs no encoder has finished."""
+    found published and failed -- `stats()`, its EncoderStats, rendered as the gateway
+    renders them too -- and `depth()`, the jobs no encoder has finished."""
 
-    def __init__(self, service: EncoderService):
-        self._service = service
+    def __init__(self, encoder_id: str, stats: Callable[[], EncoderStats], depth: Callable[[], int]):
+        self._encoder_id, self._stats, self._depth = encoder_id, stats, depth
 
     def collect(self) -> Iterator[Metric]:
-        s = self._service
-        eid = s.config.encoder_id
-        yield from encoder_families(eid, s.recorder, label="encoder")
-        for name, help_text, value in (
-                ("pagedserve:mm_embeddings_published", "media whose embeddings this encoder published",
-                 s.items_published),
-                ("pagedserve:mm_embeddings_published_bytes", "bytes of the embeddings it published",
-                 s.bytes_published),
-                ("pagedserve:mm_embeddings_found", "media of its jobs already published when it came to them",
-                 s.items_found),
-                ("pagedserve:mm_encode_failed", "media of its jobs that could not be had or decoded",
-                 s.items_failed)):
-            family = CounterMetricFamily(name, help_text, labels=["encoder"])
-            family.add_metric([eid], float(value))
-            yield family
+        yield from vision_families([], [self._stats()])
         try:
-            depth = s.jobs.depth()
+            depth = self._depth()
         except (redis.RedisError, OSError):
             return
         family = GaugeMetricFamily("pagedserve:encoder_queue_depth",
                                    "encode jobs no encoder has finished (not read yet, or read and "
                                    "not acknowledged)", labels=["encoder"])
-        family.add_metric([eid], float(depth))
+        family.add_metric([self._encoder_id], float(depth))
         yield family

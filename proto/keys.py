@@ -21,6 +21,17 @@ class RedisKeys:
         return f"{self.prefix}:out:{gateway_id}"
 
     @property
+    def gateways(self) -> str:
+        """Set of gateway ids that have published their metrics (possibly gone: check gateway_metrics(id))."""
+        return f"{self.prefix}:gateways"
+
+    def gateway_metrics(self, gateway_id: str) -> str:
+        """A gateway's own metrics (a GatewayMetricsRecord: its exposition text), with a short
+        TTL it refreshes about every second; any gateway's /metrics sums them all
+        (gateway/gateway_metrics_peers.py)."""
+        return f"{self.prefix}:gateway-metrics:{gateway_id}"
+
+    @property
     def workers(self) -> str:
         """Set of worker ids that have registered (possibly dead: check worker(id))."""
         return f"{self.prefix}:workers"
@@ -114,12 +125,17 @@ class RedisKeys:
         """An encoder's EncoderRegistration, with a TTL its heartbeat keeps refreshing."""
         return f"{self.prefix}:encoder:{encoder_id}"
 
+    def encoder_stats(self, encoder_id: str) -> str:
+        """An encoder's EncoderStats, written beside its registration with the same TTL."""
+        return f"{self.prefix}:encoder-stats:{encoder_id}"
+
     def embeddings(self, fingerprint: str, content_hash: str) -> str:
         """A medium's image embeddings (EmbeddingsRecord) as one vision tower in one dtype
         (`fingerprint`, worker_svc/published_embeddings.py) computes them, with a TTL."""
         return f"{self.prefix}:embeds:{fingerprint}:{content_hash}"
 
     def encoding(self, content_hash: str) -> str:
-        """Held (SET NX, short TTL) by the encoder encoding that medium now, until it has
-        published the embeddings: the scheduler routes a request needing it afterwards."""
+        """`queued` (the gateway announced the medium), or held (short TTL) by the encoder
+        or worker encoding it now, until it has published the embeddings: the scheduler
+        routes a request needing it afterwards (worker_svc/published_embeddings.py)."""
         return f"{self.prefix}:encoding:{content_hash}"

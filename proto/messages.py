@@ -6,8 +6,9 @@ Channel `RedisKeys.reply_channel(gateway_id)` (worker or scheduler → gateway):
 list[TokenEvent] per publish, every event of one step for that gateway in one message.
 Key `RedisKeys.worker(worker_id)` (worker → scheduler, gateway): WorkerRegistration.
 Key `RedisKeys.worker_stats(worker_id)` (scheduler → anyone): WorkerStats, the scheduler's
-view of that worker's block pool, its requests' phase times and its steps (histograms),
-rewritten every `--stats-interval` (1 s) and whenever its step loop goes idle.
+view of that worker's block pool, its requests' phase times, its steps (histograms) and
+the images its steps needed (VisionStats), rewritten every `--stats-interval` (1 s) and
+whenever its step loop goes idle.
 proto/metrics.py renders it as Prometheus metrics.
 """
 
@@ -195,6 +196,18 @@ class StepHistograms(msgspec.Struct, frozen=True):
     gap: Histogram | None = None  # seconds: StepResult.gap_seconds (idle before the step, work going on)
 
 
+class VisionStats(msgspec.Struct, frozen=True):
+    """A process's images so far (proto/metrics.py EncoderRecorder.snapshot): a worker's, as
+    its scheduler sums them from each StepResult.images (in WorkerStats), or an encoder
+    service's own (proto/encoder_messages.py EncoderStats: what it encoded, no queries)."""
+
+    items_encoded: int = 0  # distinct images (video frames included) run through the vision encoder
+    cache_hits: int = 0  # needed by a step, found in the worker's encoder cache
+    published_hits: int = 0  # needed by a step, found published by the encoder service
+    queries: int = 0  # needed by a step (each once a step)
+    seconds: Histogram | None = None  # of each step (or encoder batch) that had to encode: getting them
+
+
 class WorkerStats(msgspec.Struct, frozen=True):
     """Counters run since the scheduler took this worker on (scheduler_svc/stats.py)."""
 
@@ -225,6 +238,7 @@ class WorkerStats(msgspec.Struct, frozen=True):
     group_used_blocks: tuple[int, ...] = ()  # blocks held in each KV cache group
     requests: RequestHistograms | None = None
     steps: StepHistograms | None = None
+    vision: VisionStats | None = None  # the images of its steps; None until a step had one (text models: always)
 
 
 stream_encoder = msgspec.msgpack.Encoder()

@@ -8,13 +8,16 @@ messages carry, named once here, and the one renderer of them that every service
     EncoderRecorder     a vision worker's images: encoded, encoder-cache hits, seconds
                         of each step's encoding (the worker's own /metrics only)
     WorkerStatsCollector  renders WorkerStats (the scheduler's per-worker accounting and
-                        histograms) at the scheduler's /metrics and the gateway's
+                        histograms) at the scheduler's /metrics and the gateway's, and at
+                        the gateway's the encoder services' EncoderStats too
+    vision_families     the image counters of workers and encoder services (VisionStats,
+                        EncoderStats), one renderer for every /metrics that shows them
     StepCollector       renders a worker's own StepRecorder (and EncoderRecorder) at the
                         worker's /metrics
     serve_metrics       a /metrics HTTP server for a registry (scheduler, worker)
 
 Names follow vLLM's (`vllm:x` → `pagedserve:x`) where they mean the same; every series is
-labelled `worker`. README.md ("Metrics") lists them all, with the gateway's own.
+labelled `worker` (an encoder service's: `encoder`). README.md ("Metrics") lists them all, with the gateway's own.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     Metric)
 
 from proto import worker_pb2
-from proto.messages import Histogram, StepHistograms, WorkerStats
+from proto.encoder_messages import EncoderStats
+from proto.messages import Histogram, StepHistograms, VisionStats, WorkerStats
 
 # Seconds of a request phase, and of a whole request (vLLM's request_latency_buckets, with
 # finer ones below 0.3 s for fast prefills and GPUs).
@@ -62,9 +66,9 @@ class HistogramRecorder:
         self.counts = [0] * (len(self.bounds) + 1)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
-        self.sum += value
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times  # le: value <= bound
+        self.sum += value * times
 
     def snapshot(self) -> Histogram:
         return Histogram(bounds=self.bounds, counts=list(self.counts), sum=self.sum)
@@ -99,8 +103,10 @@ class EncoderRecorder:
     frames included) steps needed (queries), of those found ready (in the encoder cache,
     or published by the encoder service) and of those encoded, and a histogram of the
     seconds each step spent getting embeddings it lacked (fetch, decode, preprocess, encode).
-    One thread observes (the servicer's, after each step), as StepRecorder. The encoder
-    service (encoder_svc/) counts its own encodings with one too (no queries)."""
+    One thread observes (the servicer's, after each step), as StepRecorder. The scheduler
+    keeps one per vision worker from its StepResults (WorkerStats.vision, so the gateway
+    shows them), and the encoder service (encoder_svc/) counts its own encodings with one
+    too (no queries)."""
 
     def __init__(self) -> None:
         self.items_encoded = 0
@@ -117,6 +123,16 @@ class EncoderRecorder:
         self.queries += queries
         if items_encoded:
             self.seconds.observe(seconds)
+
+    def observe_step(self, images: worker_pb2.ImageStepStats) -> None:
+        """One StepResult's images (the scheduler's recorder of a worker, for WorkerStats)."""
+        self.observe(images.items_encoded, images.cache_hits, images.seconds,
+                     images.published_hits, images.queries)
+
+    def snapshot(self) -> VisionStats:
+        return VisionStats(items_encoded=self.items_encoded, cache_hits=self.cache_hits,
+                           published_hits=self.published_hits, queries=self.queries,
+                           seconds=self.seconds.snapshot())
 
 
 def histogram_family(name: str, help_text: str, labels: Sequence[str],
@@ -221,40 +237,82 @@ def worker_stats_families(stats: Sequence[WorkerStats]) -> Iterator[Metric]:
 
 
 class WorkerStatsCollector:
-    """Renders `snapshot`, the latest WorkerStats of each live worker. Its owner replaces
-    the list (never mutates it), so a scrape on another thread reads a consistent one."""
+    """Renders `snapshot`, the latest WorkerStats of each live worker, and `encoders`, the
+    latest EncoderStats of each live encoder service (the gateway's: the whole stack's
+    image counters in one place; the scheduler leaves it empty). Its owner replaces the
+    lists (never mutates them), so a scrape on another thread reads consistent ones."""
 
     def __init__(self) -> None:
         self.snapshot: list[WorkerStats] = []
+        self.encoders: list[EncoderStats] = []
 
     def collect(self) -> Iterator[Metric]:
-        return worker_stats_families(self.snapshot)
+        stats, encoders = self.snapshot, self.encoders
+        yield from worker_stats_families(stats)
+        yield from vision_families([(s.worker_id, s.vision) for s in stats if s.vision is not None], encoders)
 
 
-# EncoderRecorder's metrics: (name, help); counters get "_total" appended.
-MM_ITEMS_ENCODED = ("pagedserve:mm_items_encoded", "images and video frames run through the vision encoder")
-MM_CACHE_QUERIES = ("pagedserve:mm_cache_queries", "images and video frames steps needed (each once a step)")
-MM_CACHE_HITS = ("pagedserve:mm_cache_hits", "images and video frames a step needed whose embeddings were "
-                 "ready: in the worker's encoder cache or published by the encoder service")
-ENCODER_CACHE_HITS = ("pagedserve:encoder_cache_hits",
-                      "images and video frames a step needed whose embeddings the encoder cache held")
+# VisionStats' and EncoderStats' metrics: (name, help, value); counters get "_total" appended.
+VisionValue = Callable[[VisionStats], float]
+EncoderValue = Callable[[EncoderStats], float]
+# Of workers (label `worker`) and encoder services (label `encoder`) alike.
+_IMAGE_COUNTERS: tuple[tuple[str, str, VisionValue], ...] = (
+    ("pagedserve:mm_items_encoded", "images and video frames run through the vision encoder",
+     lambda v: v.items_encoded),
+)
+# Of workers only: what their steps needed.
+_WORKER_IMAGE_COUNTERS: tuple[tuple[str, str, VisionValue], ...] = (
+    ("pagedserve:mm_cache_queries", "images and video frames steps needed (each once a step)", lambda v: v.queries),
+    ("pagedserve:mm_cache_hits", "images and video frames a step needed whose embeddings were ready: in the "
+     "worker's encoder cache or published by the encoder service", lambda v: v.cache_hits + v.published_hits),
+    ("pagedserve:encoder_cache_hits", "images and video frames a step needed whose embeddings the encoder "
+     "cache held", lambda v: v.cache_hits),
+)
+# Of encoder services only: what became of their jobs' media.
+_ENCODER_COUNTERS: tuple[tuple[str, str, EncoderValue], ...] = (
+    ("pagedserve:mm_embeddings_published", "media whose embeddings this encoder published",
+     lambda e: e.items_published),
+    ("pagedserve:mm_embeddings_published_bytes", "bytes of the embeddings it published", lambda e: e.bytes_published),
+    ("pagedserve:mm_embeddings_found", "media of its jobs already published when it came to them",
+     lambda e: e.items_found),
+    ("pagedserve:mm_encode_failed", "media of its jobs that could not be had or decoded", lambda e: e.items_failed),
+)
 ENCODER_SECONDS = ("pagedserve:encoder_seconds", "one batch of images the process had to encode: "
                    "fetching, decoding, preprocessing, the encoder's forward")
 
 
-def encoder_families(worker_id: str, encoder: EncoderRecorder, label: str = "worker") -> Iterator[Metric]:
-    """A worker's image counters (`label` "worker"), or an encoder service's ("encoder":
-    what it encoded, no queries)."""
-    counters = [(MM_ITEMS_ENCODED, encoder.items_encoded)]
-    if label == "worker":
-        counters += [(MM_CACHE_QUERIES, encoder.queries),
-                     (MM_CACHE_HITS, encoder.cache_hits + encoder.published_hits),
-                     (ENCODER_CACHE_HITS, encoder.cache_hits)]
-    for (name, help_text), value in counters:
-        family = CounterMetricFamily(name, help_text, labels=[label])
-        family.add_metric([worker_id], float(value))
+def vision_families(workers: Sequence[tuple[str, VisionStats]],
+                    encoders: Sequence[EncoderStats] = ()) -> Iterator[Metric]:
+    """The image counters of each (worker id, its VisionStats), labelled `worker`, and of
+    each encoder service, labelled `encoder` -- one family per metric holding both, as
+    Prometheus would hold them after scraping each process (sum over both labels for the
+    stack's total). A family without any series is left out (a text model's stack)."""
+    for name, help_text, value in _IMAGE_COUNTERS:
+        family = _counter(name, help_text, "worker", ((w, value(v)) for w, v in workers))
+        family.samples += _counter(name, help_text, "encoder",
+                                   ((e.encoder_id, value(e.vision)) for e in encoders)).samples
+        if family.samples:
+            yield family
+    if workers:
+        for name, help_text, value in _WORKER_IMAGE_COUNTERS:
+            yield _counter(name, help_text, "worker", ((w, value(v)) for w, v in workers))
+    if encoders:
+        for name, help_text, value in _ENCODER_COUNTERS:
+            yield _counter(name, help_text, "encoder", ((e.encoder_id, value(e)) for e in encoders))
+    family = histogram_family(*ENCODER_SECONDS, ["worker"],
+                              (([w], v.seconds) for w, v in workers if v.seconds is not None))
+    family.samples += histogram_family(*ENCODER_SECONDS, ["encoder"],
+                                       (([e.encoder_id], e.vision.seconds) for e in encoders
+                                        if e.vision.seconds is not None)).samples
+    if family.samples:
         yield family
-    yield histogram_family(*ENCODER_SECONDS, [label], [([worker_id], encoder.seconds.snapshot())])
+
+
+def _counter(name: str, help_text: str, label: str, series: Iterable[tuple[str, float]]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=[label])
+    for value_of_label, value in series:
+        family.add_metric([value_of_label], float(value))
+    return family
 
 
 class StepCollector:
@@ -268,7 +326,7 @@ class StepCollector:
     def collect(self) -> Iterator[Metric]:
         yield from step_families([(self._worker_id, self._recorder.snapshot())])
         if self._encoder is not None:
-            yield from encoder_families(self._worker_id, self._encoder)
+            yield from vision_families([(self._worker_id, self._encoder.snapshot())])
 
 
 Health = Callable[[], tuple[bool, dict]]  # (healthy, what to say) for GET /health

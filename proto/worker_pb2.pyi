@@ -153,16 +153,32 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "execute_seconds", "gap_seconds")
+    __slots__ = ("step_id", "sampled", "execute_seconds", "gap_seconds", "images")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
     gap_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., gap_seconds: _Optional[float] = ...) -> None: ...
+    images: ImageStepStats
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., gap_seconds: _Optional[float] = ..., images: _Optional[_Union[ImageStepStats, _Mapping]] = ...) -> None: ...
+
+class ImageStepStats(_message.Message):
+    __slots__ = ("queries", "cache_hits", "published_hits", "items_encoded", "seconds")
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_HITS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    queries: int
+    cache_hits: int
+    published_hits: int
+    items_encoded: int
+    seconds: float
+    def __init__(self, queries: _Optional[int] = ..., cache_hits: _Optional[int] = ..., published_hits: _Optional[int] = ..., items_encoded: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -14,6 +14,9 @@ engine) times each request's phases as vLLM names them, from two hooks around a 
   decode time     first token → finished by the worker ("stop" / "length")
   inference time  first scheduled → finished
 
+Each StepResult that carries `images` (a vision worker's step that computed image soft
+tokens) adds them to an EncoderRecorder: the worker's image counters, in WorkerStats.vision.
+
 A preempted request keeps its first times (it is not queued again); the n children of a
 forked request are timed from their parent's scheduling (each is a sequence; the parent is
 not). A request re-routed after its worker died is timed afresh on its new worker. Both
@@ -30,9 +33,9 @@ import time
 from dataclasses import asdict
 
 from proto import worker_pb2
-from proto.messages import RequestHistograms, StepHistograms, WorkerStats
-from proto.metrics import (REQUEST_SECONDS, Health, HistogramRecorder, MetricsServer, StepRecorder,
-                           WorkerStatsCollector, serve_metrics)
+from proto.messages import RequestHistograms, StepHistograms, VisionStats, WorkerStats
+from proto.metrics import (REQUEST_SECONDS, EncoderRecorder, Health, HistogramRecorder, MetricsServer,
+                           StepRecorder, WorkerStatsCollector, serve_metrics)
 
 
 class WorkerRecorder:
@@ -42,6 +45,7 @@ class WorkerRecorder:
         self.decode_time = HistogramRecorder(REQUEST_SECONDS)
         self.inference_time = HistogramRecorder(REQUEST_SECONDS)
         self.steps = StepRecorder()
+        self.images: EncoderRecorder | None = None  # from the first step with images (a vision worker's)
         self._scheduled_at: dict[str, float] = {}  # request id → first scheduled (time.time())
         self._first_token_at: dict[str, float] = {}
 
@@ -63,6 +67,10 @@ class WorkerRecorder:
         """Right after `scheduler.update(step, result)` returned `finished`."""
         now = time.time()
         self.steps.observe(step, result)
+        if result.HasField("images"):
+            if self.images is None:
+                self.images = EncoderRecorder()
+            self.images.observe_step(result.images)
         scheduled_at, first_token_at = self._scheduled_at, self._first_token_at
         for sampled in result.sampled:
             rid = sampled.request_id
@@ -88,6 +96,10 @@ class WorkerRecorder:
             queue_time=self.queue_time.snapshot(), prefill_time=self.prefill_time.snapshot(),
             decode_time=self.decode_time.snapshot(), inference_time=self.inference_time.snapshot())
         return requests, self.steps.snapshot()
+
+    def images_snapshot(self) -> VisionStats | None:
+        """The images of the worker's steps so far (StepResult.images summed); None until one had any."""
+        return self.images.snapshot() if self.images is not None else None
 
     @property
     def num_timed(self) -> int:
@@ -126,4 +138,5 @@ def worker_stats(scheduler, worker_id: str, check: bool, recorder: WorkerRecorde
             problem = str(exc) or "check_integrity failed"
     requests, steps = recorder.snapshot(scheduler)
     return WorkerStats(worker_id=worker_id, integrity_error=problem, updated_at=time.time(),
-                       requests=requests, steps=steps, **asdict(scheduler.stats()))
+                       requests=requests, steps=steps, vision=recorder.images_snapshot(),
+                       **asdict(scheduler.stats()))

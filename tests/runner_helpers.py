@@ -221,7 +221,7 @@ def grouped_block_ids(runner: ModelRunner, block_ids: list[int]) -> list[int]:
 
 def runner_state(runner: ModelRunner, new: worker_pb2.NewRequestData) -> RequestState:
     """A request's state with its row in the runner's persistent batch (as a step adds one)."""
-    state = RequestState(new, runner.device)
+    state = RequestState(new)
     state.row = runner.inputs.add(new.sampling, split_groups(new.block_ids, runner.kv_layout.num_groups))
     return state
 

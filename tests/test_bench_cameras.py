@@ -35,16 +35,21 @@ def test_the_schedule_staggers_the_cameras_and_frames_are_distinct(cameras):
     assert image.format == "JPEG" and image.size == (80, 60)
 
 
-def test_server_counters_add_up_every_page_that_exports_them(cameras):
-    def page(encoded: int, stored: int | None = None) -> str:
-        text = f'pagedserve:mm_items_encoded_total{{worker="w"}} {encoded}\n'
+def test_server_counters_add_up_every_series_once_whichever_pages_show_it(cameras):
+    def page(worker: str, encoded: int, stored: int | None = None) -> str:
+        text = f'pagedserve:mm_items_encoded_total{{worker="{worker}"}} {encoded}\n'
         return text + (f'pagedserve:mm_items_stored_total{{model_name="m"}} {stored}\n' if stored is not None else "")
 
-    before = [parse_samples(page(2, 5)), parse_samples(page(1))]
-    after = [parse_samples(page(7, 9)), parse_samples(page(4))]
+    before = [parse_samples(page("w", 2, 5)), parse_samples(page("v", 1))]
+    after = [parse_samples(page("w", 7, 9)), parse_samples(page("v", 4))]
     counters = cameras.server_counters(before, after)
     assert counters["encoded"] == 8 and counters["stored"] == 4 and counters["encoder_s"] is None
     assert counters["encoded_by_workers"] == 8 and counters["encoded_by_encoders"] is None
+    # the gateway's page shows worker w's counter too, a second behind its own: counted once, the freshest
+    gateway_before, gateway_after = parse_samples(page("w", 2, 5)), parse_samples(page("w", 6, 9))
+    own_before, own_after = parse_samples(page("w", 2)), parse_samples(page("w", 7))
+    counters = cameras.server_counters([gateway_before, own_before], [gateway_after, own_after])
+    assert counters["encoded"] == counters["encoded_by_workers"] == 5 and counters["stored"] == 4
 
 
 def test_server_counters_split_the_encoding_by_workers_and_encoder_services(cameras):

@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -233,12 +232,11 @@ def test_the_images_row_queries_what_vision_workers_and_encoders_export():
     tests/test_e2e_metrics.py does not check it): each expression names metrics that a
     vision worker's own /metrics (its steps and its images) or an encoder's exports."""
     from encoder_svc.service import _Collector  # torch: only this test loads it
+    from proto.encoder_messages import EncoderStats
 
-    service = SimpleNamespace(config=SimpleNamespace(encoder_id="e"), recorder=EncoderRecorder(),
-                              items_published=0, bytes_published=0, items_found=0, items_failed=0,
-                              jobs=SimpleNamespace(depth=lambda: 0))
+    stats = EncoderStats("e", EncoderRecorder().snapshot())
     names = {"worker": _exported(StepCollector("w", StepRecorder(), EncoderRecorder())),
-             "encoder": _exported(_Collector(service))}
+             "encoder": _exported(_Collector("e", lambda: stats, lambda: 0))}
     (row,) = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["title"].startswith("Images")]
     assert row["type"] == "row" and row["collapsed"] and len(row["panels"]) >= 6
     used = set()

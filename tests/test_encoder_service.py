@@ -93,6 +93,7 @@ def test_claims_queued_by_a_gateway_are_taken_by_one_encoder(client, keys):
     assert client.get(keys.encoding("a")) == b"enc-1" and client.get(keys.encoding("c")) is None
     published.publish({"a": torch.ones(2, 3)}, ttl_s=60)
     assert client.get(keys.encoding("a")) is None  # published: the claim is given up
+    assert not published.claim("a", "enc-3", 5.0)  # and nobody claims it again
     assert 0 < client.pttl(keys.embeddings("fp", "a")) <= 60_000
     assert torch.equal(published.fetch(["a", "b"])["a"], torch.ones(2, 3))
     assert published.exists(["a", "b"]) == {"a"}
@@ -160,8 +161,9 @@ def test_a_worker_takes_over_media_the_encoders_have_not_reached(vision_dir, red
     announce(client, keys, hashes)
     client.set(keys.encoding(hashes[1]), "encoder-other", px=5000)  # one an encoder is on
     published = service.published  # as the worker's own (same fingerprint)
-    assert published.take_queued(hashes, "worker", 30.0) == [hashes[0]]
-    assert client.get(keys.encoding(hashes[0])) == b"worker"
+    claims = published.take(hashes, "worker-1", 30.0)
+    assert claims.taken == [hashes[0]] and claims.held == [hashes[1]] and not claims.free
+    assert client.get(keys.encoding(hashes[0])) == b"worker-1"
     embeds, _ = service.encoder.encode([hashes[0]])
     published.publish(embeds, 60.0)
     client.delete(keys.encoding(hashes[1]))  # the other encoder died before it published

@@ -43,7 +43,7 @@ class Model:
                                         num_computed_tokens=computed,
                                         sampling=worker_pb2.SamplingParams(temperature=self.rnd.choice([0.0, 0.7]),
                                                                            top_k=self.rnd.choice([0, 5])))
-        self.states[rid] = RequestState(new, torch.device("cpu"), row=self.inputs.add(new.sampling, tables))
+        self.states[rid] = RequestState(new, row=self.inputs.add(new.sampling, tables))
         self.tables[rid] = tables
 
     def change(self) -> None:
@@ -155,7 +155,7 @@ def test_a_graph_step_after_many_replaced_tables():
 def test_bad_steps_are_refused():
     inputs = InputBatch(1, BLOCK, WIDTH, VOCAB, torch.device("cpu"), graph_capacity=2)
     new = worker_pb2.NewRequestData(request_id="a", token_ids=list(range(10)), num_prompt_tokens=10)
-    state = RequestState(new, torch.device("cpu"), row=inputs.add(new.sampling, [[1, 2]]))
+    state = RequestState(new, row=inputs.add(new.sampling, [[1, 2]]))
     assert state.row != DUMMY_ROW
     with pytest.raises(ValueError, match="10 tokens need 3 blocks, its block table has 2"):
         inputs.prepare([(state, 10)], no_plan, (None,))

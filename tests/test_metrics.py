@@ -243,3 +243,45 @@ def test_a_metrics_server_answers_health_with_200_or_503_beside_its_metrics():
             assert reply.status == 200
     finally:
         server.close()
+
+
+def test_the_images_of_workers_and_encoders_render_side_by_side():
+    """A worker's StepResult.images summed by its scheduler (WorkerStats.vision, through
+    msgpack as Redis carries it) and an encoder's EncoderStats, in one family per metric:
+    labelled `worker` and `encoder`, as the gateway's /metrics shows the stack."""
+    from proto.encoder_messages import EncoderStats, encoder_stats_decoder
+    from proto.metrics import EncoderRecorder
+
+    scheduler = Harness().sched
+    recorder = WorkerRecorder()
+    step = worker_pb2.StepRequest(step_id=1)
+    for images in (worker_pb2.ImageStepStats(queries=3, cache_hits=1, published_hits=1, items_encoded=1, seconds=0.02),
+                   worker_pb2.ImageStepStats(queries=2, published_hits=2)):
+        result = worker_pb2.StepResult(step_id=1, execute_seconds=0.01)
+        result.images.CopyFrom(images)
+        recorder.stepped(scheduler, step, result, [])
+    recorder.stepped(scheduler, step, worker_pb2.StepResult(step_id=1), [])  # a text step
+    stats = stats_decoder.decode(stream_encoder.encode(worker_stats(scheduler, "w0", False, recorder)))
+    text_only = worker_stats(scheduler, "w1", False, WorkerRecorder())
+    assert stats.vision is not None and text_only.vision is None
+    own = EncoderRecorder()
+    own.observe(4, 0, 0.5)
+    encoder = encoder_stats_decoder.decode(stream_encoder.encode(EncoderStats(
+        "e0", own.snapshot(), items_published=4, bytes_published=4096, items_found=1)))
+
+    collector = WorkerStatsCollector()
+    collector.snapshot, collector.encoders = [stats, text_only], [encoder]
+    samples = parse_samples(render(collector))
+    assert samples[("pagedserve:mm_items_encoded_total", (("worker", "w0"),))] == 1
+    assert samples[("pagedserve:mm_items_encoded_total", (("encoder", "e0"),))] == 4
+    assert samples[("pagedserve:mm_cache_queries_total", (("worker", "w0"),))] == 5
+    assert samples[("pagedserve:mm_cache_hits_total", (("worker", "w0"),))] == 4
+    assert samples[("pagedserve:encoder_cache_hits_total", (("worker", "w0"),))] == 1
+    assert samples[("pagedserve:encoder_seconds_count", (("worker", "w0"),))] == 1
+    assert samples[("pagedserve:encoder_seconds_sum", (("encoder", "e0"),))] == 0.5
+    assert samples[("pagedserve:mm_embeddings_published_bytes_total", (("encoder", "e0"),))] == 4096
+    assert samples[("pagedserve:mm_embeddings_found_total", (("encoder", "e0"),))] == 1
+    assert not any(labels == (("worker", "w1"),) for name, labels in samples if "mm_" in name)
+    text_stack = WorkerStatsCollector()
+    text_stack.snapshot = [text_only]
+    assert "mm_" not in render(text_stack)  # a text model's stack shows no image metrics

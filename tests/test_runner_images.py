@@ -198,7 +198,7 @@ def _state(inputs: InputBatch, tokens: list[int], ranges: list[tuple[int, int]],
         num_computed_tokens=computed,
         mm_inputs=[worker_pb2.MultiModalInput(content_hash=f"h{i}", offset=o, length=n)
                    for i, (o, n) in enumerate(ranges)])
-    return RequestState(new, torch.device("cpu"), row=inputs.add(new.sampling, split_groups(new.block_ids, 2)))
+    return RequestState(new, row=inputs.add(new.sampling, split_groups(new.block_ids, 2)))
 
 
 def test_bidir_spans_of_a_step():

@@ -1,19 +1,22 @@
 """Batched sampling and the finish rule."""
 
+import math
+
 import pytest
 import torch
 
 from proto import worker_pb2
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
-from worker_svc.sampler import ARGMAX_CHUNK, SamplingBatch, first_argmax, sample
+from worker_svc.sampler import (ARGMAX_CHUNK, SamplingBatch, first_argmax, keyed_exponential, keyed_exponential_one,
+                                position_seed, sample)
 from worker_svc.stop import finish_reason
 
 Params = worker_pb2.SamplingParams
 
 
-def batch_of(params, generators=None, vocab=100):
-    return SamplingBatch.build(params, generators or [None] * len(params), vocab)
+def batch_of(params, seeds=None, vocab=100):
+    return SamplingBatch.build(params, seeds or [None] * len(params), vocab)
 
 
 def gen(seed):
@@ -63,7 +66,7 @@ def test_top_k_one_is_greedy_and_greedy_rows_stay_greedy_in_mixed_batches():
     params = [Params(temperature=1.3, top_k=1), Params(temperature=0.0),
               Params(temperature=0.7, top_k=1, top_p=0.9), Params(temperature=0.0, top_k=5),
               Params(temperature=2.0, top_k=1, seed=3), Params(temperature=0.0, top_p=0.2)]
-    out = sample(logits, batch_of(params, [None, None, None, None, gen(3), None]), gen(4))
+    out = sample(logits, batch_of(params, [None, None, None, None, position_seed(3, 0), None]), gen(4))
     assert torch.equal(out, logits.argmax(-1))
 
 
@@ -75,16 +78,15 @@ def test_seeded_rows_reproduce_whatever_the_batch():
     mine = Params(temperature=1.0, top_p=0.95, seed=1234)
 
     def run(neighbours_before, neighbours_after, shared_seed):
-        g_mine, shared = gen(1234), gen(shared_seed)
-        g_other = gen(77)
+        shared = gen(shared_seed)
         tokens = []
         for i, row in enumerate(steps):
             before = torch.randn(neighbours_before, vocab, generator=gen(100 + i))
             after = torch.randn(neighbours_after, vocab, generator=gen(200 + i))
             params = ([Params(temperature=0.8)] * neighbours_before + [mine]
                       + [Params(temperature=1.0, seed=77, top_k=10)] * neighbours_after)
-            gens = [None] * neighbours_before + [g_mine] + [g_other] * neighbours_after
-            out = sample(torch.cat([before, row, after]), batch_of(params, gens, vocab), shared)
+            seeds = [None] * neighbours_before + [position_seed(1234, i)] + [position_seed(77, i)] * neighbours_after
+            out = sample(torch.cat([before, row, after]), batch_of(params, seeds, vocab), shared)
             tokens.append(int(out[neighbours_before]))
         return tokens
 
@@ -162,3 +164,17 @@ def test_seeded_request_in_runner_ignores_its_neighbours(tiny_model_dir):
 ])
 def test_finish_rule(kwargs, n_out, token, n_total, expected):
     assert finish_reason(Params(**kwargs), n_out, token, (0, 2), n_total, 64) == expected
+
+
+def test_keyed_exponential_matches_its_reference_and_is_exp1():
+    """Each entry is the plain-Python splitmix64 reference's; over many entries the noise
+    has Exp(1)'s mean, variance and tail, and rows of neighbouring seeds are unrelated."""
+    seeds = [0, 1, 2, 2**63 - 1, position_seed(1234, 7), position_seed(2**64 - 1, 0)]
+    noise = keyed_exponential(torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds]), 300)
+    want = torch.tensor([[keyed_exponential_one(s, v) for v in range(300)] for s in seeds])
+    torch.testing.assert_close(noise, want)
+    big = keyed_exponential(torch.arange(64, dtype=torch.int64), 50_000).double()
+    assert bool((big > 0).all()) and bool(big.isfinite().all())
+    assert abs(big.mean().item() - 1) < 0.005 and abs(big.var().item() - 1) < 0.02
+    assert abs((big > 3).double().mean().item() - math.exp(-3)) < 0.002
+    assert abs(torch.corrcoef(big[:2])[0, 1].item()) < 0.01  # seeds 0 and 1

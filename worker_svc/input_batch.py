@@ -336,7 +336,7 @@ class InputBatch:
 
     def _stage_sampling(self, h: dict[str, np.ndarray], samplers: Sequence[RequestState]):
         """Stage the sampling rows' settings; returns a function of the device views giving
-        the step's SamplingBatch (its per-step edits and generators are the runner's), or
+        the step's SamplingBatch (its per-step edits and seeds are the runner's), or
         None when no row samples."""
         count = len(samplers)
         if not count:
@@ -345,7 +345,7 @@ class InputBatch:
 
             def greedy(d: dict[str, torch.Tensor]) -> SamplingBatch:  # the settings are not read
                 return SamplingBatch(temperatures=d["temperatures"][:count], greedy=d["greedy"][:count],
-                                     top_ks=None, top_ps=None, generators=(None,) * count, all_greedy=True)
+                                     top_ks=None, top_ps=None, seeds=(None,) * count, all_greedy=True)
             return greedy
         settings = self._settings[[s.row for s in samplers]]
         temps = settings[:, 0]
@@ -365,6 +365,6 @@ class InputBatch:
             return SamplingBatch(
                 temperatures=d["temperatures"][:count], greedy=d["greedy"][:count],
                 top_ks=d["top_ks"][:count] if use_k else None, top_ps=d["top_ps"][:count] if use_p else None,
-                generators=(None,) * count, all_greedy=all_greedy,
+                seeds=(None,) * count, all_greedy=all_greedy,
                 min_ps=d["min_ps"][:count] if use_min_p else None)
         return on_device

@@ -242,8 +242,7 @@ class ModelRunner:
             self._forget(request_id)
         for new in request.new_requests:
             self._forget(new.request_id)  # sent again: its old row goes
-            state = self.requests[new.request_id] = RequestState(new, self.device,
-                                                                  eos_token_ids=self.model_config.eos_token_ids)
+            state = self.requests[new.request_id] = RequestState(new, eos_token_ids=self.model_config.eos_token_ids)
             state.row = self.inputs.add(new.sampling, split_groups(new.block_ids, groups))
             if state.prompt_logprobs is not None:
                 self._prompt_logprobs.add(new.request_id)
@@ -309,6 +308,10 @@ class ModelRunner:
         embeddings, vision = None, None
         if self.vision is not None and any(s.num_computed_tokens < s.images_end for s, _ in scheduled):
             scheduled, embeddings, vision = self._embed_images(scheduled, failed)
+            if vision is not None:  # for the scheduler's WorkerStats (the gateway's /metrics)
+                result.images.CopyFrom(worker_pb2.ImageStepStats(
+                    queries=vision.queries, cache_hits=vision.cache_hits, published_hits=vision.published_hits,
+                    items_encoded=vision.items_encoded, seconds=vision.seconds))
         for state, message in failed:
             self._fail(state, message, result, events)
         if scheduled:
@@ -404,10 +407,10 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, reqs: tuple[RequestState, ...], sampling: SamplingBatch,
                 produced: dict[int, _Produced]) -> None:
         """Sample on the device from the persistent batch's settings, with the per-step
-        edits and per-request generators of the rows that need them; the ids come to the
+        edits and per-request seeds of the rows that need them; the ids come to the
         host in one copy."""
-        if any(r.generator is not None for r in reqs):
-            sampling = dataclasses.replace(sampling, generators=tuple(r.draw_generator() for r in reqs))
+        if any(r.seeded for r in reqs):
+            sampling = dataclasses.replace(sampling, seeds=tuple(r.draw_seed() for r in reqs))
         if any(r.edits or r.grammar is not None for r in reqs):
             vocab_size = self.model_config.vocab_size
             allowed = self.grammars.allowed([r.grammar for r in reqs], vocab_size, self.device) \

@@ -6,9 +6,11 @@ encodes, every worker reads them before encoding anything itself.
     published.fetch(hashes)              -> {hash: embeddings on `device`} for those published
     published.publish(embeds, ttl_s)     -> SET each under RedisKeys.embeddings(fp, hash) with
                                             a TTL, and give up the encoding claims of them
-    published.claim(hash, owner, ttl_s)  -> True when `owner` is now the one encoding it
-    published.take_queued(hashes, owner, ttl_s) -> those only queued for an encoder, now
-                                            `owner`'s (a worker that cannot wait for them)
+    published.claim(hash, owner, ttl_s)  -> True when `owner` (an encoder) is now the one
+                                            encoding it
+    published.take(hashes, owner, ttl_s) -> Claims: for each medium a worker lacks, whether
+                                            it is now the worker's to encode (taken), nobody's
+                                            (free), another party's (held) or published
 
 Keyed by the fingerprint, a worker only takes embeddings its own encoder would have
 computed: the same vision config, the same weights (the values of its first and last
@@ -17,12 +19,19 @@ another key. A value that does not decode, or whose dtype or shape is not the en
 is treated as missing (encoded again), never used.
 
 A claim (`RedisKeys.encoding(hash)`) says "queued for an encoder" (value QUEUED, set by the
-gateway that announced the medium: gateway/media/encode_jobs.py) or "being encoded now"
-(the encoder's id, taken over from QUEUED or from nothing by a Lua script, with the
-encoder's --claim-ttl-s), or "a worker took it over" (`take_queued`): the scheduler routes a
-request needing that medium once the claim is gone (published, given up, or its TTL ran out
-because the encoder died), or after 1 s of it being only QUEUED, so it is not encoded twice
-(scheduler_svc/encoding_wait.py).
+gateway that announced the medium: gateway/media/encode_jobs.py) or "being encoded now by
+its value's owner" (an encoder's id, or a worker's). Claims change hands only inside Lua
+scripts that also look at the published embeddings, so each medium of the encoders' queue
+is encoded by exactly one party:
+  * an encoder claims it when it is free or only QUEUED, and not published (`claim`): a
+    medium a worker took over and published before the encoder came to it is refused;
+  * a worker takes it when it is only QUEUED (`take`); held by another party, the worker
+    waits for its embeddings rather than encode it too (worker_svc/vision_step.py), and
+    takes it once the claim is gone unpublished (given up after a failure, or its TTL ran
+    out because the holder died);
+  * publishing an embedding and giving up its claim happen in one pipeline (`publish`).
+The scheduler routes a request needing a claimed medium once the claim is gone, or after
+1 s of it being only QUEUED (scheduler_svc/encoding_wait.py).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 import redis
@@ -42,25 +52,34 @@ from worker_svc.model.gemma3_vision import Gemma3VisionEncoder
 
 log = logging.getLogger(__name__)
 _record_encoder = msgspec.msgpack.Encoder()
-# KEYS[1] the claim; ARGV: owner, TTL in ms, QUEUED
+# KEYS[1] the claim, KEYS[2] the embeddings; ARGV: owner, TTL in ms, QUEUED -> 1 when claimed
 _CLAIM = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 local held = redis.call('GET', KEYS[1])
 if held and held ~= ARGV[3] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
-# KEYS: claims; ARGV: owner, TTL in ms, QUEUED -> for each key 1 when taken over from QUEUED
-_TAKE_QUEUED = """
-local taken = {}
-for i, key in ipairs(KEYS) do
-  if redis.call('GET', key) == ARGV[3] then
-    redis.call('SET', key, ARGV[1], 'PX', ARGV[2])
-    taken[i] = 1
+# KEYS: (claim, embeddings) of each medium; ARGV: owner, TTL in ms, QUEUED, "1" to take free
+# ones too -> for each medium 0 taken, 1 free, 2 held (by another), 3 published
+_TAKE = """
+local states = {}
+for i = 1, #KEYS, 2 do
+  local state = 2
+  if redis.call('EXISTS', KEYS[i + 1]) == 1 then
+    state = 3
   else
-    taken[i] = 0
+    local held = redis.call('GET', KEYS[i])
+    if held == ARGV[3] or held == ARGV[1] or (not held and ARGV[4] == '1') then
+      redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
+      state = 0
+    elseif not held then
+      state = 1
+    end
   end
+  states[#states + 1] = state
 end
-return taken
+return states
 """
 # KEYS: claims; ARGV[1] QUEUED
 _RELEASE_QUEUED = """
@@ -106,6 +125,16 @@ def from_record(value: bytes, dtype: torch.dtype, shape: tuple[int, ...], device
     return flat.view(dtype).reshape(shape).to(device)
 
 
+@dataclass(frozen=True)
+class Claims:
+    """What `PublishedEmbeddings.take` found of each medium, in the order asked."""
+
+    taken: list[str] = field(default_factory=list)  # the caller's now: encode, then publish
+    free: list[str] = field(default_factory=list)  # nobody's: encode (nobody else will)
+    held: list[str] = field(default_factory=list)  # another party is encoding it: wait
+    published: list[str] = field(default_factory=list)  # published since the caller looked: fetch
+
+
 class PublishedEmbeddings:
     """The published embeddings of one fingerprint, read and written with redis-py's
     synchronous client (the compute thread, the encoder's loop)."""
@@ -118,7 +147,7 @@ class PublishedEmbeddings:
         self._dtype, self._shape, self._device = dtype, shape, device
         self._claim = client.register_script(_CLAIM)
         self._release_queued = client.register_script(_RELEASE_QUEUED)
-        self._take_queued = client.register_script(_TAKE_QUEUED)
+        self._take = client.register_script(_TAKE)
 
     @classmethod
     def for_encoder(cls, client: redis.Redis, keys: RedisKeys, encoder: MediaEncoder) -> PublishedEmbeddings:
@@ -156,23 +185,36 @@ class PublishedEmbeddings:
         return {h for h, n in zip(hashes, pipe.execute()) if n}
 
     def claim(self, content_hash: str, owner: str, ttl_s: float) -> bool:
-        """Whether `owner` now holds the encoding claim of `content_hash`: it was free, or
-        only marked QUEUED by the gateway that announced it (then `owner`'s, for `ttl_s`)."""
-        return bool(self._claim(keys=[self._keys.encoding(content_hash)],
+        """Whether `owner` (an encoder) now holds the encoding claim of `content_hash`: it
+        was free, or only marked QUEUED by the gateway that announced it, and its embeddings
+        are not published (a worker may have taken it over and published it since the
+        encoder looked); then `owner`'s, for `ttl_s`."""
+        return bool(self._claim(keys=[self._keys.encoding(content_hash),
+                                      self._keys.embeddings(self.fingerprint, content_hash)],
                                 args=[owner, max(1, int(ttl_s * 1000)), QUEUED]))
 
-    def take_queued(self, hashes: Sequence[str], owner: str, ttl_s: float) -> list[str]:
-        """Those of `hashes` only QUEUED for an encoder, now `owner`'s to encode (a worker
-        whose step needs them before an encoder came to them: it publishes them, and the
-        encoder finds them published); Redis unreachable: none."""
+    def take(self, hashes: Sequence[str], owner: str, ttl_s: float, take_free: bool = False) -> Claims:
+        """For each of `hashes` (media a worker's step lacks), in one script: taken (it was
+        only QUEUED for an encoder, or `owner`'s already, or free and `take_free`: now
+        `owner`'s for `ttl_s`, to encode and publish), free (no claim: not in the encoders'
+        queue), held (an encoder or another worker is encoding it: wait for its embeddings)
+        or published (since the caller looked). Redis unreachable: all free (the worker
+        encodes them, as without encoders)."""
         if not hashes:
-            return []
+            return Claims()
+        keys = []
+        for h in hashes:
+            keys += [self._keys.encoding(h), self._keys.embeddings(self.fingerprint, h)]
         try:
-            flags = self._take_queued(keys=[self._keys.encoding(h) for h in hashes],
-                                      args=[owner, max(1, int(ttl_s * 1000)), QUEUED])
-        except (redis.RedisError, OSError):
-            return []
-        return [h for h, taken in zip(hashes, flags) if taken]
+            states = self._take(keys=keys, args=[owner, max(1, int(ttl_s * 1000)), QUEUED,
+                                                 "1" if take_free else "0"])
+        except (redis.RedisError, OSError) as exc:
+            log.warning("encoding claims unreachable (%s): encoding %d item(s) here", exc, len(hashes))
+            return Claims(free=list(hashes))
+        claims = Claims()
+        for h, state in zip(hashes, states):
+            (claims.taken, claims.free, claims.held, claims.published)[state].append(h)
+        return claims
 
     def release(self, hashes: Sequence[str], only_queued: bool = False) -> None:
         """Give up the claims of `hashes` (their encoding failed); `only_queued`: only the

@@ -2,8 +2,6 @@
 
 from collections.abc import Collection
 
-import torch
-
 from proto import worker_pb2
 from worker_svc.model.image_placement import PlaceholderRange
 from worker_svc.logits_processors import uses_edits
@@ -34,11 +32,11 @@ class RequestState:
     image_hashes[i] (NewRequestData.mm_inputs, in prompt order; both empty for text)."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "row",
-                 "num_computed_tokens", "sampling", "generator", "reply_channel",
+                 "num_computed_tokens", "sampling", "seeded", "reply_channel",
                  "finish_reason", "grammar", "image_ranges", "image_hashes", "images_end", "failure",
                  "num_cached_tokens", "edits", "prompt_logprobs", "stop")
 
-    def __init__(self, new: worker_pb2.NewRequestData, device: torch.device, row: int = 0,
+    def __init__(self, new: worker_pb2.NewRequestData, row: int = 0,
                  eos_token_ids: Collection[int] = ()):
         if not new.token_ids:
             raise ValueError(f"request {new.request_id!r} has no tokens")
@@ -76,12 +74,10 @@ class RequestState:
         # The structured-output matcher (worker_svc/grammar.py), set by the runner when
         # sampling.grammar is; None for unconstrained requests.
         self.grammar = None
-        # Seeded requests only: reseeded before each draw from (seed, output position)
-        # (`draw_generator`), so the draw for a position is the same on any worker, after
-        # any preemption, migration or restart.
-        self.generator: torch.Generator | None = None
-        if new.sampling.HasField("seed"):
-            self.generator = torch.Generator(device=device)
+        # Seeded requests only: each draw's seed comes from (seed, output position)
+        # (`draw_seed`), so the draw for a position is the same on any worker, after any
+        # preemption, migration or restart.
+        self.seeded = new.sampling.HasField("seed")
 
     @property
     def num_tokens(self) -> int:
@@ -91,9 +87,7 @@ class RequestState:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    def draw_generator(self) -> torch.Generator | None:
-        """The generator for the token sampled now (output position `num_output_tokens`),
-        seeded from (seed, position) alone; None for an unseeded request."""
-        if self.generator is not None:
-            self.generator.manual_seed(position_seed(self.sampling.seed, self.num_output_tokens))
-        return self.generator
+    def draw_seed(self) -> int | None:
+        """The seed of the token sampled now (output position `num_output_tokens`), from
+        (seed, position) alone; None for an unseeded request."""
+        return position_seed(self.sampling.seed, self.num_output_tokens) if self.seeded else None

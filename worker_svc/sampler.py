@@ -7,18 +7,20 @@
 
 Masks work on one ascending sort of the batch (no per-request Python over the vocabulary).
 The draw uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sample from
-p. Rows of seeded requests fill their E from their own torch.Generator, seeded before each
-draw from (request seed, output position) (`position_seed`; worker_svc/request_state.py),
-so a seeded request draws the same tokens whatever else is in the batch and wherever it
-runs: a request recomputed after a preemption, or moved to another worker, draws for each
-position what it would have drawn without the move. The other rows share the runner's
-generator.
+p. E is a function of (row seed, token id) alone (`keyed_exponential`: splitmix64 of the
+pair, in a few batched integer ops over the whole [S, V] block: no per-row generator, no
+per-row launch). A seeded request's row seed comes from (request seed, output position)
+(`position_seed`; worker_svc/request_state.py), so it draws the same tokens whatever else is
+in the batch and wherever it runs: a request recomputed after a preemption, or moved to
+another worker or device, draws for each position what it would have drawn without the
+move. The other rows' seeds come from the runner's generator.
 """
 
 import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from worker_svc.logits_processors import (History, NoHistory, Penalties, SparseEdit,
@@ -36,6 +38,54 @@ def position_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as torch's int64 holds it."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def keyed_exponential(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise, float32 [S, V]: entry (r, v) is a function of (seeds[r], v) alone, the
+    (v+1)-th output of splitmix64 started at seeds[r] (int64 [S]), its top 23 bits k a
+    uniform u = (k + 1/2) / 2**23 in (0, 1) (exact in float32), -log(u) > 0. The reference, one entry in plain Python: `keyed_exponential_one`."""
+    tokens = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device) * _signed(_GAMMA)
+    z = seeds[:, None] + tokens  # int64 arithmetic wraps, as splitmix64's does
+    z = (z ^ _shift_right(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shift_right(z, 27)) * _signed(0x94D049BB133111EB)
+    z = z ^ _shift_right(z, 31)
+    u = _shift_right(z, 41).to(torch.float32).add_(0.5).mul_(2.0 ** -23)
+    return u.log_().neg_()
+
+
+def keyed_exponential_one(seed: int, token: int) -> float:
+    """`keyed_exponential`'s entry for (seed, token), in Python integers (the reference)."""
+    z = (seed + (token + 1) * _GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    u = numpy.float32(((z >> 41) + 0.5) * 2.0 ** -23)
+    return float(-numpy.log(u))
+
+
+def row_seeds(seeds: Sequence[int | None], generator: torch.Generator | None,
+              device: torch.device) -> torch.Tensor:
+    """int64 [S]: each row's draw seed (`position_seed`), or one from `generator` where None."""
+    drawn = torch.randint(-(1 << 63), (1 << 63) - 1, (len(seeds),), dtype=torch.int64,
+                          generator=generator, device=device)
+    if all(seed is None for seed in seeds):
+        return drawn
+    own = torch.tensor([0 if s is None else _signed(s) for s in seeds], dtype=torch.int64)
+    mine = torch.tensor([s is not None for s in seeds])
+    return torch.where(mine.to(device, non_blocking=True), own.to(device, non_blocking=True), drawn)
 
 
 def row_settings(p, vocab_size: int) -> tuple[float, int, float, float]:
@@ -56,7 +106,7 @@ class SamplingBatch:
     greedy: torch.Tensor  # bool [S] (or int 0/1)
     top_ks: torch.Tensor | None  # int [S], vocab size where off; None: no row uses it
     top_ps: torch.Tensor | None  # float32 [S], 1.0 where off; None: no row uses it
-    generators: tuple[torch.Generator | None, ...]  # per row; None = the shared generator
+    seeds: tuple[int | None, ...]  # per row: its draw's seed (position_seed); None: the shared generator's
     all_greedy: bool
     min_ps: torch.Tensor | None = None  # float32 [S], 0 where off; None: no row uses it
     logit_bias: SparseEdit | None = None
@@ -66,7 +116,7 @@ class SamplingBatch:
     allowed: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, params: Sequence, generators: Sequence[torch.Generator | None],
+    def build(cls, params: Sequence, seeds: Sequence[int | None],
               vocab_size: int, device: str | torch.device = "cpu", *,
               histories: Sequence[History] | None = None,
               eos_token_ids: Collection[int] = (),
@@ -91,7 +141,7 @@ class SamplingBatch:
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             top_ks=torch.tensor(ks, dtype=torch.long, device=device) if use_k else None,
             top_ps=torch.tensor(ps, dtype=torch.float32, device=device) if use_p else None,
-            generators=tuple(generators),
+            seeds=tuple(seeds),
             all_greedy=all(greedy),
             min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device) if use_min_p else None,
             logit_bias=build_logit_bias(params, vocab_size, device),
@@ -195,7 +245,7 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """One token id per row of `logits` [S, V] (int64 [S]), after `batch.process`.
-    `generator` serves rows without their own generator."""
+    `generator` draws the seeds of rows without their own (`batch.seeds`)."""
     logits = batch.process(logits)
     greedy_ids = first_argmax(logits)
     if batch.all_greedy:
@@ -203,12 +253,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     scaled = apply_min_p(logits / batch.temperatures[:, None], batch.min_ps)
     scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
     probs = scaled.softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    noise.exponential_(generator=generator)
-    for row, row_generator in enumerate(batch.generators):
-        if row_generator is not None:
-            noise[row].exponential_(generator=row_generator)
-    # exponential_ can return 0: keep p / E finite (a zero-probability token stays at 0)
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    sampled = first_argmax(probs / noise)
+    noise = keyed_exponential(row_seeds(batch.seeds, generator, probs.device), probs.shape[-1])
+    sampled = first_argmax(probs / noise)  # noise >= -log(1 - 2**-24) > 0
     return torch.where(batch.greedy.bool(), greedy_ids, sampled)

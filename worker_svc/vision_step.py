@@ -12,10 +12,12 @@ and their placement over the decoder's input embeddings (Gemma 3; docs/architect
         3. then those the encoder service published (worker_svc/published_embeddings.py,
            one MGET; kept in the cache too) are hits
         4. the others: fetched, decoded, preprocessed and encoded in ONE batch
-           (worker_svc/media_encoder.py); each result goes into the cache. Those still
-           only queued for an encoder (it is behind: the scheduler waited as long as it
-           would) are taken over first and published after, so the encoder skips them:
-           a medium is encoded once across the fleet either way
+           (worker_svc/media_encoder.py); each result goes into the cache. With an
+           encoder service, each is claimed first (one script): those still only queued
+           for an encoder (it is behind: the scheduler waited as long as it would) are
+           taken over and published after, so the encoder skips them; those an encoder
+           (or another worker) is encoding now are waited for (HELD_WAIT_S at most) and
+           fetched when published: a medium is encoded once across the fleet
         -> StepImages: embeddings by hash, the requests that cannot run (an image missing
            or undecodable: they fail alone, with its reason), and the step's counts
     h = model.embed(batch.input_ids)
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +52,11 @@ log = logging.getLogger(__name__)
 
 TAKEN_TTL_S = 30.0  # a medium taken over from the encoders' queue: claimed for this long at most
 PUBLISHED_TTL_S = 300.0  # and published for this long (the encoder service's default)
+# A medium another party is encoding: waited for this long at most (the encoder's default
+# --claim-ttl-s, and the scheduler's longest wait for an encoding: scheduler_svc/encoding_wait.py),
+# its claim and embeddings looked at this often.
+HELD_WAIT_S = 10.0
+HELD_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -74,11 +82,14 @@ class ImageEmbedder:
     may publish them) and its own MediaEncoder."""
 
     def __init__(self, encoder: MediaEncoder, cache: EncoderCache,
-                 published: PublishedEmbeddings | None = None):
+                 published: PublishedEmbeddings | None = None, held_wait_s: float = HELD_WAIT_S):
         self.encoder = encoder
         self.cfg: Gemma3VisionConfig = encoder.cfg
         self.cache = cache
         self.published = published
+        self.held_wait_s = held_wait_s
+        # the value of the encoding claims it takes: its own, so it never waits for itself
+        self.owner = f"worker-{uuid.uuid4().hex[:12]}"
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: Gemma3VisionConfig, dtype: torch.dtype,
@@ -153,15 +164,13 @@ class ImageEmbedder:
         seconds = 0.0
         if missing:
             start = time.perf_counter()
-            # still queued for an encoder (it is behind): ours now, published for it to skip
-            taken = self.published.take_queued(missing, "worker", TAKEN_TTL_S) if self.published else []
-            encoded, failures = self.encoder.encode(missing)
-            if taken:
-                self._publish_taken(taken, encoded)
+            ready, encoded, failures = self._get_missing(missing)
             seconds = time.perf_counter() - start
-            for digest, embeds in encoded.items():
+            for digest, embeds in (*ready.items(), *encoded.items()):
                 self.cache.put(digest, embeds)
+            embeddings.update(ready)
             embeddings.update(encoded)
+            published += len(ready)
         failed = []
         for state, images in needs.values():
             bad = next((i for i in images if state.image_hashes[i] in failures), None)
@@ -172,10 +181,68 @@ class ImageEmbedder:
                           stats=VisionStepStats(items_encoded=len(encoded), cache_hits=hits, seconds=seconds,
                                                 published_hits=published, queries=len(hashes)))
 
+    def _get_missing(self, missing: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                                         dict[str, str]]:
+        """The embeddings of `missing` (in neither the cache nor published a moment ago):
+        (published meanwhile, encoded here, failures). With an encoder service, each is
+        claimed first (PublishedEmbeddings.take): those only queued for an encoder (it is
+        behind: the scheduler waited as long as it would) are taken over, encoded and
+        published, so the encoder skips them; those another party is encoding are waited
+        for, not encoded twice (`_wait_for_held`) -- after this worker has encoded and
+        published its own, so two workers each waiting for the other's never stall."""
+        if self.published is None:
+            encoded, failures = self.encoder.encode(missing)
+            return {}, encoded, failures
+        claims = self.published.take(missing, self.owner, TAKEN_TTL_S)
+        ready = self.published.fetch(claims.published)
+        unusable = [h for h in claims.published if h not in ready]
+        encoded, failures = self._encode(claims.taken, claims.free + unusable)
+        if claims.held:
+            more, taken, here = self._wait_for_held(claims.held)
+            ready.update(more)
+            late, late_failures = self._encode(taken, here)
+            encoded.update(late)
+            failures.update(late_failures)
+        return ready, encoded, failures
+
+    def _encode(self, taken: list[str], own: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Encode `taken` (claimed: published after) and `own` (unclaimed) in one batch."""
+        if not taken and not own:
+            return {}, {}
+        encoded, failures = self.encoder.encode(taken + own)
+        if taken:
+            self._publish_taken(taken, encoded)
+        return encoded, failures
+
+    def _wait_for_held(self, held: list[str]) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+        """Wait for the media another party (an encoder, another worker) is encoding now.
+        Returns (their published embeddings; those whose claim went unpublished -- the
+        holder gave up or died -- now this worker's to encode and publish; those to encode
+        here unclaimed: still held after `held_wait_s`, rather than stall the step longer,
+        or whose published value is unusable). The step waits on the compute thread: at
+        most the rest of an encoding it would otherwise repeat."""
+        deadline = time.monotonic() + self.held_wait_s
+        ready: dict[str, torch.Tensor] = {}
+        taken: list[str] = []
+        here: list[str] = []
+        while held:
+            if time.monotonic() >= deadline:
+                log.warning("%d medium(s) still being encoded elsewhere after %.1f s: encoding them here too",
+                            len(held), self.held_wait_s)
+                return ready, taken, here + held
+            time.sleep(HELD_POLL_S)
+            claims = self.published.take(held, self.owner, TAKEN_TTL_S, take_free=True)
+            found = self.published.fetch(claims.published)
+            ready.update(found)
+            taken += claims.taken
+            here += claims.free + [h for h in claims.published if h not in found]  # free: Redis failed
+            held = claims.held
+        return ready, taken, here
+
     def _publish_taken(self, taken: list[str], encoded: dict[str, torch.Tensor]) -> None:
         """Publish what this step took over from the encoders' queue and encoded; give up the
-        claims of what it could not. Redis failing here fails nothing: the encoder then
-        encodes them too."""
+        claims of what it could not. Redis failing here fails nothing: their claims run out
+        (TAKEN_TTL_S) and whoever needs them next encodes them."""
         try:
             self.published.publish({h: encoded[h] for h in taken if h in encoded}, PUBLISHED_TTL_S)
             self.published.release([h for h in taken if h not in encoded])
