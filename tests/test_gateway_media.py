@@ -16,6 +16,7 @@ from PIL import Image
 from compose.launcher import free_port
 from gateway.config import GatewayConfig, add_cli_args, config_from_args
 from gateway.errors import OpenAIError
+from gateway.media.address_policy import parse_networks
 from gateway.media.fetch import FetchPolicy
 from gateway.media.images import check_image
 from gateway.media.loader import LoadedImage, MediaLoader, MediaPart, MediaSettings
@@ -54,6 +55,7 @@ def test_media_flags_defaults_env_and_vllm_syntax(monkeypatch):
     config = config_from_args(gateway_parser().parse_args(["--model", "m"]))
     assert config.limit_mm_per_prompt == GatewayConfig(model="m").limit_mm_per_prompt
     assert config.allowed_media_domains == () and config.allowed_local_media_path is None
+    assert config.allowed_media_networks == ()  # safe by default: no internal address fetched
     settings = MediaSettings.from_config(config)
     assert dict(settings.limits) == {"image": 8, "video": 1}
     assert settings.sampling == VideoSampling(num_frames=32, fps=-1.0)
@@ -61,17 +63,23 @@ def test_media_flags_defaults_env_and_vllm_syntax(monkeypatch):
 
     monkeypatch.setenv("PAGEDSERVE_MAX_MEDIA_BYTES", "1000")
     monkeypatch.setenv("PAGEDSERVE_ALLOWED_MEDIA_DOMAINS", "a.example, B.example")
+    monkeypatch.setenv("PAGEDSERVE_ALLOWED_MEDIA_NETWORKS", "10.0.0.0/8, fd00::/8,10.0.0.0/8")
     args = gateway_parser().parse_args([
         "--model", "m", "--limit-mm-per-prompt", '{"image": {"count": 2, "width": 512}, "video": 0}',
         "--media-io-kwargs", '{"video": {"num_frames": 4, "fps": 1.5}}',
         "--allowed-local-media-path", "/srv/media", "--media-fetch-timeout-s", "2.5", "--media-ttl-s", "60"])
     config = config_from_args(args)
     assert config.allowed_media_domains == ("a.example", "b.example")
+    assert config.allowed_media_networks == ("10.0.0.0/8", "fd00::/8")
     assert config.max_media_bytes == 1000 and config.media_fetch_timeout_s == 2.5
     settings = MediaSettings.from_config(config)
     assert dict(settings.limits) == {"image": 2, "video": 0}
     assert settings.sampling == VideoSampling(num_frames=4, fps=1.5)
     assert settings.fetch.allowed_local_path == "/srv/media" and settings.ttl_s == 60.0
+    assert [str(n) for n in settings.fetch.allowed_networks] == ["10.0.0.0/8", "fd00::/8"]
+    config = config_from_args(gateway_parser().parse_args(["--model", "m", "--allowed-media-networks",
+                                                           "192.168.10.0/24,127.0.0.1"]))
+    assert config.allowed_media_networks == ("192.168.10.0/24", "127.0.0.1/32")  # the flag wins over the env
 
 
 @pytest.mark.parametrize("flag, value, words", [
@@ -80,6 +88,9 @@ def test_media_flags_defaults_env_and_vllm_syntax(monkeypatch):
     ("--media-io-kwargs", '{"video": {"frames": 4}}', "unknown video option"),
     ("--media-io-kwargs", '{"video": {"num_frames": 0}}', "num_frames"),
     ("--media-io-kwargs", '{"audio": {}}', "unknown media kind"),
+    ("--allowed-media-networks", "10.0.0.0/33", "'10.0.0.0/33' is not a network in CIDR notation"),
+    ("--allowed-media-networks", "192.168.1.5/24", "has host bits set"),
+    ("--allowed-media-networks", "10.0.0.0/8,lan", "'lan' is not a network"),
 ])
 def test_bad_media_flags_fail_at_startup(capsys, flag, value, words):
     with pytest.raises(SystemExit):
@@ -219,8 +230,8 @@ def part(url: str, i: int = 0, kind: str = "image") -> MediaPart:
 
 @pytest.fixture(scope="module")
 def http_server():
-    with media_server() as url:
-        yield url
+    with media_server() as server:
+        yield server.url
 
 
 @pytest.mark.anyio
@@ -228,7 +239,9 @@ async def test_loader_loads_in_order_and_dedupes(redis_url, http_server, tmp_pat
     client = aioredis.Redis.from_url(redis_url)
     keys = RedisKeys(f"media-test-{uuid.uuid4().hex[:8]}")
     (tmp_path / "c.png").write_bytes(IMAGES["png-rgba"][0])
-    settings = MediaSettings(fetch=FetchPolicy(allowed_local_path=str(tmp_path)))
+    # the server is on loopback: opened explicitly (by default the gateway fetches no internal address)
+    settings = MediaSettings(fetch=FetchPolicy(allowed_local_path=str(tmp_path),
+                                               allowed_networks=parse_networks("127.0.0.0/8")))
     loader = MediaLoader(settings, MediaStore(client, keys, ttl_s=60))
     try:
         parts = [part(data_url(IMAGES["jpeg"][0], "image/jpeg"), 0), part(f"{http_server}/ok.png", 1),

@@ -1,6 +1,8 @@
 """Fetching media for the gateway (gateway/media/fetch.py): data: URLs, http(s) from a real
 local HTTP server (redirects, caps, timeouts, allowed domains), and local files only below
-the allowed folder. Every refusal is a 400 with OpenAI's error fields, naming the part."""
+the allowed folder. Every refusal is a 400 with OpenAI's error fields, naming the part.
+The server is on loopback, which the gateway fetches from only when told to: these tests
+open 127.0.0.0/8 (what is refused without it: tests/test_media_address_policy.py)."""
 
 import asyncio
 import base64
@@ -10,6 +12,7 @@ import pytest
 
 from compose.launcher import free_port
 from gateway.errors import OpenAIError
+from gateway.media.address_policy import parse_networks
 from gateway.media.fetch import FetchPolicy, MediaFetcher
 from media_helpers import PARAM, data_url, png, refused
 from media_server import MediaHandler, media_server
@@ -61,32 +64,39 @@ def test_data_url_over_the_byte_cap():
 # ---- http(s):// against a real local server --------------------------------------------
 
 
+LOOPBACK = parse_networks("127.0.0.0/8")
+OPEN = FetchPolicy(allowed_networks=LOOPBACK)
+
+
 @pytest.fixture(scope="module")
 def http_server():
-    with media_server() as url:
-        yield url
+    with media_server() as server:
+        yield server.url
 
 
 def test_http_fetch_and_redirect(http_server):
-    fetched = fetch(f"{http_server}/ok.png")
+    fetched = fetch(f"{http_server}/ok.png", policy=OPEN)
     assert fetched.data == MediaHandler.image and fetched.mime == "image/png"
-    assert fetch(f"{http_server}/redirect").data == MediaHandler.image
-    policy = FetchPolicy(allowed_domains=("127.0.0.1",))
+    assert fetch(f"{http_server}/redirect", policy=OPEN).data == MediaHandler.image
+    policy = FetchPolicy(allowed_domains=("127.0.0.1",), allowed_networks=LOOPBACK)
     assert fetch(f"{http_server}/redirect", policy=policy).data == MediaHandler.image
 
 
 @pytest.mark.parametrize("path, policy, code, words", [
-    ("/missing.png", FetchPolicy(), "media_fetch_failed", ["HTTP 404"]),
-    ("/loop", FetchPolicy(), "media_fetch_failed", ["more than 5 redirects"]),
-    ("/redirect-file", FetchPolicy(), "media_fetch_failed", ["non-http(s)"]),
-    ("/declared-big", FetchPolicy(max_bytes=10_000), "media_too_large", ["1000000000 bytes"]),
-    ("/streamed-big", FetchPolicy(max_bytes=10_000), "media_too_large", ["limit is 10000 bytes"]),
-    ("/slow", FetchPolicy(timeout_s=0.3), "media_fetch_failed", ["no answer within 0.3 s"]),
-    ("/ok.png", FetchPolicy(allowed_domains=("media.example",)), "media_domain_not_allowed",
-     ["'127.0.0.1' is not allowed", "media.example"]),
+    ("/missing.png", OPEN, "media_fetch_failed", ["HTTP 404"]),
+    ("/loop", OPEN, "media_fetch_failed", ["more than 5 redirects"]),
+    ("/redirect-file", OPEN, "media_fetch_failed", ["non-http(s)"]),
+    ("/declared-big", FetchPolicy(max_bytes=10_000, allowed_networks=LOOPBACK), "media_too_large",
+     ["1000000000 bytes"]),
+    ("/streamed-big", FetchPolicy(max_bytes=10_000, allowed_networks=LOOPBACK), "media_too_large",
+     ["limit is 10000 bytes"]),
+    ("/slow", FetchPolicy(timeout_s=0.3, allowed_networks=LOOPBACK), "media_fetch_failed",
+     ["no answer within 0.3 s"]),
+    ("/ok.png", FetchPolicy(allowed_domains=("media.example",), allowed_networks=LOOPBACK),
+     "media_domain_not_allowed", ["'127.0.0.1' is not allowed", "media.example"]),
     # every hop is checked: allowed at first, redirected to a host that is not
-    ("/redirect-elsewhere", FetchPolicy(allowed_domains=("127.0.0.1",)), "media_domain_not_allowed",
-     ["'localhost'"]),
+    ("/redirect-elsewhere", FetchPolicy(allowed_domains=("127.0.0.1",), allowed_networks=LOOPBACK),
+     "media_domain_not_allowed", ["redirected to the host 'localhost'"]),
 ])
 def test_http_refusals(http_server, path, policy, code, words):
     started = time.monotonic()
@@ -97,9 +107,15 @@ def test_http_refusals(http_server, path, policy, code, words):
 
 
 def test_connection_refused():
+    """In an allowed network, errors are as detailed as for a public host; outside one, a
+    closed port answers like any internal address."""
+    url = f"http://127.0.0.1:{free_port()}/a.png"
     with pytest.raises(OpenAIError) as exc_info:
-        fetch(f"http://127.0.0.1:{free_port()}/a.png")
+        fetch(url, policy=OPEN)
     refused(exc_info, "media_fetch_failed", "could not connect")
+    with pytest.raises(OpenAIError) as exc_info:
+        fetch(url)
+    refused(exc_info, "media_url_not_allowed", "--allowed-media-networks")
 
 
 # ---- local files -------------------------------------------------------------------------

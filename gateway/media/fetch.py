@@ -8,8 +8,21 @@ Three sources, each with the guard vLLM puts on it:
 - `http://`, `https://`: fetched with httpx, one deadline over the whole fetch (connecting,
   every redirect, every byte: a server that drips bytes cannot hold it longer), the size
   checked against Content-Length first and counted while streaming, at most MAX_REDIRECTS
-  redirects, each followed by hand so every hop's host is checked against
-  `--allowed-media-domains` (exact host names) when that list is set.
+  redirects, each followed by hand so that every hop is checked before anything connects:
+  its host against `--allowed-media-domains` (exact host names) when that list is set, then
+  every address the host resolves to against the address policy (address_policy.py): safe
+  by default, a host that resolves to an address inside the server's network (loopback,
+  private, link-local, ...) is refused unless `--allowed-media-networks` holds it. The
+  connection is then pinned to a checked address: the request goes to that IP with the Host
+  header and the TLS server name (SNI, certificate check) of the URL's name, so the name is
+  never resolved again (no DNS rebinding between check and connection). Pinning is why the
+  client keeps no idle connections (a pooled connection is keyed by IP, and must not serve
+  another name) and reads no proxy from the environment (HTTP_PROXY and the like): the
+  gateway connects to media hosts itself, to the address it checked. CA bundles from
+  SSL_CERT_FILE / SSL_CERT_DIR are still used.
+  Every refusal of an internal address (and of a host that resolves to nothing) is the same
+  400, `media_url_not_allowed`, whatever lies behind it, so answers do not map the network;
+  public hosts keep their detailed errors. Refusals are counted by reason (`stats`).
 - `file://` URLs and plain paths (a relative one is taken below the allowed folder): only
   with `--allowed-local-media-path`, and only for files that resolve, symlinks followed,
   to somewhere below that folder; read in a thread.
@@ -23,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -31,11 +44,14 @@ from urllib.parse import unquote, urlsplit
 import httpx
 
 from gateway.errors import OpenAIError, invalid
+from gateway.media.address_policy import (NETWORKS_FLAG, REFUSAL_REASONS, AddressGuard, AddressRefused, IPAddress,
+                                          IPNetwork, RefusalReason, Resolve, system_resolve)
 
 MediaKind = Literal["image", "video"]
 MAX_REDIRECTS = 5
 _CHUNK_BYTES = 64 * 2**10
 _GENERIC_MIME = "application/octet-stream"
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,8 @@ class FetchPolicy:
     timeout_s: float = 10.0
     max_bytes: int = 20 * 2**20
     allowed_domains: tuple[str, ...] = ()  # empty: any host
+    # non-public addresses (loopback, private, link-local, ...) that may be fetched; empty: none
+    allowed_networks: tuple[IPNetwork, ...] = ()
     allowed_local_path: str | None = None  # None: local files refused
 
 
@@ -54,14 +72,28 @@ class Fetched:
     mime: str | None  # as declared: the data URL's type, the response's Content-Type; None: unknown
 
 
+@dataclass
+class FetchStats:
+    """http(s) media URLs refused, by reason (address_policy.REFUSAL_REASONS)."""
+
+    refused: dict[RefusalReason, int] = field(default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0))
+
+
 class MediaFetcher:
-    def __init__(self, policy: FetchPolicy, client: httpx.AsyncClient | None = None):
+    def __init__(self, policy: FetchPolicy, client: httpx.AsyncClient | None = None,
+                 resolve: Resolve = system_resolve):
+        """`resolve`: host, port → its addresses (getaddrinfo by default; tests map names).
+        `client` (default: the one made here) must follow no redirects and use no proxy, or
+        the checks above would not hold for the connections it makes."""
         self.policy = policy
-        # No automatic redirects: each hop is checked here. trust_env stays on, so a gateway
-        # behind an HTTP proxy fetches through it.
+        self.stats = FetchStats()
+        self._guard = AddressGuard(policy.allowed_networks, resolve)
+        # No automatic redirects: each hop is checked here. Pinned connections (see above): no
+        # idle connections kept, no proxy from the environment, its CA settings still read.
         self._client = client or httpx.AsyncClient(
             follow_redirects=False, timeout=httpx.Timeout(policy.timeout_s),
-            headers={"User-Agent": "pagedserve-gateway"})
+            headers={"User-Agent": "pagedserve-gateway"}, trust_env=False,
+            verify=httpx.create_ssl_context(trust_env=True), limits=httpx.Limits(max_keepalive_connections=0))
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -114,7 +146,14 @@ class MediaFetcher:
         shown = _shown(url)
         try:
             async with asyncio.timeout(self.policy.timeout_s):
-                return await self._follow(httpx.URL(url), kind, param)
+                try:
+                    parsed = httpx.URL(url)
+                except httpx.InvalidURL:
+                    # A host httpx will not take ("0177.0.0.1": an invalid IPv4 address to it)
+                    # may still spell an internal address to the resolver: refused alike.
+                    await self._check_unparsed(url, kind, param)
+                    raise
+                return await self._follow(parsed, kind, param)
         except (TimeoutError, httpx.TimeoutException):
             raise _unreachable(kind, shown, f"no answer within {self.policy.timeout_s:g} s", param) from None
         except httpx.ConnectError as exc:
@@ -123,28 +162,71 @@ class MediaFetcher:
             raise _unreachable(kind, shown, str(exc) or type(exc).__name__, param) from None
 
     async def _follow(self, url: httpx.URL, kind: MediaKind, param: str) -> Fetched:
-        for _ in range(MAX_REDIRECTS + 1):
-            self._check_host(url, kind, param)
-            async with self._client.stream("GET", url) as response:
+        for hop in range(MAX_REDIRECTS + 1):
+            addresses = await self._check(url.host, url.raw_host.decode("ascii"),
+                                          url.port or _DEFAULT_PORTS[url.scheme], kind, param, redirected=hop > 0)
+            response = await self._send(url, addresses)
+            try:
                 if response.is_redirect and "location" in response.headers:
-                    url = response.url.join(response.headers["location"])
-                    if url.scheme not in ("http", "https"):
-                        raise invalid(f"Fetching the {kind} at {_shown(str(response.url))} was redirected "
+                    target = url.join(response.headers["location"])  # the name's URL: response.url is the IP's
+                    if target.scheme not in ("http", "https"):
+                        self._count("redirect")
+                        raise invalid(f"Fetching the {kind} at {_shown(str(url))} was redirected "
                                       f"to a non-http(s) URL.", param=param, code="media_fetch_failed")
+                    url = target
                     continue
                 if response.status_code >= 400:
                     raise _unreachable(kind, _shown(str(url)), f"HTTP {response.status_code} "
                                        f"{response.reason_phrase}".rstrip(), param)
                 return Fetched(await self._read_capped(response, kind, param),
                                response.headers.get("content-type", "").split(";")[0].strip().lower() or None)
+            finally:
+                await response.aclose()
         raise _unreachable(kind, _shown(str(url)), f"more than {MAX_REDIRECTS} redirects", param)
 
-    def _check_host(self, url: httpx.URL, kind: MediaKind, param: str) -> None:
+    async def _check(self, host: str, resolved_host: str, port: int, kind: MediaKind, param: str,
+                     redirected: bool = False) -> tuple[IPAddress, ...]:
+        """The addresses one hop may connect to: its host (`host` as shown, `resolved_host` as
+        resolved: IDNA-encoded) must be an allowed domain, when the list is set, and resolve to
+        allowed addresses only; a 400 otherwise."""
         allowed = self.policy.allowed_domains
-        if allowed and url.host.lower() not in allowed:
-            raise invalid(f"The {kind} URL's host '{url.host}' is not allowed: this server fetches "
-                          f"media only from {', '.join(allowed)}.", param=param,
-                          code="media_domain_not_allowed")
+        if allowed and host.lower() not in allowed:
+            self._count("redirect" if redirected else "domain_not_allowed")
+            raise invalid(f"{_hop(kind, host, redirected)} is not allowed: this server fetches media only "
+                          f"from {', '.join(allowed)}.", param=param, code="media_domain_not_allowed")
+        try:
+            return await self._guard.check(resolved_host, port)
+        except AddressRefused as refusal:
+            self._count("redirect" if redirected else refusal.reason)
+            raise _not_allowed(kind, host, redirected, param) from None
+
+    async def _check_unparsed(self, url: str, kind: MediaKind, param: str) -> None:
+        """`_check` for a URL httpx cannot parse, its host as urllib splits it (when it can)."""
+        try:
+            parts = urlsplit(url)
+            host, port = parts.hostname, parts.port
+        except ValueError:
+            return
+        if host:
+            await self._check(host, host, port or _DEFAULT_PORTS[parts.scheme.lower()], kind, param)
+
+    async def _send(self, url: httpx.URL, addresses: tuple[IPAddress, ...]) -> httpx.Response:
+        """GET `url` (its head: the body is streamed) from the first of its checked addresses
+        that takes the connection: the request goes to the address, with the name's Host header
+        and TLS server name, so nothing resolves the name again."""
+        for i, address in enumerate(addresses):
+            request = self._client.build_request(
+                "GET", url.copy_with(host=str(address)), headers={"Host": url.netloc.decode("ascii")},
+                extensions={"sni_hostname": url.raw_host.decode("ascii")})
+            try:
+                return await self._client.send(request, stream=True)
+            except httpx.ConnectError:
+                if i == len(addresses) - 1:
+                    raise
+        raise AssertionError("AddressGuard.check returns at least one address")
+
+    def _count(self, reason: RefusalReason) -> None:
+        self.stats.refused[reason] += 1
 
     async def _read_capped(self, response: httpx.Response, kind: MediaKind, param: str) -> bytes:
         cap = self.policy.max_bytes
@@ -207,6 +289,20 @@ def _shown(url: str, limit: int = 120) -> str:
 def _too_large(kind: str, size: str, cap: int, param: str) -> OpenAIError:
     return invalid(f"The {kind} is {size} bytes; the limit is {cap} bytes.", param=param,
                    code="media_too_large")
+
+
+def _not_allowed(kind: str, host: str, redirected: bool, param: str) -> OpenAIError:
+    """The one answer for a host that resolves to an internal address or to none: it says
+    nothing about what is there (open port or closed, image or not)."""
+    return invalid(f"{_hop(kind, host, redirected)} does not resolve to a public address: media from "
+                   f"addresses inside the server's network need {NETWORKS_FLAG}.", param=param,
+                   code="media_url_not_allowed")
+
+
+def _hop(kind: str, host: str, redirected: bool) -> str:
+    """A refusal's subject: the URL's host, or the host a redirect led to."""
+    return (f"The {kind} URL was redirected to the host '{host}', which" if redirected
+            else f"The {kind} URL's host '{host}'")
 
 
 def _unreachable(kind: str, url: str, why: str, param: str) -> OpenAIError:

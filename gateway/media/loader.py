@@ -35,6 +35,7 @@ import redis.asyncio as aioredis
 
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, invalid
+from gateway.media.address_policy import parse_networks
 from gateway.media.fetch import FetchPolicy, MediaFetcher
 from gateway.media.images import check_image
 from gateway.media.loaded import LoadedFrame, LoadedImage, LoadedMedia, LoadedVideo, MediaPart
@@ -62,6 +63,7 @@ class MediaSettings:
                    sampling=parse_video_sampling(config.media_io_kwargs),
                    fetch=FetchPolicy(timeout_s=config.media_fetch_timeout_s, max_bytes=config.max_media_bytes,
                                      allowed_domains=tuple(d.lower() for d in config.allowed_media_domains),
+                                     allowed_networks=parse_networks(",".join(config.allowed_media_networks)),
                                      allowed_local_path=config.allowed_local_media_path),
                    max_image_pixels=config.max_image_pixels, max_video_frames=config.max_video_frames,
                    ttl_s=config.media_ttl_s)
