@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import runpy
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -101,12 +102,33 @@ def _serve_http(app, args: argparse.Namespace, config: GatewayConfig) -> None:
     docs/performance.md, "The gateway's event loop"), CPU the model needs where both share a
     machine. On SIGTERM uvicorn stops listening and lets open requests and streams finish for
     up to the gateway config's `drain_timeout_s`; idle keep-alive connections stay open for
-    its `timeout_keep_alive_s`."""
+    its `timeout_keep_alive_s`. With `--reuse-port` the socket is bound here with
+    SO_REUSEPORT, so that several gateway processes listen on one port and the kernel spreads
+    the connections over them (`pagedserve up --gateways N`)."""
     import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.timeout_keep_alive_s,
-                loop="uvloop", http="httptools")
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.timeout_keep_alive_s,
+        loop="uvloop", http="httptools"))
+    sockets = [_reuse_port_socket(args.host, args.port)] if getattr(args, "reuse_port", False) else None
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has drained and re-raised it
+        pass
+    if not server.started:  # the lifespan or the bind failed: exit as uvicorn.run does
+        sys.exit(STARTUP_FAILURE)
+
+
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with SO_REUSEADDR and SO_REUSEPORT; uvicorn listens on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -155,7 +177,7 @@ def run_up(args: argparse.Namespace) -> int:
 
             print(f"no --model given: making the `{args.preset}` preset in {model} (once)", flush=True)
             make_model(Path(model), preset=args.preset, seed=0)
-    config = StackConfig(model=model, host=args.host, port=args.port, workers=args.workers,
+    config = StackConfig(model=model, host=args.host, port=args.port, workers=args.workers, gateways=args.gateways,
                          schedulers=args.schedulers, encoders=args.encoders,
                          encoder_args=tuple(args.encoder_arg), redis_url=args.redis_url, run_dir=Path(args.run_dir),
                          worker_args=tuple(args.worker_arg),

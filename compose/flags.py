@@ -151,6 +151,8 @@ def add_scheduler_flags(f: EnvFlags) -> None:
 def add_service_gateway_flags(f: EnvFlags) -> None:
     add_common_flags(f)
     add_gateway_flags(f)
+    f.switch("--reuse-port", help="bind --port with SO_REUSEPORT, so several gateway processes share it "
+                                  "(the kernel spreads connections over them; `pagedserve up --gateways N`)")
 
 
 def add_engine_flags(f: EnvFlags) -> None:
@@ -166,6 +168,9 @@ def add_up_flags(f: EnvFlags) -> None:
     f.add("--host", default="127.0.0.1")
     f.add("--port", type=int, default=8000)
     f.add("--workers", type=int, default=1)
+    f.add("--gateways", type=int, default=1,
+          help="gateway processes to run, all on --port (SO_REUSEPORT: the kernel spreads connections "
+               "over them); any one's /metrics shows every gateway's metrics summed")
     f.add("--schedulers", type=int, default=1,
           help="schedulers to run: they share the --shards (one shard: one leads, the others "
                "stand by to take over)")
@@ -181,7 +186,7 @@ def add_up_flags(f: EnvFlags) -> None:
     p.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker")
     p.add_argument("--encoder-arg", action="append", default=[], help="extra flag for every encoder")
     p.add_argument("--scheduler-arg", action="append", default=[], help="extra flag for the scheduler")
-    p.add_argument("--gateway-arg", action="append", default=[], help="extra flag for the gateway")
+    p.add_argument("--gateway-arg", action="append", default=[], help="extra flag for every gateway")
 
 
 def add_bench_flags(f: EnvFlags) -> None:

@@ -1,12 +1,13 @@
 """The local launcher: the same services `docker-compose.yml` runs, as child processes.
 
 Start order: Redis (unless a URL is given) → workers (ready once registered in Redis) →
-scheduler → gateway (ready once `/health/ready` answers and it lists the model). Stop order
-is the reverse; every child gets SIGTERM, then SIGKILL if it lingers. While it runs
-(`wait`), a child that exits on its own is restarted with the same command line, after a
-backoff (compose/restarts.py), and both are logged. The scheduler and
-each worker serve /metrics on a free port of their own (`metrics_urls`), unless their
-extra args name one.
+scheduler → gateways (ready once `/health/ready` answers and it lists the model, and, with
+`gateways` > 1, once every one has published its metrics to Redis: they share the port with
+SO_REUSEPORT, `gateway`, `gateway-1`, ...). Stop order is the reverse; every child gets
+SIGTERM, then SIGKILL if it lingers. While it runs (`wait`), a child that exits on its own
+is restarted with the same command line, after a backoff (compose/restarts.py), and both
+are logged. The scheduler and each worker serve /metrics on a free port of their own
+(`metrics_urls`), unless their extra args name one.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class StackConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 1
+    gateways: int = 1  # > 1: all on `port` (--reuse-port), the kernel spreads connections over them
     schedulers: int = 1  # one leads; the others stand by (scheduler_svc/leader.py)
     encoders: int = 0  # vision encoder services (encoder_svc/): media encoded ahead of questions
     redis_url: str | None = None  # None: start a redis-server on a free port
@@ -165,10 +167,15 @@ class Stack:
         self._wait_for(lambda: set(encoders) <= set(self.live_encoder_ids()), f"{len(encoders)} encoder(s) to register")
         for i in range(self.config.schedulers):
             self.add_scheduler(i)
-        self._spawn("gateway", self._service(
-            "gateway", "--model", self.config.model, "--host", self.config.host,
-            "--port", str(self.config.port), *self.config.gateway_args))
+        shared = ("--reuse-port",) if self.config.gateways > 1 else ()
+        for i in range(self.config.gateways):
+            self._spawn("gateway" if i == 0 else f"gateway-{i}", self._service(
+                "gateway", "--model", self.config.model, "--host", self.config.host,
+                "--port", str(self.config.port), *shared, *self.config.gateway_args))
         self._wait_for(self._gateway_ready, "the gateway to be ready and see the workers")
+        if self.config.gateways > 1:  # a connection may reach any of them: all must be up
+            self._wait_for(lambda: len(self.live_gateway_ids()) >= self.config.gateways,
+                           f"{self.config.gateways} gateways to start")
 
     def _start_redis(self) -> None:
         binary = shutil.which("redis-server")
@@ -245,6 +252,12 @@ class Stack:
             ids = sorted(i.decode() for i in client.smembers(self.keys.encoders))
             return [i for i, v in zip(ids, client.mget([self.keys.encoder(i) for i in ids]) if ids else []) if v]
 
+    def live_gateway_ids(self) -> list[str]:
+        """The gateways (uuids) whose metrics record in Redis is fresh: the ones started and running."""
+        with self._redis() as client:
+            ids = sorted(i.decode() for i in client.smembers(self.keys.gateways))
+            return [i for i, v in zip(ids, client.mget([self.keys.gateway_metrics(i) for i in ids]) if ids else []) if v]
+
     def wait_for_workers(self, n: int) -> None:
         self._wait_for(lambda: len(self.live_worker_ids()) >= n, f"{n} worker(s) to register")
 
@@ -294,7 +307,8 @@ class Stack:
             return proc.wait()
 
     def stop(self) -> None:
-        order = ["gateway", *sorted(n for n in self.procs if n.startswith("scheduler")),
+        order = [*sorted(n for n in self.procs if n.startswith("gateway")),
+                 *sorted(n for n in self.procs if n.startswith("scheduler")),
                  *sorted(n for n in self.procs if n.startswith(("worker", "encoder"))), "redis"]
         for name in order:
             self.stop_process(name)

@@ -18,8 +18,10 @@
     token_text.py    one token's text and bytes, for logprobs
     stop_strings.py  cutting text at stop strings, with hold-back while streaming
     backend.py       Redis: submit / abort, the reply-channel subscription, live workers
+    event_queues.py  each request's queue of token events, bounded (a client that stops reading)
     generation.py    one request's life: submit, events, dedupe, text, stop, abort
     responses.py     completion and chat response / chunk shapes, logprobs, echo
+    sse_chunks.py    text-only stream chunks from a template made once per choice
     serving.py       the Generations of one request (n choices) as an SSE stream or one
                      JSON body; disconnect → abort
     generation_group.py  several prompts of one /v1/completions request answered as one

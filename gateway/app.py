@@ -20,6 +20,7 @@ from gateway.errors import OpenAIError, from_validation_errors, install_error_ha
 from gateway.files.references import FileReferences
 from gateway.files.routes import install_files_api
 from gateway.files.store import FileSettings, FileStore
+from gateway.gateway_metrics_peers import PUBLISH_INTERVAL_S, PeerGatewayMetrics
 from gateway.generation import Generation
 from gateway.generation_group import Generating, GenerationGroup
 from gateway.health import router as health_router
@@ -46,6 +47,7 @@ from gateway.sampling_defaults import SamplingDefaults
 from gateway.serving import collect, stream_sse
 from gateway.token_text import TokenTexts
 from gateway.tokenizer import PromptTokenizer
+from proto.encoder_registry import EncoderRegistry
 from proto.keys import RedisKeys
 from proto.model_source import resolve_model
 
@@ -72,13 +74,20 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
         # Redis by default; `pagedserve engine` passes the in-process engine's backend,
         # which has the same methods (compose/inprocess_backend.py) but no Redis.
         backend = backend_factory() if backend_factory else RedisBackend(
-            config.redis_url, RedisKeys(config.key_prefix), config.worker_cache_ttl_s)
+            config.redis_url, RedisKeys(config.key_prefix), config.worker_cache_ttl_s,
+            config.max_unread_events)
         await backend.start()
         app.state.backend = backend
         loader: MediaLoader | None = None
+        publishing: asyncio.Task | None = None
+        app.state.peer_metrics = None
         try:
             if file_settings is not None and isinstance(backend, RedisBackend):
                 keys = RedisKeys(config.key_prefix)
+                # other gateways of the stack sum this one's metrics into theirs, and it theirs
+                app.state.peer_metrics = PeerGatewayMetrics(backend.redis, keys, backend.gateway_id)
+                publishing = asyncio.create_task(_publish_metrics(app.state.peer_metrics, metrics),
+                                                 name="gateway-metrics-publish")
                 if image_tokens is not None:
                     loader = MediaLoader.from_config(
                         config, backend.redis, files=FileReferences(backend.redis, keys, config.media_ttl_s))
@@ -90,6 +99,12 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
             metrics.media.loader = loader
             yield
         finally:
+            if publishing is not None:
+                publishing.cancel()
+                try:
+                    await app.state.peer_metrics.withdraw()
+                except Exception as exc:  # Redis gone: the record expires on its own
+                    logger.warning("could not withdraw this gateway's metrics: %s", exc)
             if loader is not None:
                 await loader.aclose()
             await backend.stop()
@@ -112,13 +127,26 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
             return JSONResponse({"status": "ok"})
         return OpenAIError(503, "Redis does not answer.", code="redis_unavailable").response()
 
+    encoder_registry = EncoderRegistry(RedisKeys(config.key_prefix))
+
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics(request: Request) -> Response:
+        backend = request.app.state.backend
         try:  # the scheduler's accounting of every live worker, fresh for this scrape
-            metrics.worker_stats.snapshot = await request.app.state.backend.worker_stats()
+            metrics.worker_stats.snapshot = await backend.worker_stats()
+            if isinstance(backend, RedisBackend):  # and each live encoder service's counters
+                metrics.worker_stats.encoders = await encoder_registry.stats(backend.redis)
         except Exception as exc:  # a scrape must not fail because Redis blinked: serve the last one
-            logger.warning("could not read worker stats: %s", exc)
-        return metrics.response()
+            logger.warning("could not read worker or encoder stats: %s", exc)
+        peers: list[str] = []
+        peer_metrics = request.app.state.peer_metrics
+        if peer_metrics is not None:  # the other live gateways' own metrics, summed with ours
+            try:
+                await peer_metrics.publish(metrics.own_exposition())
+                peers = [record.text for record in await peer_metrics.peers()]
+            except Exception as exc:  # Redis blinked: this gateway's own alone
+                logger.warning("could not read the other gateways' metrics: %s", exc)
+        return metrics.response(peers)
 
     async def live_max_model_len(request: Request) -> int | None:
         """The served model's context length, None while no live worker serves it."""
@@ -261,6 +289,17 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
                                 completion_max_tokens=first(sampling_defaults.max_tokens, config.default_max_tokens),
                                 api_keys=bool(config.api_keys), protect_metrics=config.protect_metrics))
     return app
+
+
+async def _publish_metrics(peers: PeerGatewayMetrics, metrics: GatewayMetrics) -> None:
+    """Publish this gateway's own metrics about every second, for the scrapes its peers answer;
+    a failed write is logged and retried at the next tick."""
+    while True:
+        try:
+            await peers.publish(metrics.own_exposition())
+        except Exception as exc:
+            logger.warning("could not publish this gateway's metrics: %s", exc)
+        await asyncio.sleep(PUBLISH_INTERVAL_S)
 
 
 _DESCRIPTION = ("OpenAI's API as pagedserve serves it. This document is the contract: a body it calls "

@@ -27,7 +27,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from gateway.event_queues import EventQueues
+from gateway.event_queues import DEFAULT_MAX_UNREAD, EventQueues
 from gateway.shard_choice import ShardChoice
 from proto.keys import STREAM_FIELD, RedisKeys
 from proto.messages import (AbortRequest, NewRequest, SchedulerHeartbeat, WorkerRegistration,
@@ -45,8 +45,9 @@ _RESUBMIT_FOR_S = 10.0  # how long open requests are tried to be sent again, all
 
 
 class RedisBackend(EventQueues):
-    def __init__(self, redis_url: str, keys: RedisKeys, worker_cache_ttl_s: float = 1.0):
-        super().__init__()
+    def __init__(self, redis_url: str, keys: RedisKeys, worker_cache_ttl_s: float = 1.0,
+                 max_unread_events: int = DEFAULT_MAX_UNREAD):
+        super().__init__(max_unread_events)
         self.keys = keys
         self._registry = WorkerRegistry(keys)
         self.gateway_id = uuid.uuid4().hex
@@ -195,6 +196,10 @@ class RedisBackend(EventQueues):
         request = msgspec.structs.replace(request, shard=shard)
         self._open[request.request_id] = request
         await self._xadd(request)
+
+    def shard_of(self, request_id: str) -> int:
+        request = self._open.get(request_id)
+        return request.shard if request is not None else 0
 
     def close(self, request_ids: Iterable[str]) -> bool:
         """Close the queues; a request sent again may have a copy still running that its

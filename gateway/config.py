@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.media.address_policy import networks_arg, parse_networks  # stdlib-only too
 from gateway.media.options import limits_arg, media_io_kwargs_arg  # stdlib-only too
 from gateway.tool_parsers import TOOL_PARSERS  # stdlib-only, like this module
 from proto.env_flags import EnvFlags
@@ -39,6 +40,9 @@ class GatewayConfig:
     # a gap between events, not a total, so long generations are fine as long as they move.
     request_timeout_s: float = 600.0
     worker_cache_ttl_s: float = 1.0  # how long the list of live workers is reused
+    # A stream whose client leaves this many token events unread (its socket full) is aborted
+    # and its blocks freed: the gateway's memory per stream stays bounded (gateway/event_queues.py).
+    max_unread_events: int = 4096
     # SIGTERM: stop taking connections, let open requests and streams finish for at most this
     # long, then close what is left.
     drain_timeout_s: float = 30.0
@@ -60,6 +64,10 @@ class GatewayConfig:
     allowed_local_media_path: str | None = None
     # http(s) media only from these host names (exact match); empty: from any host.
     allowed_media_domains: tuple[str, ...] = ()
+    # Networks (CIDRs) whose non-public addresses http(s) media may come from: by default a
+    # host that resolves to loopback, private, link-local, ... addresses is refused, listed
+    # domain or not (gateway/media/address_policy.py).
+    allowed_media_networks: tuple[str, ...] = ()
     media_fetch_timeout_s: float = 10.0  # the whole fetch of one URL, redirects included
     max_media_bytes: int = 20 * 2**20  # one image or video file, however it arrives
     max_image_pixels: int = 2**25  # width * height of an image or a video frame (~33.5 MP)
@@ -80,6 +88,13 @@ class GatewayConfig:
         return served_names(self.model, self.served_model_name)
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 # flag → (GatewayConfig field, type, help). `model` is the only required one.
 _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--model": ("model", str, "checkpoint folder or Hugging Face Hub id (tokenizer, chat template)"),
@@ -98,6 +113,8 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--default-max-tokens": ("default_max_tokens", int, "max_tokens of /v1/completions when absent"),
     "--request-timeout-s": ("request_timeout_s", float, "longest wait for the next token event"),
     "--worker-cache-ttl-s": ("worker_cache_ttl_s", float, "seconds the live-worker list is cached"),
+    "--max-unread-events": ("max_unread_events", positive_int, "token events a stream may leave unread "
+                            "(its client not reading) before its request is aborted"),
     "--drain-timeout": ("drain_timeout_s", float, "on SIGTERM, seconds to let open requests and "
                                                   "streams finish (no new connections) before closing them"),
     "--timeout-keep-alive": ("timeout_keep_alive_s", float, "seconds an idle keep-alive connection "
@@ -143,6 +160,9 @@ def add_cli_args(flags: EnvFlags) -> None:
                                                    "(tool_choice absent or 'auto'; needs --tool-call-parser)")
     flags.names("--allowed-media-domains", help="host names http(s) media may come from "
                                                 "(unset: any)")
+    flags.add("--allowed-media-networks", type=networks_arg,
+              help="comma-separated CIDRs (10.0.0.0/8,fd00::/8) whose internal addresses http(s) "
+                   "media may come from (unset: only public addresses are fetched)")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -156,4 +176,6 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     values["enable_auto_tool_choice"] = bool(getattr(args, "enable_auto_tool_choice", False))
     domains = (getattr(args, "allowed_media_domains", None) or "").split(",")
     values["allowed_media_domains"] = tuple(dict.fromkeys(d.strip().lower() for d in domains if d.strip()))
+    networks = parse_networks(getattr(args, "allowed_media_networks", None) or "")
+    values["allowed_media_networks"] = tuple(str(n) for n in networks)
     return GatewayConfig(**values)

@@ -7,21 +7,40 @@ from collections.abc import Iterable, Sequence
 
 from proto.messages import TokenEvent
 
+# Events a request's queue holds before its reader is deemed gone (GatewayConfig.max_unread_events).
+DEFAULT_MAX_UNREAD = 4096
+
+
+class RequestQueue(asyncio.Queue[TokenEvent]):
+    """The events of one request (all of `request_ids`: its own id first)."""
+
+    def __init__(self, request_ids: Sequence[str]):
+        super().__init__()
+        self.request_ids = tuple(request_ids)
+
 
 class EventQueues:
     """A backend's events go to the queue of their request; a request opens its queue before
     submitting (so no event is missed) and closes it when done (later events are dropped).
     One queue may take the events of several ids: a request with n > 1 gets those of its own
     id (prompt logprobs, errors before the fork) and of its sequences' ids (proto/parallel.py)
-    on one queue, in the order they were published."""
+    on one queue, in the order they were published.
 
-    def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+    A queue holds at most `max_unread` events. A request takes every queued event at each
+    read (gateway/generation.py), so a queue fills only while its reader is stuck: a
+    streaming client that stopped reading leaves the response's write waiting on a full
+    socket. Then the request is aborted (`abort_soon`: the scheduler frees its blocks), its
+    events dropped, and the queue left with one abort event saying why: the gateway's memory
+    per stream stays bounded and no other stream waits."""
 
-    def open(self, request_ids: Sequence[str]) -> asyncio.Queue[TokenEvent]:
-        """The queue that will receive the events of every id in `request_ids`; open it
-        before submitting."""
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+    def __init__(self, max_unread: int = DEFAULT_MAX_UNREAD) -> None:
+        self._queues: dict[str, RequestQueue] = {}
+        self._max_unread = max_unread
+
+    def open(self, request_ids: Sequence[str]) -> RequestQueue:
+        """The queue that will receive the events of every id in `request_ids` (the request's
+        own id first); open it before submitting."""
+        queue = RequestQueue(request_ids)
         for request_id in request_ids:
             self._queues[request_id] = queue
         return queue
@@ -37,10 +56,33 @@ class EventQueues:
         """On the event loop's thread."""
         for event in events:
             queue = self._queues.get(event.request_id)
-            if queue is not None:  # else: finished or aborted here already; late events drop
+            if queue is None:  # finished or aborted here already; late events drop
+                continue
+            if queue.qsize() >= self._max_unread:
+                self._give_up(queue)
+            else:
                 queue.put_nowait(event)
 
     def fail(self, request_ids: Iterable[str], error: str) -> None:
         """End these requests (their own ids, not their sequences') with an abort event
         saying why: the client gets a 503 with `error`; a retry may succeed."""
         self.deliver([TokenEvent(rid, index=0, finish_reason="abort", error=error) for rid in request_ids])
+
+    def abort_soon(self, request_id: str, shard: int = 0) -> None:
+        raise NotImplementedError
+
+    def shard_of(self, request_id: str) -> int:
+        """The scheduler shard an open request went to (for its abort)."""
+        return 0
+
+    def _give_up(self, queue: RequestQueue) -> None:
+        """The reader of `queue` stopped reading: abort its request, keep only the reason."""
+        request_id = queue.request_ids[0]
+        shard = self.shard_of(request_id)
+        self.close(queue.request_ids)
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(TokenEvent(request_id, index=0, finish_reason="abort", error=(
+            f"The client did not read its stream: {self._max_unread} token events waited unread, "
+            "so the request was aborted.")))
+        self.abort_soon(request_id, shard)

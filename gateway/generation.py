@@ -11,7 +11,9 @@ Token events are deduplicated by `index` (a request re-routed after a worker die
 the right index, possibly repeating tokens we have; one sent again after a lost subscription
 starts over, and events past the gap are dropped until it gets there), detokenized incrementally, and cut at
 stop strings; a stop-string hit sends an AbortRequest for its sequence so the scheduler frees
-its blocks. Failures reach the caller as `OpenAIError`s.
+its blocks. Every event queued when the request reads is taken at once, and a choice's
+outputs from them are merged into one (`GenerationOutput.then`): a reader that fell behind
+catches up in fewer, larger chunks. Failures reach the caller as `OpenAIError`s.
 """
 
 from __future__ import annotations
@@ -63,6 +65,16 @@ class GenerationOutput:
     # (positions 1 .. len(prompt) - 1).
     prompt_logprobs: dict[int, Logprobs] | None = None
 
+    def then(self, later: GenerationOutput) -> GenerationOutput:
+        """This output and the one after it of the same choice, as one."""
+        logprobs = None if self.logprobs is None and later.logprobs is None \
+            else (self.logprobs or []) + (later.logprobs or [])
+        offsets = None if self.text_offsets is None and later.text_offsets is None \
+            else (self.text_offsets or []) + (later.text_offsets or [])
+        return GenerationOutput(self.text + later.text, self.token_ids + later.token_ids, later.num_tokens,
+                                later.finish_reason, logprobs=logprobs, text_offsets=offsets,
+                                prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
+
 
 class Generation:
     """One request's life in the gateway: one NewRequest, `request.n` choices.
@@ -113,28 +125,46 @@ class Generation:
         except (RedisError, OSError) as exc:
             raise OpenAIError(503, f"The request queue is unreachable: {exc}") from exc
         while any(not c.finished for c in self._choices.values()):
-            event = await self._next_event(queue)
-            for i, logprobs in enumerate(event.prompt_logprobs or ()):  # a recompute may resend
-                self._prompt_logprobs.setdefault(event.prompt_index + i, logprobs)
-            if self._num_cached_tokens is None and event.index == 0 and event.token_ids:
-                # the first one that says (every choice's says the same); a copy of the request
-                # sent again may hit more, but the count is the first scheduling's
-                self._num_cached_tokens = event.num_cached_tokens
-            choice = self._choices.get(event.request_id)
-            if choice is None:  # the parent of n > 1: prompt logprobs, or an error before the fork
-                if event.finish_reason is not None:
-                    for c in self._choices.values():
-                        c.finished = True  # the scheduler has already dropped the request
-                    _raise_failure(event)
-                continue
-            if choice.finished:  # late events of a choice its stop string ended
-                continue
-            output = choice.apply(event)
-            if choice.finished and event.finish_reason is None:
-                # Its stop string, while the scheduler still runs it: free its blocks.
-                await self._abort(choice.request_id)
-            if output is not None:
-                yield choice.index, output
+            # Every event already queued is taken at once, and a choice's outputs from them
+            # go out as one: a client (or a gateway) that fell behind gets fewer, larger chunks.
+            merged: dict[int, GenerationOutput] = {}
+            failure = None
+            for event in await self._next_events(queue):
+                try:
+                    output = await self._apply(event)
+                except OpenAIError as exc:  # what came before it still goes out first
+                    failure = exc
+                    break
+                if output is not None:
+                    index = self._choices[event.request_id].index
+                    merged[index] = merged[index].then(output) if index in merged else output
+            for index, output in merged.items():
+                yield index, output
+            if failure is not None:
+                raise failure
+
+    async def _apply(self, event: TokenEvent) -> GenerationOutput | None:
+        """One event into its choice's output (None: nothing new to show)."""
+        for i, logprobs in enumerate(event.prompt_logprobs or ()):  # a recompute may resend
+            self._prompt_logprobs.setdefault(event.prompt_index + i, logprobs)
+        if self._num_cached_tokens is None and event.index == 0 and event.token_ids:
+            # the first one that says (every choice's says the same); a copy of the request
+            # sent again may hit more, but the count is the first scheduling's
+            self._num_cached_tokens = event.num_cached_tokens
+        choice = self._choices.get(event.request_id)
+        if choice is None:  # the parent of n > 1: prompt logprobs, or an error before the fork
+            if event.finish_reason is not None:
+                for c in self._choices.values():
+                    c.finished = True  # the scheduler has already dropped the request
+                _raise_failure(event)
+            return None
+        if choice.finished:  # late events of a choice its stop string ended
+            return None
+        output = choice.apply(event)
+        if choice.finished and event.finish_reason is None:
+            # Its stop string, while the scheduler still runs it: free its blocks.
+            await self._abort(choice.request_id)
+        return output
 
     def close(self) -> None:
         """Release the event queue; abort at the scheduler whatever of the request still
@@ -146,6 +176,13 @@ class Generation:
                 choice.finished = True
             self._backend.abort_soon(self.request_id, self._shard)
 
+    async def _next_events(self, queue: asyncio.Queue[TokenEvent]) -> list[TokenEvent]:
+        """The next event (waiting for it as `_next_event`) and every one queued behind it."""
+        events = [await self._next_event(queue)]
+        while not queue.empty():
+            events.append(queue.get_nowait())
+        return events
+
     async def _next_event(self, queue: asyncio.Queue[TokenEvent]) -> TokenEvent:
         """The next event, within the request timeout; while a choice waits for tokens lost
         in a gap, within what is left of its grace (then a 503: they are not coming)."""
@@ -156,7 +193,8 @@ class Generation:
                                    f"within {GAP_GRACE_S:g}s; the request was aborted, retry it.",
                               code="aborted")
         try:
-            return await asyncio.wait_for(queue.get(), self._timeout_s if left is None else min(left, self._timeout_s))
+            async with asyncio.timeout(self._timeout_s if left is None else min(left, self._timeout_s)):
+                return await queue.get()
         except TimeoutError:
             if left is not None and left < self._timeout_s:
                 return await self._next_event(queue)  # raises the 503 above

@@ -7,17 +7,22 @@ prompt and generation tokens, finished requests by reason. `MeteredGeneration` m
 them around a `Generation` (one per HTTP request, n choices), per choice.
 
 Beside them, `WorkerStatsCollector` (proto/metrics.py) renders the scheduler's WorkerStats
-of every live worker — KV accounting, request phases, steps — which the /metrics handler
-refreshes from the backend before each scrape; `MediaStatsCollector` renders what this
+of every live worker — KV accounting, request phases, steps, the images its steps needed —
+and the EncoderStats of every live encoder service, which the /metrics handler refreshes
+from the backend and Redis before each scrape; `MediaStatsCollector` renders what this
 gateway's MediaLoader took in and its MediaStore wrote (vision checkpoints: images, videos,
-kept video frames, media items and bytes stored in Redis; zeros otherwise). One
-CollectorRegistry per app.
+kept video frames, media items and bytes stored in Redis; zeros otherwise).
+
+Two CollectorRegistries per app: `registry`, this gateway's own metrics (media included),
+and `stack_registry`, the stack's collectors read from Redis. Where several gateways serve
+one stack, each publishes its own (gateway/gateway_metrics_peers.py) and a scrape of any of
+them renders every live gateway's own, summed, then the stack's once.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -26,17 +31,21 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.gateway_metrics_peers import SummedCollector, sum_expositions
 from gateway.generation import Generation, GenerationOutput
+from gateway.media.fetch import FetchStats
 from gateway.media.loader import LoaderStats, MediaLoader
 from gateway.media.store import StoreStats
-from proto.metrics import FIRST_TOKEN_SECONDS, REQUEST_SECONDS, TOKEN_SECONDS, WorkerStatsCollector
+from proto.metrics import (FIRST_TOKEN_SECONDS, REQUEST_SECONDS, TOKEN_SECONDS, HistogramRecorder,
+                           WorkerStatsCollector, histogram_family)
 
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
 class GatewayMetrics:
     def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()  # this gateway's own metrics, which peers sum
+        self.stack_registry = CollectorRegistry()  # the stack's, read from Redis: rendered once
         self.model_name = model_name
         r, model = self.registry, ["model_name"]
         self.requests = Counter("pagedserve_gateway_requests", "HTTP requests answered",
@@ -48,9 +57,9 @@ class GatewayMetrics:
         self.ttft = Histogram("pagedserve:time_to_first_token_seconds",
                               "request admitted to its choice's first token", model,
                               buckets=FIRST_TOKEN_SECONDS, registry=r).labels(model_name)
-        self.itl = Histogram("pagedserve:inter_token_latency_seconds",
-                             "between two successive token arrivals of one choice", model,
-                             buckets=TOKEN_SECONDS, registry=r).labels(model_name)
+        # Per token: recorded without prometheus_client's locks (one event loop observes).
+        self.tokens = TokenCollector(model_name)
+        r.register(self.tokens)
         self.tpot = Histogram("pagedserve:request_time_per_output_token_seconds",
                               "(first token to last) / (tokens - 1), per finished choice of 2+ tokens",
                               model, buckets=TOKEN_SECONDS, registry=r).labels(model_name)
@@ -59,13 +68,12 @@ class GatewayMetrics:
                              buckets=REQUEST_SECONDS, registry=r).labels(model_name)
         self.prompt_tokens = Counter("pagedserve:prompt_tokens", "prompt tokens of requests that got a token",
                                      model, registry=r).labels(model_name)
-        self.generation_tokens = Counter("pagedserve:generation_tokens", "completion tokens sent",
-                                         model, registry=r).labels(model_name)
         self.success = Counter("pagedserve:request_success", "choices finished, by finish reason",
                                ["model_name", "finished_reason"], registry=r)
-        # The scheduler's accounting of every live worker; refreshed by the /metrics handler.
+        # The scheduler's accounting of every live worker and the encoder services' counters;
+        # refreshed by the /metrics handler.
         self.worker_stats = WorkerStatsCollector()
-        r.register(self.worker_stats)
+        self.stack_registry.register(self.worker_stats)
         # The media this gateway took in; the app sets its loader once Redis is connected.
         self.media = MediaStatsCollector(model_name)
         r.register(self.media)
@@ -74,8 +82,21 @@ class GatewayMetrics:
         """`generation`, timed from now (its request was just admitted)."""
         return MeteredGeneration(generation, self, num_prompt_tokens)
 
-    def response(self) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+    def own_exposition(self) -> str:
+        """This gateway's own metrics as Prometheus text: what it publishes for its peers."""
+        return generate_latest(self.registry).decode()
+
+    def response(self, peers: Sequence[str] = ()) -> Response:
+        """The scrape's answer: this gateway's own metrics, summed with the `peers`' (the
+        expositions other live gateways published), then the stack's. Without peers, its own
+        are rendered as they are."""
+        if peers:
+            registry = CollectorRegistry()
+            registry.register(SummedCollector(sum_expositions([self.own_exposition(), *peers])))
+            own = generate_latest(registry)
+        else:
+            own = generate_latest(self.registry)
+        return Response(own + generate_latest(self.stack_registry), media_type=CONTENT_TYPE_LATEST)
 
 
 class MediaStatsCollector:
@@ -88,6 +109,9 @@ class MediaStatsCollector:
         pagedserve:mm_items_reused_total           items it found there already (TTL refreshed)
         pagedserve:mm_stored_bytes_total           bytes of the items it wrote
         pagedserve:mm_media_by_uuid_total          parts without data, named by a uuid sent before
+        pagedserve:mm_fetch_refused_total{reason}  http(s) media URLs refused before any connection:
+                                                   domain_not_allowed, private_address, unresolvable,
+                                                   redirect (gateway/media/address_policy.py)
     """
 
     def __init__(self, model_name: str) -> None:
@@ -113,6 +137,33 @@ class MediaStatsCollector:
             family = CounterMetricFamily(f"pagedserve:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        fetched = loader.fetcher.stats if loader is not None else FetchStats()
+        refused = CounterMetricFamily("pagedserve:mm_fetch_refused", "http(s) media URLs refused before any "
+                                      "connection, by reason", labels=["model_name", "reason"])
+        for reason, value in fetched.refused.items():
+            refused.add_metric([self.model_name, reason], value)
+        yield refused
+
+
+class TokenCollector:
+    """What the gateway observes per streamed token: the inter-token latency histogram and
+    the completion tokens sent. Kept as plain numbers (HistogramRecorder, an int): the event
+    loop is the only writer, and prometheus_client's locked counters cost ~10% of the
+    gateway's CPU per token (bench/token_path.py)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.itl = HistogramRecorder(TOKEN_SECONDS)
+        self.generation_tokens = 0
+
+    def collect(self) -> Iterator[Metric]:
+        yield histogram_family("pagedserve:inter_token_latency_seconds",
+                               "between two successive token arrivals of one choice", ["model_name"],
+                               [([self.model_name], self.itl.snapshot())])
+        sent = CounterMetricFamily("pagedserve:generation_tokens", "completion tokens sent",
+                                   labels=["model_name"])
+        sent.add_metric([self.model_name], self.generation_tokens)
+        yield sent
 
 
 @dataclass
@@ -126,7 +177,9 @@ class _ChoiceClock:
 class MeteredGeneration:
     """A Generation whose outputs are timed per choice; everything else is the generation's.
 
-    Per output carrying tokens: TTFT (the choice's first) or ITL, and the tokens. Per
+    Per output carrying tokens: TTFT (the choice's first) or ITL, and the tokens; an output of
+    k tokens (events merged: gateway/generation.py) has k - 1 more gaps of 0, as its client
+    sees them, so ITL counts every token after a choice's first. Per
     choice that finishes: finished reason; with "stop" / "length" also e2e and TPOT. A
     choice that never finishes counts as "abort" (the client left) or "error"."""
 
@@ -166,10 +219,12 @@ class MeteredGeneration:
                     m.prompt_tokens.inc(self._num_prompt_tokens)
                     self._prompt_counted = True
             else:
-                m.itl.observe(now - choice.last_at)
+                m.tokens.itl.observe(now - choice.last_at)
+            if len(output.token_ids) > 1:  # tokens that came together: no gap
+                m.tokens.itl.observe(0.0, times=len(output.token_ids) - 1)
             choice.last_at = now
             choice.num_tokens += len(output.token_ids)
-            m.generation_tokens.inc(len(output.token_ids))
+            m.tokens.generation_tokens += len(output.token_ids)
         if output.finish_reason is not None and choice.finish_reason is None:
             choice.finish_reason = output.finish_reason
             m.success.labels(m.model_name, output.finish_reason).inc()

@@ -83,6 +83,10 @@ class OutputFormat(Protocol):
 
     def chunk(self, index: int, output: GenerationOutput, first: bool) -> BaseModel | None: ...
 
+    def text_only(self, first: bool) -> bool: ...
+
+    def text_chunk(self, index: int, text: str) -> BaseModel: ...
+
     def finish_chunk(self, index: int, finish_reason: str) -> BaseModel: ...
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
@@ -107,6 +111,11 @@ class _Format:
         asked for (text may lag behind ids mid-character or before a stop string)."""
         asked_ids = self.return_token_ids or self.num_logprobs is not None
         return bool(output.text or (asked_ids and output.token_ids))
+
+    def text_only(self, first: bool) -> bool:
+        """Whether a chunk of a choice's text carries nothing else (no logprobs, ids, tool
+        calls or echo): then `text_chunk` is its whole shape (gateway/sse_chunks.py)."""
+        return self.num_logprobs is None and not self.return_token_ids
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,13 @@ class CompletionFormat(_Format):
     def chunk(self, index: int, output: GenerationOutput, first: bool) -> CompletionChunk:
         return CompletionChunk(id=self.request_id, created=self.created, model=self.model,
                                choices=[self._choice(index, output, first, None)])
+
+    def text_only(self, first: bool) -> bool:
+        return super().text_only(first) and not (first and self.prompts[0].echo is not None)
+
+    def text_chunk(self, index: int, text: str) -> CompletionChunk:
+        return CompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                               choices=[CompletionChoice(index=index, text=text)])
 
     def finish_chunk(self, index: int, finish_reason: str) -> CompletionChunk:
         choice = CompletionChoice(index=index, text="", finish_reason=finish_reason,
@@ -231,6 +247,13 @@ class ChatFormat(_Format):
                                  token_ids=self._ids(output.token_ids))
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
                                    choices=[choice])
+
+    def text_only(self, first: bool) -> bool:
+        return super().text_only(first) and self.tool_parser is None
+
+    def text_chunk(self, index: int, text: str) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                   choices=[ChatChunkChoice(index=index, delta=Delta(content=text))])
 
     def finish_chunk(self, index: int, finish_reason: str) -> ChatCompletionChunk:
         delta = Delta()

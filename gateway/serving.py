@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from gateway.errors import OpenAIError
 from gateway.generation_group import Generating
 from gateway.responses import ChoiceResult, OutputFormat, usage
+from gateway.sse_chunks import TextChunks
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ async def stream_sse(generation: Generating, fmt: OutputFormat, *, include_usage
     `continuous_usage` (vLLM's continuous_usage_stats) every chunk carries the usage so far."""
     num_tokens = [0] * generation.n
     first = [True] * generation.n  # no chunk of this choice sent yet
+    # Text-only chunks from a template (gateway/sse_chunks.py); the others through pydantic.
+    texts = None if continuous_usage else TextChunks(fmt.text_chunk, include_usage)
     try:
         for chunk in fmt.first_chunks(generation.n):
             yield _event(chunk, include_usage)
@@ -49,7 +52,10 @@ async def stream_sse(generation: Generating, fmt: OutputFormat, *, include_usage
             # A choice's first chunk goes out even when empty: it may carry the echo or ids.
             so_far = usage(num_prompt_tokens, sum(num_tokens), generation.num_cached_tokens) \
                 if continuous_usage else None
-            if fmt.worth_a_chunk(output, first[index]) or (first[index] and output.finish_reason):
+            if texts is not None and output.text and fmt.text_only(first[index]):
+                yield texts.event(index, output.text)
+                first[index] = False
+            elif fmt.worth_a_chunk(output, first[index]) or (first[index] and output.finish_reason):
                 chunk = fmt.chunk(index, output, first[index])
                 if chunk is not None:
                     chunk.usage = so_far

@@ -25,9 +25,9 @@ from proto.messages import WorkerStats, stats_decoder
 def running_stack(model: Path, redis_url: str | None, run_dir: Path, workers: int = 1,
                   worker_args: tuple[str, ...] = (), scheduler_args: tuple[str, ...] = (),
                   gateway_args: tuple[str, ...] = (), schedulers: int = 1, encoders: int = 0,
-                  encoder_args: tuple[str, ...] = ()):
+                  encoder_args: tuple[str, ...] = (), gateways: int = 1):
     """`redis_url` None: the launcher starts a redis-server of the stack's own."""
-    config = StackConfig(model=str(model), port=free_port(), workers=workers, redis_url=redis_url,
+    config = StackConfig(model=str(model), port=free_port(), workers=workers, gateways=gateways, redis_url=redis_url,
                          schedulers=schedulers, encoders=encoders,
                          encoder_args=("--threads", "1", *encoder_args) if encoders else (),
                          key_prefix=f"test-{uuid.uuid4().hex[:8]}", run_dir=run_dir,

@@ -144,6 +144,28 @@ async def test_resent_tokens_are_deduplicated(config, tokenizer):
     assert body["usage"]["completion_tokens"] == len(ids)
 
 
+async def test_events_queued_together_go_out_as_one_chunk(config, tokenizer):
+    """Events that wait in a request's queue when it reads (here: one message of three) are
+    merged into one output: one chunk with all their text, then the finish chunk."""
+    ids = tokenizer.encode_text("several steps arrive at once")
+
+    def script(request: NewRequest) -> list[list[TokenEvent]]:
+        rid = request.request_id
+        return [[TokenEvent(rid, 0, ids[:2]), TokenEvent(rid, 2, ids[2:4]),
+                 TokenEvent(rid, 4, ids[4:], finish_reason="length")]]
+
+    async with FakeWorker(config, script):
+        async with gateway_client(config) as client:
+            response = await client.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True,
+                "return_token_ids": True})
+    chunks = sse_events(response.text)
+    [merged] = [c["choices"][0] for c in chunks[1:] if c["choices"][0]["delta"].get("content")]
+    assert merged["delta"]["content"] == "several steps arrive at once"
+    assert merged["token_ids"] == ids
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_scheduler_error(config, tokenizer, stream):
     def script(request: NewRequest) -> list[list[TokenEvent]]:
