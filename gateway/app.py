@@ -293,12 +293,16 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
 
 async def _publish_metrics(peers: PeerGatewayMetrics, metrics: GatewayMetrics) -> None:
     """Publish this gateway's own metrics about every second, for the scrapes its peers answer;
-    a failed write is logged and retried at the next tick."""
+    a failed write is retried at the next tick (logged once per outage)."""
+    failing = False
     while True:
         try:
             await peers.publish(metrics.own_exposition())
+            failing = False
         except Exception as exc:
-            logger.warning("could not publish this gateway's metrics: %s", exc)
+            if not failing:
+                logger.warning("could not publish this gateway's metrics (retrying each second): %s", exc)
+            failing = True
         await asyncio.sleep(PUBLISH_INTERVAL_S)
 
 

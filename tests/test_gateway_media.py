@@ -264,6 +264,34 @@ async def test_loader_loads_in_order_and_dedupes(redis_url, http_server, tmp_pat
 
 
 @pytest.mark.anyio
+async def test_an_image_stored_before_is_not_decoded_again(redis_url):
+    """Bytes the store holds passed the full decode when stored: sent again they cost their
+    hash, a TTL refresh and their header. Shown with a JPEG whose scan is cut short, stored
+    directly: loaded through the store it is taken (only a decode would fail it), not
+    stored it is refused as truncated."""
+    client = aioredis.Redis.from_url(redis_url)
+    keys = RedisKeys(f"media-test-{uuid.uuid4().hex[:8]}")
+    loader = MediaLoader(MediaSettings(), MediaStore(client, keys, ttl_s=60))
+    whole = IMAGES["jpeg"][0]
+    cut = whole[:-20]  # the header whole, the scan cut short
+    try:
+        with pytest.raises(OpenAIError) as refusal:
+            await loader.load([part(data_url(cut, "image/jpeg"))])
+        assert refusal.value.body()["error"]["code"] == "invalid_image"
+        await loader.store.put(MediaItem(kind="encoded", width=40, height=30, data=cut, mime="image/jpeg"), ttl_s=5)
+        [again] = await loader.load([part(data_url(cut, "image/jpeg"))])
+        assert (again.content_hash, again.width, again.height, again.mime) == (
+            hashlib.sha256(cut).hexdigest(), 40, 30, "image/jpeg")
+        assert await loader.store.ttl_s(again.content_hash) > 5  # refreshed to the store's TTL
+        [first, second] = await loader.load([part(data_url(whole, "image/jpeg"))] * 2)
+        assert first == second and loader.store.stats.items_written == 2  # cut, whole
+        assert loader.store.stats.items_reused >= 2
+    finally:
+        await loader.aclose()
+        await client.aclose()
+
+
+@pytest.mark.anyio
 async def test_loader_refusals_name_the_part(redis_url):
     client = aioredis.Redis.from_url(redis_url)
     settings = MediaSettings(limits=parse_limits('{"image": 2, "video": 0}'))

@@ -8,7 +8,8 @@ before anything is decoded, so a decompression bomb (a small file declaring a hu
 costs nothing. What is stored is the file as it came (`MediaItem` kind "encoded"): smaller
 than its pixels, and the worker decodes the same bytes the same way.
 
-`check_image` is synchronous and CPU-bound: call it in a thread (loader.py does).
+`check_image` is synchronous and CPU-bound: call it in a thread (loader.py does). Bytes
+already stored (a camera's frame sent again) need only `checked_before`: the header.
 """
 
 from __future__ import annotations
@@ -50,6 +51,25 @@ class CheckedImage:
 
 def check_image(data: bytes, *, max_pixels: int, param: str) -> CheckedImage:
     """The image in `data`, decoded once in full; a 400 naming `param` for anything wrong."""
+    with _open(data, max_pixels, param) as image:
+        try:
+            image.load()  # the first frame of an animation
+        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
+            raise invalid(f"The {image.format} image is truncated or corrupt: {exc}.", param=param,
+                          code="invalid_image") from None
+        return _checked(data, image)
+
+
+def checked_before(data: bytes, *, max_pixels: int, param: str) -> CheckedImage:
+    """What `check_image` says of bytes that passed it before (the store holds them under
+    their content hash), from the header alone: nothing is decoded (tens of microseconds where
+    a full decode of a camera frame takes milliseconds). The pixel cap is checked again."""
+    with _open(data, max_pixels, param) as image:
+        return _checked(data, image)
+
+
+def _open(data: bytes, max_pixels: int, param: str) -> Image.Image:
+    """The image opened (its header read, nothing decoded), its format and size checked."""
     try:
         image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
     except Image.DecompressionBombError:  # PIL's own cap (far above ours) hit while reading the header
@@ -57,19 +77,22 @@ def check_image(data: bytes, *, max_pixels: int, param: str) -> CheckedImage:
                       code="image_too_large") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         raise _unidentified(data, param) from None
-    with image:
-        width, height = image.size
-        if width <= 0 or height <= 0:
-            raise invalid(f"The image has no pixels ({width}x{height}).", param=param, code="invalid_image")
-        if width * height > max_pixels:
-            raise invalid(f"The image is {width}x{height} = {width * height} pixels; the limit is "
+    width, height = image.size
+    refusal = None
+    if width <= 0 or height <= 0:
+        refusal = invalid(f"The image has no pixels ({width}x{height}).", param=param, code="invalid_image")
+    elif width * height > max_pixels:
+        refusal = invalid(f"The image is {width}x{height} = {width * height} pixels; the limit is "
                           f"{max_pixels} pixels.", param=param, code="image_too_large")
-        try:
-            image.load()  # the first frame of an animation
-        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
-            raise invalid(f"The {image.format} image is truncated or corrupt: {exc}.", param=param,
-                          code="invalid_image") from None
-        return CheckedImage(data=data, format=str(image.format), width=width, height=height, mode=image.mode)
+    if refusal is not None:
+        image.close()
+        raise refusal
+    return image
+
+
+def _checked(data: bytes, image: Image.Image) -> CheckedImage:
+    width, height = image.size
+    return CheckedImage(data=data, format=str(image.format), width=width, height=height, mode=image.mode)
 
 
 def _unidentified(data: bytes, param: str) -> OpenAIError:

@@ -14,7 +14,9 @@ items already stored simply expire.
 
 An image is stored as its file (`MediaItem` "encoded"), a video as its sampled frames
 (`MediaItem` "rgb8", one per frame); the request then carries only their hashes, computed
-from the bytes every time. A part's `uuid` (vLLM's client-given id of an item) is recorded
+from the bytes every time. An image whose bytes the store already holds (a camera frame sent
+again in the next question) costs its hash, one Redis round trip that refreshes its TTL and
+a read of its header: it passed the full decode when it was stored. A part's `uuid` (vLLM's client-given id of an item) is recorded
 for later parts (gateway/media/uuids.py); a part with a uuid and no data is that record,
 read back before anything is fetched (an unknown uuid fails the request at once): no fetch,
 no decode, the same hashes. A part naming an uploaded file (`file_id`, the Files API) is
@@ -37,10 +39,10 @@ from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, invalid
 from gateway.media.address_policy import parse_networks
 from gateway.media.fetch import FetchPolicy, MediaFetcher
-from gateway.media.images import check_image
+from gateway.media.images import check_image, checked_before
 from gateway.media.loaded import LoadedFrame, LoadedImage, LoadedMedia, LoadedVideo, MediaPart
 from gateway.media.options import VideoSampling, parse_limits, parse_video_sampling
-from gateway.media.store import MediaStore
+from gateway.media.store import MediaStore, encoded_hash
 from gateway.media.uuids import SHARED_SCOPE, MediaUUIDs
 from gateway.media.video import decode_video
 from proto.keys import RedisKeys
@@ -182,10 +184,14 @@ class MediaLoader:
         async with fetching:
             fetched = await self.fetcher.fetch(part.url, part.kind, part.param)
         if part.kind == "image":
-            async with self._decoding:
-                image = await asyncio.to_thread(check_image, fetched.data,
-                                                max_pixels=self.settings.max_image_pixels, param=part.param)
-            digest = await self.store.put(image.item())
+            digest = encoded_hash(fetched.data)
+            if await self.store.refresh(digest):  # stored before, so checked before: no decode
+                image = checked_before(fetched.data, max_pixels=self.settings.max_image_pixels, param=part.param)
+            else:
+                async with self._decoding:
+                    image = await asyncio.to_thread(check_image, fetched.data,
+                                                    max_pixels=self.settings.max_image_pixels, param=part.param)
+                digest = await self.store.put(image.item())
             self.stats.images += 1
             return LoadedImage(digest, image.width, image.height, image.mime, part.param, part.uuid)
         async with self._decoding:

@@ -42,11 +42,16 @@ def store_unreachable(store: str, exc: Exception) -> OpenAIError:
 
 def content_hash(item: MediaItem) -> str:
     """The key an item is stored under: the same for the same content, everywhere."""
-    digest = hashlib.sha256()
-    if item.kind == "rgb8":
-        digest.update(f"rgb8:{item.width}x{item.height}:".encode())
+    if item.kind != "rgb8":
+        return encoded_hash(item.data)
+    digest = hashlib.sha256(f"rgb8:{item.width}x{item.height}:".encode())
     digest.update(item.data)
     return digest.hexdigest()
+
+
+def encoded_hash(data: bytes) -> str:
+    """`content_hash` of an "encoded" item (a file as it came) holding `data`."""
+    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass
@@ -99,6 +104,18 @@ class MediaStore:
         except (RedisError, OSError) as exc:
             raise store_unreachable("media", exc) from exc
         return digest
+
+    async def refresh(self, digest: str, ttl_s: float | None = None) -> bool:
+        """Whether an item is stored under `digest`; its TTL refreshed (never shortened) if
+        so. One round trip: what an item sent again costs (`put` does the same first)."""
+        ttl_ms = self._ttl_ms if ttl_s is None else max(1, int(ttl_s * 1000))
+        try:
+            found = bool(await self._client.pexpire(self._keys.media(digest), ttl_ms, gt=True))
+        except (RedisError, OSError) as exc:
+            raise store_unreachable("media", exc) from exc
+        if found:
+            self.stats.items_reused += 1
+        return found
 
     async def get(self, digest: str) -> MediaItem | None:
         """The item stored under `digest`, None when absent or expired."""
