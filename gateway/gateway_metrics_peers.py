@@ -14,7 +14,6 @@ record, so the sums lose what it counted (Prometheus reads that as a counter res
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator, Sequence
 
@@ -24,8 +23,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto.keys import RedisKeys
-
-log = logging.getLogger(__name__)
+from proto.live_set import LiveSet
 
 PUBLISH_INTERVAL_S = 1.0
 RECORD_TTL_S = 5  # a few missed publishes before a live gateway's numbers drop out
@@ -66,22 +64,8 @@ class PeerGatewayMetrics:
 
     async def peers(self) -> list[GatewayMetricsRecord]:
         """The records of the other live gateways (not this one's: the caller has it live)."""
-        ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await self.client.smembers(self.keys.gateways))
-        ids = [i for i in ids if i != self.gateway_id]
-        if not ids:
-            return []
-        out, gone = [], []
-        for gateway_id, value in zip(ids, await self.client.mget([self.keys.gateway_metrics(i) for i in ids])):
-            if value is None:
-                gone.append(gateway_id)
-                continue
-            try:
-                out.append(_decoder.decode(value))
-            except msgspec.DecodeError:  # another version's record
-                log.warning("gateway %s published undecodable metrics; left out", gateway_id)
-        if gone:
-            await self.client.srem(self.keys.gateways, *gone)
-        return out
+        return await LiveSet(self.keys.gateways, self.keys.gateway_metrics, _decoder, "gateway").read(
+            self.client, exclude={self.gateway_id})
 
 
 def sum_expositions(texts: Sequence[str]) -> list[Metric]:

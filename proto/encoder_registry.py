@@ -11,16 +11,13 @@ gone is an encoder that stopped or died, and is left out.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
-import msgspec
 import redis.asyncio as aioredis
 
 from proto.encoder_messages import EncoderStats, encoder_stats_decoder
 from proto.keys import RedisKeys
-
-log = logging.getLogger(__name__)
+from proto.live_set import LiveSet
 
 
 @dataclass(frozen=True)
@@ -28,16 +25,7 @@ class EncoderRegistry:
     keys: RedisKeys
 
     async def stats(self, client: aioredis.Redis) -> list[EncoderStats]:
-        """The latest EncoderStats of every live encoder (one SMEMBERS, one MGET)."""
-        ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await client.smembers(self.keys.encoders))
-        if not ids:
-            return []
-        out = []
-        for encoder_id, value in zip(ids, await client.mget([self.keys.encoder_stats(i) for i in ids])):
-            if value is None:
-                continue
-            try:
-                out.append(encoder_stats_decoder.decode(value))
-            except msgspec.DecodeError:  # another version's message
-                log.warning("encoder %s has undecodable stats; left out", encoder_id)
-        return out
+        """The latest EncoderStats of every live encoder (one SMEMBERS, one MGET); the set is
+        the registrations' too, so nothing is pruned here."""
+        return await LiveSet(self.keys.encoders, self.keys.encoder_stats, encoder_stats_decoder,
+                             "encoder").read(client, prune=False)

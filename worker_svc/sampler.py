@@ -56,7 +56,8 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 def keyed_exponential(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise, float32 [S, V]: entry (r, v) is a function of (seeds[r], v) alone, the
     (v+1)-th output of splitmix64 started at seeds[r] (int64 [S]), its top 23 bits k a
-    uniform u = (k + 1/2) / 2**23 in (0, 1) (exact in float32), -log(u) > 0. The reference, one entry in plain Python: `keyed_exponential_one`."""
+    uniform u = (k + 1/2) / 2**23 in (0, 1) (exact in float32), -log(u) > 0. The reference,
+    one entry in plain Python: `keyed_exponential_one`."""
     tokens = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device) * _signed(_GAMMA)
     z = seeds[:, None] + tokens  # int64 arithmetic wraps, as splitmix64's does
     z = (z ^ _shift_right(z, 30)) * _signed(0xBF58476D1CE4E5B9)
