@@ -112,7 +112,13 @@ def _serve_http(app, args: argparse.Namespace, config: GatewayConfig) -> None:
         app, host=args.host, port=args.port, log_level=args.log_level.lower(),
         timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.timeout_keep_alive_s,
         loop="uvloop", http="httptools"))
-    sockets = [_reuse_port_socket(args.host, args.port)] if getattr(args, "reuse_port", False) else None
+    sockets = None
+    if getattr(args, "reuse_port", False):
+        try:
+            sockets = [_reuse_port_socket(args.host, args.port)]
+        except OSError as exc:  # as uvicorn reports a failed bind: a message and exit code 3
+            print(f"could not bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+            sys.exit(STARTUP_FAILURE)
     try:
         server.run(sockets=sockets)
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has drained and re-raised it
@@ -138,7 +144,7 @@ def run_engine(args: argparse.Namespace) -> int:
 
     engine = EngineConfig(runner=_runner_config(args), batching=_batching_config(args))
     config = config_from_args(args)
-    app = create_app(config, backend_factory=lambda: InProcessBackend(engine))
+    app = create_app(config, backend_factory=lambda: InProcessBackend(engine, config.max_unread_events))
     _serve_http(app, args, config)
     return 0
 

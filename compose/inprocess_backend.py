@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from compose.engine import EngineConfig, InProcessEngine
-from gateway.event_queues import EventQueues
+from gateway.event_queues import DEFAULT_MAX_UNREAD, EventQueues
 from proto.messages import NewRequest, SchedulerHeartbeat, TokenEvent, WorkerRegistration, WorkerStats
 
 REPLY_CHANNEL = "in-process"
@@ -20,8 +20,8 @@ REPLY_CHANNEL = "in-process"
 class InProcessBackend(EventQueues):
     """Implements what gateway.generation / preflight / app use of gateway.backend.RedisBackend."""
 
-    def __init__(self, config: EngineConfig):
-        super().__init__()
+    def __init__(self, config: EngineConfig, max_unread_events: int = DEFAULT_MAX_UNREAD):
+        super().__init__(max_unread_events)
         self._config = config
         self.reply_channel = REPLY_CHANNEL
         self._loop: asyncio.AbstractEventLoop | None = None

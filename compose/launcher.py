@@ -167,7 +167,11 @@ class Stack:
         self._wait_for(lambda: set(encoders) <= set(self.live_encoder_ids()), f"{len(encoders)} encoder(s) to register")
         for i in range(self.config.schedulers):
             self.add_scheduler(i)
-        shared = ("--reuse-port",) if self.config.gateways > 1 else ()
+        shared = ()
+        if self.config.gateways > 1:
+            # SO_REUSEPORT would let them join another stack's gateways on a taken port
+            self._check_port_free()
+            shared = ("--reuse-port",)
         for i in range(self.config.gateways):
             self._spawn("gateway" if i == 0 else f"gateway-{i}", self._service(
                 "gateway", "--model", self.config.model, "--host", self.config.host,
@@ -176,6 +180,17 @@ class Stack:
         if self.config.gateways > 1:  # a connection may reach any of them: all must be up
             self._wait_for(lambda: len(self.live_gateway_ids()) >= self.config.gateways,
                            f"{self.config.gateways} gateways to start")
+
+    def _check_port_free(self) -> None:
+        """RuntimeError when the gateways' port is taken (bound here without SO_REUSEPORT)."""
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
+            try:
+                probe.bind((self.config.host, self.config.port))
+            except OSError as exc:
+                raise RuntimeError(f"the gateways' port {self.config.host}:{self.config.port} is taken "
+                                   f"({exc}): stop what listens there, or choose another --port") from None
 
     def _start_redis(self) -> None:
         binary = shutil.which("redis-server")
@@ -294,12 +309,14 @@ class Stack:
 
     # ---- stop ------------------------------------------------------------------------------
 
-    def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+    def stop_process(self, name: str, sig: int | None = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        """Send `sig` (None: it was sent already) and wait up to `timeout`, then SIGKILL."""
         proc = self.procs.get(name)
         self._stopped.add(name)
         if proc is None or proc.poll() is not None:
             return proc.returncode if proc else None
-        proc.send_signal(sig)
+        if sig is not None:
+            proc.send_signal(sig)
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -307,8 +324,14 @@ class Stack:
             return proc.wait()
 
     def stop(self) -> None:
-        order = [*sorted(n for n in self.procs if n.startswith("gateway")),
-                 *sorted(n for n in self.procs if n.startswith("scheduler")),
+        gateways = sorted(n for n in self.procs if n.startswith("gateway"))
+        for name in gateways:  # they share a port: all stop taking connections at once, then drain
+            self._stopped.add(name)
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
+        for name in gateways:
+            self.stop_process(name, sig=None)
+        order = [*sorted(n for n in self.procs if n.startswith("scheduler")),
                  *sorted(n for n in self.procs if n.startswith(("worker", "encoder"))), "redis"]
         for name in order:
             self.stop_process(name)

@@ -101,6 +101,7 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
         finally:
             if publishing is not None:
                 publishing.cancel()
+                await asyncio.gather(publishing, return_exceptions=True)
                 try:
                     await app.state.peer_metrics.withdraw()
                 except Exception as exc:  # Redis gone: the record expires on its own

@@ -40,8 +40,9 @@ class GatewayConfig:
     # a gap between events, not a total, so long generations are fine as long as they move.
     request_timeout_s: float = 600.0
     worker_cache_ttl_s: float = 1.0  # how long the list of live workers is reused
-    # A stream whose client leaves this many token events unread (its socket full) is aborted
-    # and its blocks freed: the gateway's memory per stream stays bounded (gateway/event_queues.py).
+    # A stream whose client leaves this many token events per sequence unread (its socket
+    # full) is aborted and its blocks freed: the gateway's memory per stream stays bounded
+    # (gateway/event_queues.py).
     max_unread_events: int = 4096
     # SIGTERM: stop taking connections, let open requests and streams finish for at most this
     # long, then close what is left.
@@ -113,7 +114,7 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--default-max-tokens": ("default_max_tokens", int, "max_tokens of /v1/completions when absent"),
     "--request-timeout-s": ("request_timeout_s", float, "longest wait for the next token event"),
     "--worker-cache-ttl-s": ("worker_cache_ttl_s", float, "seconds the live-worker list is cached"),
-    "--max-unread-events": ("max_unread_events", positive_int, "token events a stream may leave unread "
+    "--max-unread-events": ("max_unread_events", positive_int, "token events per sequence a stream may leave unread "
                             "(its client not reading) before its request is aborted"),
     "--drain-timeout": ("drain_timeout_s", float, "on SIGTERM, seconds to let open requests and "
                                                   "streams finish (no new connections) before closing them"),

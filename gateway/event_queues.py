@@ -26,7 +26,8 @@ class EventQueues:
     id (prompt logprobs, errors before the fork) and of its sequences' ids (proto/parallel.py)
     on one queue, in the order they were published.
 
-    A queue holds at most `max_unread` events. A request takes every queued event at each
+    A queue holds at most `max_unread` events per id it takes (a request with n > 1 gets n
+    sequences' events each step). A request takes every queued event at each
     read (gateway/generation.py), so a queue fills only while its reader is stuck: a
     streaming client that stopped reading leaves the response's write waiting on a full
     socket. Then the request is aborted (`abort_soon`: the scheduler frees its blocks), its
@@ -58,7 +59,7 @@ class EventQueues:
             queue = self._queues.get(event.request_id)
             if queue is None:  # finished or aborted here already; late events drop
                 continue
-            if queue.qsize() >= self._max_unread:
+            if queue.qsize() >= self._max_unread * len(queue.request_ids):  # per sequence
                 self._give_up(queue)
             else:
                 queue.put_nowait(event)
@@ -78,11 +79,12 @@ class EventQueues:
     def _give_up(self, queue: RequestQueue) -> None:
         """The reader of `queue` stopped reading: abort its request, keep only the reason."""
         request_id = queue.request_ids[0]
+        queue_limit = self._max_unread * len(queue.request_ids)
         shard = self.shard_of(request_id)
         self.close(queue.request_ids)
         while not queue.empty():
             queue.get_nowait()
         queue.put_nowait(TokenEvent(request_id, index=0, finish_reason="abort", error=(
-            f"The client did not read its stream: {self._max_unread} token events waited unread, "
+            f"The client did not read its stream: {queue_limit} token events waited unread, "
             "so the request was aborted.")))
         self.abort_soon(request_id, shard)

@@ -54,15 +54,17 @@ class GenerationGroup:
         return sum(m.num_cached_tokens for m in self._members)
 
     async def outputs(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
-        queue: asyncio.Queue = asyncio.Queue()
+        # Bounded: a consumer that stops (its client stopped reading) stops the members from
+        # reading their events, so their own bounded queues fill and give up (event_queues.py).
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(self._members))
 
         async def pump(member: Generating, offset: int) -> None:
             try:
                 async for index, output in member.outputs():
-                    queue.put_nowait((offset + index, output))
-                queue.put_nowait(_DONE)
+                    await queue.put((offset + index, output))
+                await queue.put(_DONE)
             except Exception as exc:  # handed to the consumer, which raises it
-                queue.put_nowait(exc)
+                await queue.put(exc)
 
         tasks = [asyncio.ensure_future(pump(m, o)) for m, o in zip(self._members, self._offsets)]
         try:

@@ -21,6 +21,7 @@ them renders every live gateway's own, summed, then the stack's once.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from gateway.media.loader import LoaderStats, MediaLoader
 from gateway.media.store import StoreStats
 from proto.metrics import (FIRST_TOKEN_SECONDS, REQUEST_SECONDS, TOKEN_SECONDS, HistogramRecorder,
                            WorkerStatsCollector, histogram_family)
+
+logger = logging.getLogger(__name__)
 
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
@@ -90,11 +93,17 @@ class GatewayMetrics:
         """The scrape's answer: this gateway's own metrics, summed with the `peers`' (the
         expositions other live gateways published), then the stack's. Without peers, its own
         are rendered as they are."""
+        own = None
         if peers:
-            registry = CollectorRegistry()
-            registry.register(SummedCollector(sum_expositions([self.own_exposition(), *peers])))
-            own = generate_latest(registry)
-        else:
+            try:
+                summed = sum_expositions([self.own_exposition(), *peers])
+            except ValueError as exc:  # a peer's text that does not parse (another version's)
+                logger.warning("could not sum the other gateways' metrics, showing this one's: %s", exc)
+            else:
+                registry = CollectorRegistry()
+                registry.register(SummedCollector(summed))
+                own = generate_latest(registry)
+        if own is None:
             own = generate_latest(self.registry)
         return Response(own + generate_latest(self.stack_registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -8,8 +8,8 @@ import torch
 from proto import worker_pb2
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
-from worker_svc.sampler import (ARGMAX_CHUNK, SamplingBatch, first_argmax, keyed_exponential, keyed_exponential_one,
-                                position_seed, sample)
+from worker_svc.sampler import (ARGMAX_CHUNK, SamplingBatch, exponential_race, first_argmax, keyed_exponential,
+                                keyed_exponential_one, position_seed, sample)
 from worker_svc.stop import finish_reason
 
 Params = worker_pb2.SamplingParams
@@ -178,3 +178,12 @@ def test_keyed_exponential_matches_its_reference_and_is_exp1():
     assert abs(big.mean().item() - 1) < 0.005 and abs(big.var().item() - 1) < 0.02
     assert abs((big > 3).double().mean().item() - math.exp(-3)) < 0.002
     assert abs(torch.corrcoef(big[:2])[0, 1].item()) < 0.01  # seeds 0 and 1
+
+
+def test_the_race_in_blocks_of_rows_draws_what_it_draws_at_once():
+    probs = torch.randn(37, 300, generator=gen(3)).softmax(-1)
+    seeds = torch.randint(-2**63, 2**63 - 1, (37,), generator=gen(4))
+    whole = exponential_race(probs, seeds)
+    assert torch.equal(whole, first_argmax(probs / keyed_exponential(seeds, 300)))
+    for max_elements in (1, 300, 301, 3000, 300 * 36):  # 1 row a block, ..., 36 then 1
+        assert torch.equal(exponential_race(probs, seeds, max_elements), whole), max_elements

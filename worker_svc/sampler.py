@@ -77,6 +77,21 @@ def keyed_exponential_one(seed: int, token: int) -> float:
     return float(-numpy.log(u))
 
 
+NOISE_ELEMENTS = 2**23  # noise made at once: its int64 temporaries take 64 MiB each at most
+
+
+def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, max_elements: int = NOISE_ELEMENTS) -> torch.Tensor:
+    """argmax(p / E) per row, E = keyed_exponential(seeds): a sample of each row of `probs`
+    [S, V]. The noise is made for a block of rows at a time, so its memory is bounded
+    whatever the batch (the same draws either way: an entry depends on its seed and token)."""
+    vocab = probs.shape[-1]
+    rows = max(1, max_elements // vocab)
+    if len(probs) <= rows:
+        return first_argmax(probs / keyed_exponential(seeds, vocab))  # noise > 0: see there
+    return torch.cat([first_argmax(probs[i:i + rows] / keyed_exponential(seeds[i:i + rows], vocab))
+                      for i in range(0, len(probs), rows)])
+
+
 def row_seeds(seeds: Sequence[int | None], generator: torch.Generator | None,
               device: torch.device) -> torch.Tensor:
     """int64 [S]: each row's draw seed (`position_seed`), or one from `generator` where None."""
@@ -254,6 +269,5 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     scaled = apply_min_p(logits / batch.temperatures[:, None], batch.min_ps)
     scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
     probs = scaled.softmax(dim=-1)
-    noise = keyed_exponential(row_seeds(batch.seeds, generator, probs.device), probs.shape[-1])
-    sampled = first_argmax(probs / noise)  # noise >= -log(1 - 2**-24) > 0
+    sampled = exponential_race(probs, row_seeds(batch.seeds, generator, probs.device))
     return torch.where(batch.greedy.bool(), greedy_ids, sampled)

@@ -107,12 +107,17 @@ class MediaStore:
 
     async def refresh(self, digest: str, ttl_s: float | None = None) -> bool:
         """Whether an item is stored under `digest`; its TTL refreshed (never shortened) if
-        so. One round trip: what an item sent again costs (`put` does the same first)."""
+        so. One round trip: what an item sent again costs."""
         ttl_ms = self._ttl_ms if ttl_s is None else max(1, int(ttl_s * 1000))
+        key = self._keys.media(digest)
         try:
-            found = bool(await self._client.pexpire(self._keys.media(digest), ttl_ms, gt=True))
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.pexpire(key, ttl_ms, gt=True)  # 0 also where its TTL is longer already
+                pipe.exists(key)
+                _, exists = await pipe.execute()
         except (RedisError, OSError) as exc:
             raise store_unreachable("media", exc) from exc
+        found = bool(exists)
         if found:
             self.stats.items_reused += 1
         return found
