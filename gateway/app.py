@@ -101,7 +101,8 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
         finally:
             if publishing is not None:
                 publishing.cancel()
-                await asyncio.gather(publishing, return_exceptions=True)
+                # bounded: redis-py may swallow a cancellation that lands mid-read (backend.stop)
+                await asyncio.wait({publishing}, timeout=2)
                 try:
                     await app.state.peer_metrics.withdraw()
                 except Exception as exc:  # Redis gone: the record expires on its own
