@@ -14,6 +14,9 @@
    (target: at most 10% slower on equal lengths, faster on mixed).
 3. Prefill, one request of 1k-8k tokens, causal: TFLOP/s (4 * N^2/2 * heads * head_dim
    flops) against the matmul rate, and causal SDPA (flash) on contiguous K/V beside it.
+4. The sampler's exponential race (kernels/triton_sampling.py) against the torch ops it
+   replaces, at batch 1-256 over Llama 3's and Gemma 3's vocabularies (bench/sampling.py:
+   the method, and its CPU run).
 
 Every case is first checked against SDPA, so a wrong kernel is never timed. Timings are
 the median of CUDA-event intervals, each after overwriting a 256 MiB buffer to empty L2.
@@ -289,8 +292,27 @@ def main() -> None:
     decode = bench_decode(args, ta, dtype, copy_bw, flush, gqa, gen)
     print_header(PREFILL_COLUMNS)
     prefill = bench_prefill(args, ta, dtype, mm, flush, gqa, gen)
+    sampling = bench_sampling(device, args.smoke)
     if args.json:
-        args.json.write_text(json.dumps({"env": env, "decode": decode, "prefill": prefill}, indent=1))
+        args.json.write_text(json.dumps({"env": env, "decode": decode, "prefill": prefill,
+                                         "sampling": sampling}, indent=1))
+
+
+def bench_sampling(device: str, smoke: bool) -> list[dict]:
+    """bench/sampling.py's cases for the Triton race (one tiny case in the smoke run)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sampling import DEFAULT_CASES, bench_case
+
+    from kernels.triton_sampling import exponential_race as triton_race
+
+    cases = "3x3000" if smoke else DEFAULT_CASES["cuda"]
+    rows = [bench_case(*(int(n) for n in case.split("x")), device, triton_race, rounds=1 if smoke else 3,
+                       iters=1 if smoke else 10) for case in cases.split(",")]
+    print("\n| race: rows x vocab | torch ops | triton | triton / torch | triton reads |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rows']} x {r['vocab']} | {r['torch_ms']:.3f} ms | {r['fused_ms']:.3f} ms | "
+              f"{r['fused_over_torch']:.3f} | {r['fused_read_gb_s']:.1f} GB/s |")
+    return rows
 
 
 if __name__ == "__main__":

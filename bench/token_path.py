@@ -9,13 +9,18 @@ temporary folder unless --model-dir names one), whose forward costs next to noth
 path around the model is what is measured. Each wave sends --concurrency streamed chat
 completions at once, each `max_tokens` = --max-tokens with `ignore_eos`, and reads their
 server-sent events; between waves it reads every process's CPU time from /proc
-(bench/proc_cpu.py) and the worker's step counters from its /metrics.
+(bench/proc_cpu.py) and the worker's step histograms from its /metrics: each step's time on
+the compute thread, and of it the model's forward and the sampler's pass (StepResult's
+forward_seconds and sample_seconds; with one compute thread, wall time there is its CPU).
 
 Reported per wave and as the median over waves: output tokens/s, and CPU microseconds per
-streamed token of the gateway, the worker outside its steps' forward and sampling (its CPU
-time less the steps' `execute_seconds`, which with one compute thread is the forward's CPU
-time), the scheduler, redis-server and this client; and of the worker and the scheduler per
-step. The first wave after start warms up and is not counted (--waves counts the others).
+streamed token of the gateway, the scheduler, redis-server, this client and the worker,
+the worker's split three ways: `worker_forward` (the model's forward), `worker_sample` (the
+sampler) and `worker_outside_forward` (everything else the worker process spends: the
+step's host work -- message, batch layout, results, events -- gRPC and the publish to Redis,
+sampling included: on a GPU the sampler runs on the device, here on the CPU); and per step:
+the worker's host work (outside the forward and the sampler), the scheduler, the forward
+and the sampler. The first wave after start warms up and is not counted (--waves counts the others).
 
 `--smoke` (the test suite's) runs a small wave and checks the report's shape only.
 """
@@ -49,6 +54,8 @@ from proc_cpu import cpu_by_process, cpu_used  # noqa: E402
 SERVICES = {"gateway": "gateway", "worker": "worker", "scheduler": "scheduler",
             "redis-server": "redis", "token_path.py": "client"}
 _STEP_SECONDS = "pagedserve:step_duration_seconds"
+_FORWARD_SECONDS = "pagedserve:step_forward_seconds"
+_SAMPLE_SECONDS = "pagedserve:step_sample_seconds"
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,8 @@ class Wave:
     tokens: int  # completion tokens, from the streams' usage
     seconds: float
     steps: int  # the worker's steps in the wave
-    step_seconds: float  # their execute_seconds: forward and sampling
+    forward_seconds: float  # of their time on the compute thread: the model's forward
+    sample_seconds: float  # and the sampler's pass
     cpu_s: dict[str, float]  # by SERVICES name
 
     @property
@@ -66,14 +74,19 @@ class Wave:
 
     def us_per_token(self) -> dict[str, float]:
         per = {name: 1e6 * s / self.tokens for name, s in self.cpu_s.items()}
-        per["worker_outside_steps"] = 1e6 * (self.cpu_s.get("worker", 0.0) - self.step_seconds) / self.tokens
+        worker = self.cpu_s.get("worker", 0.0)
+        per["worker_forward"] = 1e6 * self.forward_seconds / self.tokens
+        per["worker_sample"] = 1e6 * self.sample_seconds / self.tokens
+        per["worker_outside_forward"] = 1e6 * (worker - self.forward_seconds) / self.tokens
         return per
 
     def us_per_step(self) -> dict[str, float]:
         steps = max(self.steps, 1)
-        return {"worker_outside_steps": 1e6 * (self.cpu_s.get("worker", 0.0) - self.step_seconds) / steps,
+        host = self.cpu_s.get("worker", 0.0) - self.forward_seconds - self.sample_seconds
+        return {"worker_host": 1e6 * host / steps,
                 "scheduler": 1e6 * self.cpu_s.get("scheduler", 0.0) / steps,
-                "step_execute": 1e6 * self.step_seconds / steps}
+                "worker_forward": 1e6 * self.forward_seconds / steps,
+                "worker_sample": 1e6 * self.sample_seconds / steps}
 
 
 async def _chat(client: httpx.AsyncClient, model: str, max_tokens: int, i: int) -> int:
@@ -102,18 +115,17 @@ async def _wave(base_url: str, model: str, concurrency: int, max_tokens: int) ->
         return sum(counts), time.perf_counter() - start
 
 
-def _step_counters(metrics_url: str) -> tuple[int, float]:
-    """(steps, their execute seconds) so far, from the worker's /metrics."""
+def _step_counters(metrics_url: str) -> tuple[int, float, float]:
+    """(steps, their forward seconds, their sampling seconds) so far, from the worker's /metrics."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    steps, seconds = 0, 0.0
+    wanted = {_STEP_SECONDS + "_count": 0, _FORWARD_SECONDS + "_sum": 1, _SAMPLE_SECONDS + "_sum": 2}
+    found = [0.0, 0.0, 0.0]
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == _STEP_SECONDS + "_count":
-                steps += int(sample.value)
-            elif sample.name == _STEP_SECONDS + "_sum":
-                seconds += sample.value
-    return steps, seconds
+            if sample.name in wanted:
+                found[wanted[sample.name]] += sample.value
+    return int(found[0]), found[1], found[2]
 
 
 def measure_wave(stack: Stack, concurrency: int, max_tokens: int) -> Wave:
@@ -130,7 +142,8 @@ def measure_wave(stack: Stack, concurrency: int, max_tokens: int) -> Wave:
             cpu_s[name] = cpu_s.get(name, 0.0) + seconds_used
     return Wave(requests=concurrency, tokens=tokens, seconds=seconds,
                 steps=sum(b[0] - a[0] for a, b in zip(steps0, steps1)),
-                step_seconds=sum(b[1] - a[1] for a, b in zip(steps0, steps1)), cpu_s=cpu_s)
+                forward_seconds=sum(b[1] - a[1] for a, b in zip(steps0, steps1)),
+                sample_seconds=sum(b[2] - a[2] for a, b in zip(steps0, steps1)), cpu_s=cpu_s)
 
 
 def summarize(waves: list[Wave]) -> dict:
@@ -196,6 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
         assert wave["tokens"] == args.concurrency * args.max_tokens, wave
         assert all(wave["cpu_s"].get(name, 0) > 0 for name in ("gateway", "worker", "scheduler")), wave
         assert wave["steps"] >= args.max_tokens, wave
+        assert 0 < wave["forward_seconds"] < wave["cpu_s"]["worker"], wave
+        assert 0 < wave["sample_seconds"] < wave["cpu_s"]["worker"], wave
     return report
 
 

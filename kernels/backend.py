@@ -12,10 +12,14 @@ at its cost.
 Beside them, `layer_ops`: the decoder layer's fused elementwise calls (norms with the
 residual add, RoPE with the cache write, the gated activation; kernels/torch_layer_ops.py
 says what each computes): the torch module on the torch and cpu backends, its Triton twin
-(kernels/triton_layer_ops.py, one launch each) on the triton backend.
+(kernels/triton_layer_ops.py, one launch each) on the triton backend. And
+`exponential_race`, the sampler's noise and argmax in one pass (kernels/cpu_sampling.py on
+the cpu backend, kernels/triton_sampling.py on the triton backend; None on torch: the
+sampler's own torch ops).
 
 "torch" (kernels/torch_attention.py) runs anywhere. "cpu" (kernels/cpu_attention.py) is
-torch plus a C kernel for decode rows, compiled on first use with the machine's C compiler.
+torch plus a C kernel for decode rows (and the C race), compiled on first use with the
+machine's C compiler.
 "triton" (kernels/triton_attention.py,
 kernels/triton_cache.py) runs on CUDA devices, or on the CPU in Triton's interpreter when
 TRITON_INTERPRET=1 was set before the kernels were imported (tests only: it is slow).
@@ -32,7 +36,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu_attention, torch_attention, torch_layer_ops
+from kernels import cpu_attention, cpu_sampling, torch_attention, torch_layer_ops
 
 log = logging.getLogger("pagedserve.kernels")
 
@@ -46,6 +50,9 @@ class AttentionBackend:
     copy_blocks: Callable
     new_workspace: Callable
     layer_ops: ModuleType = torch_layer_ops
+    # the sampler's noise race (worker_svc/sampler.py's `exponential_race` contract): a
+    # fused kernel, or None for the sampler's own torch version
+    exponential_race: Callable | None = None
 
 
 TORCH_BACKEND = AttentionBackend(
@@ -59,12 +66,12 @@ TORCH_BACKEND = AttentionBackend(
 
 
 def cpu_backend() -> AttentionBackend:
-    """The torch backend with decode rows in the C kernel; RuntimeError when it cannot be
-    compiled or loaded here."""
+    """The torch backend with decode rows and the sampler's race in C; RuntimeError when
+    the kernels cannot be compiled or loaded here."""
     try:
-        kernels = cpu_attention.CpuKernels()
-    except (OSError, ImportError, ValueError) as exc:  # the module could not be loaded
-        raise RuntimeError(f"loading the cpu attention kernel failed: {exc}") from exc
+        kernels, race = cpu_attention.CpuKernels(), cpu_sampling.CpuRace()
+    except (OSError, ImportError, ValueError) as exc:  # a module could not be loaded
+        raise RuntimeError(f"loading the cpu kernels failed: {exc}") from exc
     return AttentionBackend(
         name="cpu",
         plan=cpu_attention.plan_attention,
@@ -72,13 +79,14 @@ def cpu_backend() -> AttentionBackend:
         write_kv=torch_attention.write_kv,
         copy_blocks=torch_attention.copy_blocks,
         new_workspace=torch_attention.GatherWorkspace,
+        exponential_race=race,
     )
 
 
 def triton_backend(device: torch.device) -> AttentionBackend:
     """The Triton backend for `device`; ImportError when triton is missing or too old,
     ValueError when the kernels cannot run on that device."""
-    from kernels import triton_attention, triton_cache, triton_layer_ops  # imports triton
+    from kernels import triton_attention, triton_cache, triton_layer_ops, triton_sampling  # imports triton
 
     if device.type == "cuda" and triton_attention.INTERPRETED:
         raise ValueError("the Triton kernels were imported with TRITON_INTERPRET=1 and would "
@@ -97,6 +105,7 @@ def triton_backend(device: torch.device) -> AttentionBackend:
         copy_blocks=triton_cache.copy_blocks,
         new_workspace=triton_attention.TritonWorkspace,
         layer_ops=triton_layer_ops,
+        exponential_race=triton_sampling.exponential_race,
     )
 
 

@@ -75,7 +75,6 @@ SHORT_MAX_Q_LEN = 8  # requests with at most this many query rows run in the C k
 _KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE = _KERNEL_DIR / "cpu_attention.c"
 HEADER = _KERNEL_DIR / "cpu_attention.h"
-_MODULE = "_pagedserve_cpu_attention"  # the compiled binding's name (its PyInit_ symbol)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `bf16` flag
 
@@ -84,13 +83,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pagedserve")
 
 
+def module_name(source: Path) -> str:
+    """The extension module's name for kernel `source` (its PyInit_ symbol)."""
+    return f"_pagedserve_{source.stem}"
+
+
+def import_library(path: Path, source: Path = SOURCE):
+    """The compiled module at `path` (built from `source`): its `ffi` and `lib`."""
+    spec = importlib.util.spec_from_file_location(module_name(source), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def compile_library(compiler: str | None = None, source: Path = SOURCE, header: Path = HEADER,
                     extra_flags: tuple[str, ...] = ()) -> Path:
     """The kernel and its cffi binding as one Python extension module, for this source,
     declaration, flags, interpreter and CPU: built once (atomically: several workers may
     start at the same time), then reused. The binding is generated from `header` and
     compiled with the kernel, so a kernel that disagrees with its declaration fails here.
-    RuntimeError if it cannot be built."""
+    RuntimeError if it cannot be built. (kernels/cpu_sampling.py builds its kernel here
+    too: the module is named after the source, `_pagedserve_<stem>`.)"""
     compiler = compiler or os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC, or install gcc)")
@@ -99,7 +112,7 @@ def compile_library(compiler: str | None = None, source: Path = SOURCE, header: 
     flags = (*_FLAGS, *extra_flags)  # extra_flags: e.g. -mno-avx512f, to test the portable loops
     key = hashlib.sha256("\0".join([kernel, declaration, compiler, *flags, cffi.__version__, suffix,
                                     platform.machine(), cpu_features().flags_line]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_attention-{key}{suffix}"
+    target = cache_dir() / f"{source.stem}-{key}{suffix}"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -109,7 +122,7 @@ def compile_library(compiler: str | None = None, source: Path = SOURCE, header: 
         binding = Path(tmp) / "binding.c"
         ffi = cffi.FFI()
         ffi.cdef(declaration)
-        ffi.set_source(_MODULE, f'#include <stdint.h>\n#include "{header.name}"\n')
+        ffi.set_source(module_name(source), f'#include <stdint.h>\n#include "{header.name}"\n')
         with contextlib.redirect_stdout(io.StringIO()):  # cffi prints the file's name
             ffi.emit_c_code(str(binding))
         built = Path(tmp) / target.name
@@ -117,7 +130,7 @@ def compile_library(compiler: str | None = None, source: Path = SOURCE, header: 
                                str(binding), str(Path(tmp) / source.name), "-o", str(built), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError("compiling the cpu attention kernel failed (it needs Python's headers "
+            raise RuntimeError(f"compiling the cpu kernel {source.name} failed (it needs Python's headers "
                                f"too: Debian's python3-dev):\n{proc.stderr[-2000:]}")
         os.replace(built, target)
     return target
@@ -162,9 +175,7 @@ def load_library(path: Path):
     """The compiled module at `path` (its `ffi` and `lib`), after checking that KernelArgs
     has exactly the fields of the struct it was built with, in its order, pointers where
     it has pointers: ValueError otherwise, before the kernel is ever called."""
-    spec = importlib.util.spec_from_file_location(_MODULE, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_library(path)
     theirs = [(name, field.type.kind) for name, field
               in module.ffi.typeof("struct paged_attention_args").fields]
     ours = [(name, "pointer" if name in _POINTERS else "primitive") for name in KernelArgs._fields]

@@ -194,6 +194,8 @@ class StepHistograms(msgspec.Struct, frozen=True):
     batch_size: Histogram  # requests in the step
     tokens: Histogram  # tokens computed in the step
     gap: Histogram | None = None  # seconds: StepResult.gap_seconds (idle before the step, work going on)
+    forward: Histogram | None = None  # seconds: StepResult.forward_seconds (the model's forward)
+    sample: Histogram | None = None  # seconds: StepResult.sample_seconds (the sampler's pass)
 
 
 class VisionStats(msgspec.Struct, frozen=True):

@@ -3,8 +3,8 @@ messages carry, named once here, and the one renderer of them that every service
 
     HistogramRecorder   a fixed-bucket histogram, O(log buckets) per observe; its
                         snapshot() is the `Histogram` message that travels in WorkerStats
-    StepRecorder        one worker's steps: duration, requests, tokens, the gap before
-                        each (StepHistograms)
+    StepRecorder        one worker's steps: duration (and its forward and sampling),
+                        requests, tokens, the gap before each (StepHistograms)
     EncoderRecorder     a vision worker's images: encoded, encoder-cache hits, seconds
                         of each step's encoding (the worker's own /metrics only)
     WorkerStatsCollector  renders WorkerStats (the scheduler's per-worker accounting and
@@ -83,6 +83,8 @@ class StepRecorder:
         self.batch_size = HistogramRecorder(BATCH_SIZES)
         self.tokens = HistogramRecorder(STEP_TOKENS)
         self.gap = HistogramRecorder(GAP_SECONDS)
+        self.forward = HistogramRecorder(TOKEN_SECONDS)
+        self.sample = HistogramRecorder(TOKEN_SECONDS)
 
     def observe(self, step: worker_pb2.StepRequest, result: worker_pb2.StepResult) -> None:
         scheduled = step.num_scheduled_tokens
@@ -91,10 +93,13 @@ class StepRecorder:
         self.tokens.observe(sum(scheduled.values()))
         if result.HasField("gap_seconds"):
             self.gap.observe(result.gap_seconds)
+        self.forward.observe(result.forward_seconds)
+        self.sample.observe(result.sample_seconds)
 
     def snapshot(self) -> StepHistograms:
         return StepHistograms(duration=self.duration.snapshot(), batch_size=self.batch_size.snapshot(),
-                              tokens=self.tokens.snapshot(), gap=self.gap.snapshot())
+                              tokens=self.tokens.snapshot(), gap=self.gap.snapshot(),
+                              forward=self.forward.snapshot(), sample=self.sample.snapshot())
 
 
 class EncoderRecorder:
@@ -197,7 +202,10 @@ _REQUEST_HISTOGRAMS = (
 )
 # Histograms of StepHistograms: (name, help, field).
 _STEP_HISTOGRAMS = (
-    ("pagedserve:step_duration_seconds", "one step on the worker: forward and sampling", "duration"),
+    ("pagedserve:step_duration_seconds", "one step on the worker's compute thread: the host's work, "
+     "the forward and sampling", "duration"),
+    ("pagedserve:step_forward_seconds", "the model's forward in one step (on a GPU: launching it)", "forward"),
+    ("pagedserve:step_sample_seconds", "the sampler's pass over one step's logits", "sample"),
     ("pagedserve:step_batch_size", "requests in one step", "batch_size"),
     ("pagedserve:iteration_tokens_total", "tokens computed in one step", "tokens"),
     ("pagedserve:step_gap_seconds", "the worker idle between two steps while requests went on: "

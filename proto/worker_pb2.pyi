@@ -153,18 +153,22 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "execute_seconds", "gap_seconds", "images")
+    __slots__ = ("step_id", "sampled", "execute_seconds", "gap_seconds", "images", "forward_seconds", "sample_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
     gap_seconds: float
     images: ImageStepStats
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., gap_seconds: _Optional[float] = ..., images: _Optional[_Union[ImageStepStats, _Mapping]] = ...) -> None: ...
+    forward_seconds: float
+    sample_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., gap_seconds: _Optional[float] = ..., images: _Optional[_Union[ImageStepStats, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ...) -> None: ...
 
 class ImageStepStats(_message.Message):
     __slots__ = ("queries", "cache_hits", "published_hits", "items_encoded", "seconds")

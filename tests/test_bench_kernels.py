@@ -21,3 +21,4 @@ def test_smoke_runs_every_case_and_writes_json(tmp_path):
     result = json.loads(out.read_text())
     assert result["env"]["device"] == "cpu (smoke test)"
     assert result["decode"] and result["prefill"]
+    assert [(r["rows"], r["vocab"]) for r in result["sampling"]] == [(3, 3000)]

@@ -1,5 +1,5 @@
 """The Triton kernels (kernels/triton_attention.py, kernels/triton_cache.py,
-kernels/triton_layer_ops.py) compiled ahead of time for sm_80/sm_90 on a machine without a
+kernels/triton_layer_ops.py, kernels/triton_sampling.py) compiled ahead of time for sm_80/sm_90 on a machine without a
 GPU, through Triton's own compiler and ptxas, specialised as the wrappers would launch them.
 This catches what the interpreter runs of tests/test_triton_kernels.py and
 tests/test_triton_layer_ops.py cannot: code the compiler rejects, tile sizes that spill
@@ -17,7 +17,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels import triton_attention, triton_cache, triton_layer_ops  # noqa: E402  (after the importorskip)
+from kernels import triton_attention, triton_cache, triton_layer_ops, triton_sampling  # noqa: E402  (after the importorskip)
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
@@ -190,3 +190,24 @@ def test_layer_ops_compile_for_cuda_without_spills(kernel, dtype, size, arch):
     print(f"{kernel} {dtype} {size} sm_{arch} warps={options['num_warps']}: registers, stack = {usage}")
     if usage is not None:
         assert usage[1] == 0, f"{kernel}: {usage[0]} registers and a {usage[1]}-byte stack (spills)"
+
+
+# -- the sampler's race (kernels/triton_sampling.py) -----------------------------------------
+
+@pytest.mark.skipif(INTERPRETER, reason="the interpreter run has no compiled kernels")
+@pytest.mark.parametrize("arch", [80, 90])
+def test_exponential_race_compiles_for_cuda_exactly(arch):
+    """The race as its wrapper launches it: no spills, no fused fp32 multiply-add (the
+    uniform's `(k + 0.5) * 2**-23` rounds as torch's two ops do), IEEE division, and logf
+    from libdevice rather than the approximate lg2 alone."""
+    compiled = compile_kernel(triton_sampling._exponential_race_kernel, arch,
+                              {"probs_ptr": "*fp32", "seeds_ptr": "*i64", "out_ptr": "*i64"},
+                              dict(BLOCK=triton_sampling.BLOCK, LIBDEVICE=True),
+                              options={"enable_fp_fusion": False, "num_warps": 8})
+    ptx = compiled.asm["ptx"]
+    assert re.search(r"div\.rn\.f32", ptx), "the division is not IEEE"
+    assert re.search(r"mul\.rn\.f32\s+%\w+, %\w+, 0f34000000;", ptx), "the uniform's product was fused"
+    assert re.search(r"fma\.rn(\.ftz)?\.f32", ptx), "no libdevice logf (its polynomial's fmas) in the kernel"
+    usage = resource_usage(compiled)
+    if usage is not None:
+        assert usage[1] == 0, f"{usage[0]} registers and a {usage[1]}-byte stack (spills)"

@@ -315,7 +315,8 @@ class ModelRunner:
         for state, message in failed:
             self._fail(state, message, result, events)
         if scheduled:
-            for out in self._execute(scheduled, embeddings):
+            produced, result.forward_seconds, result.sample_seconds = self._execute(scheduled, embeddings)
+            for out in produced:
                 state, reason = out.state, None
                 if out.token_id is not None:
                     reason = self._append(state, out.token_id)
@@ -360,13 +361,15 @@ class ModelRunner:
             error=message))
 
     def _execute(self, scheduled: list[tuple[RequestState, int]],
-                 image_embeddings: dict[str, torch.Tensor] | None = None) -> list[_Produced]:
+                 image_embeddings: dict[str, torch.Tensor] | None = None) -> tuple[list[_Produced], float, float]:
         """Forward the flat batch (with the images' embeddings by content hash over their
-        soft tokens' rows), advance num_computed_tokens, sample, gather logprobs."""
+        soft tokens' rows), advance num_computed_tokens, sample, gather logprobs. Returns
+        what each request produced, and the seconds of the forward and of the sampling."""
         prompt_rows, prompt_targets, prompt_ks, prompt_parts = (
             prompt_logprob_rows(scheduled) if self._prompt_logprobs else ((), (), (), ()))
         size = self._graph_size(scheduled) if self.graphs is not None and not prompt_rows else None
         batch = self.inputs.prepare(scheduled, self.plan_attention, self.kv_layout.windows, pad_to=size)
+        forward_start = time.perf_counter()
         if size is not None:  # every request decodes and samples: the rows are the requests
             y, residual = self.graphs.replay(size)
             logits = self.model.logits(y[:len(scheduled)], residual[:len(scheduled)])
@@ -381,6 +384,7 @@ class ModelRunner:
             logits = self.model(batch.input_ids, batch.positions, batch.attn,
                                 (self.kv_cache.k_caches, self.kv_cache.v_caches), indices,
                                 inputs_embeds=inputs_embeds)
+        forward_seconds = time.perf_counter() - forward_start
         for state, n in scheduled:
             state.num_computed_tokens += n
         reqs = batch.sampling_requests
@@ -393,9 +397,10 @@ class ModelRunner:
                 out = produced.setdefault(id(state), _Produced(state))
                 out.prompt_logprobs, out.prompt_index = logprobs[start:start + count], position
                 start += count
+        sample_start = time.perf_counter()
         if reqs:
             self._sample(logits[:len(reqs)], reqs, batch.sampling, produced)
-        return list(produced.values())
+        return list(produced.values()), forward_seconds, time.perf_counter() - sample_start
 
     def _graph_size(self, scheduled: list[tuple[RequestState, int]]) -> int | None:
         """The captured size a step replays: every request computes its last token (one) and
@@ -416,7 +421,7 @@ class ModelRunner:
             allowed = self.grammars.allowed([r.grammar for r in reqs], vocab_size, self.device) \
                 if any(r.grammar is not None for r in reqs) else None
             sampling = sampling.with_edits(reqs, vocab_size, self.model_config.eos_token_ids, self.device, allowed)
-        token_ids = sample(logits, sampling, self.generator)
+        token_ids = sample(logits, sampling, self.generator, self.backend.exponential_race)
         rows = [i for i, r in enumerate(reqs) if r.sampling.HasField("logprobs")]
         logprobs = gather_logprobs(logits[rows], token_ids[rows],
                                    [reqs[i].sampling.logprobs for i in rows]) if rows else []

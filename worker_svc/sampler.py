@@ -17,7 +17,7 @@ move. The other rows' seeds come from the runner's generator.
 """
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy
@@ -83,7 +83,9 @@ NOISE_ELEMENTS = 2**23  # noise made at once: its int64 temporaries take 64 MiB 
 def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, max_elements: int = NOISE_ELEMENTS) -> torch.Tensor:
     """argmax(p / E) per row, E = keyed_exponential(seeds): a sample of each row of `probs`
     [S, V]. The noise is made for a block of rows at a time, so its memory is bounded
-    whatever the batch (the same draws either way: an entry depends on its seed and token)."""
+    whatever the batch (the same draws either way: an entry depends on its seed and token).
+    The contract and reference of the backends' fused races (one pass, the noise never
+    stored): kernels/cpu_sampling.py (C) and kernels/triton_sampling.py."""
     vocab = probs.shape[-1]
     rows = max(1, max_elements // vocab)
     if len(probs) <= rows:
@@ -258,10 +260,11 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     return ids
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None,
+           race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """One token id per row of `logits` [S, V] (int64 [S]), after `batch.process`.
-    `generator` draws the seeds of rows without their own (`batch.seeds`)."""
+    `generator` draws the seeds of rows without their own (`batch.seeds`); `race` is an
+    `exponential_race` (a backend's fused kernel; None: the torch one here)."""
     logits = batch.process(logits)
     greedy_ids = first_argmax(logits)
     if batch.all_greedy:
@@ -269,5 +272,5 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     scaled = apply_min_p(logits / batch.temperatures[:, None], batch.min_ps)
     scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
     probs = scaled.softmax(dim=-1)
-    sampled = exponential_race(probs, row_seeds(batch.seeds, generator, probs.device))
+    sampled = (race or exponential_race)(probs, row_seeds(batch.seeds, generator, probs.device))
     return torch.where(batch.greedy.bool(), greedy_ids, sampled)
