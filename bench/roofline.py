@@ -57,7 +57,6 @@ from worker_svc.host_memory import run_with_malloc_tunables  # noqa: E402
 from worker_svc.model.config import DecoderConfig  # noqa: E402
 from worker_svc.model.registry import load_config  # noqa: E402
 from worker_svc.model.loader import resolve_dtype  # noqa: E402
-from worker_svc import model_runner  # noqa: E402
 from worker_svc.model_runner import ModelRunner  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # after ROOT: bench/kernels.py must not shadow kernels/
@@ -186,11 +185,14 @@ class Driver:
         self.layer_elem = 1 if args.quantization == "int8" else None
         self.kv_elem = self.runner.kv_cache.k_caches[0].element_size()
         self.count = 0
+        self.temperature = args.temperature
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
         self.count += 1
         error = self.scheduler.add_request(NewRequest(
-            f"r{self.count}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+            f"r{self.count}", prompt, SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                                                     seed=self.count if self.temperature else None,
+                                                     ignore_eos=True),
             "roofline", time.time()))
         if error is not None:
             raise SystemExit(f"request rejected: {error.error}")
@@ -208,32 +210,6 @@ class Driver:
         elapsed = time.perf_counter() - start
         self.scheduler.update(step, output.result)
         return step, output.result, elapsed, step_cost(self.cfg, self.elem, work, self.layer_elem, self.kv_elem)
-
-
-class HostSplit:
-    """Times, inside each CPU step, the model's forward and the sampler's pass over the
-    logits (there both are synchronous); what is left of the step is the worker's own host
-    work. Installed for the life of the bench process: the forward as an instance attribute
-    (nn.Module.__call__ finds it first), the sampler in the runner's module namespace."""
-
-    def __init__(self, runner: ModelRunner):
-        self.forward: list[float] = []
-        self.sampling: list[float] = []
-        runner.model.forward = self._timed(runner.model.forward, self.forward)
-        model_runner.sample = self._timed(model_runner.sample, self.sampling)
-
-    @staticmethod
-    def _timed(fn, into: list[float]):
-        def timed(*a, **k):
-            start = time.perf_counter()
-            out = fn(*a, **k)
-            into.append(time.perf_counter() - start)
-            return out
-        return timed
-
-    def clear(self) -> None:
-        self.forward.clear()
-        self.sampling.clear()
 
 
 def count_kernels(driver: Driver) -> dict:
@@ -280,7 +256,7 @@ def _count_ops(fn) -> int:
 
 def decode_roofline(args, rate: float, bandwidth: float, batch: int, runner: ModelRunner) -> dict:
     driver = Driver(args, runner)
-    timer = HostSplit(runner) if args.host_split and runner.device.type == "cpu" else None
+    split = args.host_split and runner.device.type == "cpu"  # (on a GPU the forward's time is its launch)
     gen = torch.Generator().manual_seed(0)
     for _ in range(batch):
         driver.add(torch.randint(300, driver.cfg.vocab_size - 1, (args.context,), generator=gen).tolist(),
@@ -293,14 +269,12 @@ def decode_roofline(args, rate: float, bandwidth: float, batch: int, runner: Mod
         driver.step()
     times, costs, forwards, samplings = [], [], [], []
     for _ in range(args.steps):
-        if timer is not None:
-            timer.clear()
-        _, _, elapsed, cost = driver.step()
+        _, result, elapsed, cost = driver.step()
         times.append(elapsed)
         costs.append(cost)
-        if timer is not None:
-            forwards.append(sum(timer.forward))
-            samplings.append(sum(timer.sampling))
+        if split:  # the step's own timing of its forward and sampler (StepResult)
+            forwards.append(result.forward_seconds)
+            samplings.append(result.sample_seconds)
     extra = {}
     if forwards:
         extra.update(forward_ms=statistics.median(forwards) * 1e3, sampling_ms=statistics.median(samplings) * 1e3,
@@ -368,8 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--enforce-eager", action="store_true", help="on a GPU: no CUDA graphs")
     p.add_argument("--host-split", action="store_true",
-                   help="CPU: also time the forward and the sampler's pass inside each step; report the "
-                        "host work around them")
+                   help="CPU: also report the steps' forward and sampler's pass (their StepResult timings) "
+                        "and the host work around them")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the requests' temperature (> 0: sampled, each with a seed of its own)")
     p.add_argument("--count-kernels", action="store_true",
                    help="count what one decode step launches (CUDA kernels; aten operators on the CPU)")
     p.add_argument("--block-size", type=int, default=RunnerConfig.block_size, help="tokens per KV block")

@@ -17,24 +17,34 @@ static inline uint64_t noise_bits(uint64_t seed, uint64_t token) {
     return z >> 41;
 }
 
-#define CHUNK 256 /* entries whose uniforms are made together (a loop the compiler vectorizes) */
+#define CHUNK 256 /* entries tested together (loops the compiler vectorizes) */
+#define MARGIN (1.0f + 0x1p-18f) /* covers logf's error, the division's and the test's roundings */
 
 static int64_t race_row(const float *p, uint64_t seed, int64_t vocab) {
     float best = -1.0f; /* every x is >= 0, or NaN, made +inf */
     int64_t best_v = 0;
     float u[CHUNK];
+    unsigned char maybe[CHUNK];
     for (int64_t start = 0; start < vocab; start += CHUNK) {
         int64_t n = vocab - start < CHUNK ? vocab - start : CHUNK;
+        const float *pc = p + start;
         for (int64_t i = 0; i < n; i++)
             u[i] = ((float)noise_bits(seed, (uint64_t)(start + i)) + 0.5f) * 0x1p-23f;
+        /* -log(u) >= 1 - u (exact in fp32), so x = p / -log(u) <= p / (1 - u) up to
+           rounding: an entry with p * MARGIN <= best * (1 - u) cannot beat `best` (nor tie
+           it: ties keep the first). `best` only grows, so the chunk's first value is a
+           safe bound for all of it. A NaN p is never ruled out. */
+        int any = 0;
         for (int64_t i = 0; i < n; i++) {
-            float pv = p[start + i];
-            /* -log(u) >= 1 - u (exact in fp32), so x <= pv / (1 - u) up to rounding (< 2**-21
-               with logf within 2 ulp): skip when even that cannot beat `best` (ties keep the
-               first, so "cannot beat" is <=). In double, where these products are exact. */
-            if ((double)pv * (1.0 + 0x1p-20) <= (double)best * (double)(1.0f - u[i]))
+            maybe[i] = !(pc[i] * MARGIN <= best * (1.0f - u[i]));
+            any |= maybe[i];
+        }
+        if (!any)
+            continue;
+        for (int64_t i = 0; i < n; i++) {
+            if (!maybe[i] || pc[i] * MARGIN <= best * (1.0f - u[i])) /* again, with `best` now */
                 continue;
-            float x = pv / -logf(u[i]);
+            float x = pc[i] / -logf(u[i]);
             if (x != x)
                 x = INFINITY;
             if (x > best) {

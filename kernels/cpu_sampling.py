@@ -3,24 +3,26 @@
 The torch version makes the keyed Exp(1) noise as about ten elementwise passes over int64
 [S, V] temporaries, then divides and reduces. On one CPU thread that was most of a sampled
 step's sampling (~2.4 ms of a 64-row step over a 1,536-token vocabulary; 25 ms at 32 rows
-of 32,000). This kernel (kernels/cpu_sampling.c) walks each row once, the noise in
-registers, and skips the logarithm where it cannot matter:
+of 32,000). This kernel (kernels/cpu_sampling.c) walks each row once, the noise in registers, and
+skips the logarithm where it cannot matter, in chunks of 256 entries:
 
-    for v in row:                                   # one row per OpenMP work item
-        u = ((top 23 bits of splitmix64(seed, v)) + 0.5) * 2**-23    # exact in fp32
-        if p[v] * (1 + 2**-20) <= best * (1 - u):   # -log(u) >= 1 - u: p / E cannot win
-            continue                                # (in double, where both products are exact)
+    u[i] = ((top 23 bits of splitmix64(seed, v)) + 0.5) * 2**-23      # exact in fp32; vectorized
+    maybe[i] = not (p[v] * (1 + 2**-18) <= best * (1 - u[i]))          # vectorized; NaN stays in
+    for the entries still in (tested again against the running best):
         x = p[v] / -logf(u)                         # a NaN counts as the largest
         if x > best: best, best_v = x, v            # strictly: ties keep the first
 
-The bound is rigorous: with logf within two ulp and one rounding of the division, a
-skipped entry's x is below `best`. Few entries pass it: an entry passes with probability
-about p / best, so a row computes about 1 / best + log(V) logarithms in all.
+The bound is rigorous for rows of probabilities: -log(u) >= 1 - u, and the margin covers
+logf's error (within two ulp), the division's rounding and the test's own, so a skipped
+entry's x is below `best`. (Those relative bounds hold above fp32's subnormal range; a row
+that sums to 1 has its winner's x there, >= 1 / (17 V).)
+Few entries pass it: an entry passes with probability about p / best, so a row computes
+about 1 / best + log(V) logarithms in all.
 
 Numerics: the noise's bits and u are exact, as in torch; `logf` is the C library's where
 torch's CPU kernel uses its own vectorized log, and the two may differ in the last bit of
 a few entries. A draw can then differ from the torch race's only where two entries' p / E
-tie to the last bit (tests/test_cpu_sampling.py compares them draw for draw).
+tie to the last bit (tests/test_exponential_race.py compares them draw for draw).
 
 Built and loaded as the attention kernel is (kernels/cpu_attention.py's compile_library:
 once per machine, cached, the binding generated from kernels/cpu_sampling.h).

@@ -1,7 +1,9 @@
 """Batched sampling and the finish rule."""
 
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from proto import worker_pb2
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
 from worker_svc.sampler import (ARGMAX_CHUNK, SamplingBatch, exponential_race, first_argmax, keyed_exponential,
-                                keyed_exponential_one, position_seed, sample)
+                                keyed_exponential_one, position_seed, position_seeds, sample)
 from worker_svc.stop import finish_reason
 
 Params = worker_pb2.SamplingParams
@@ -178,6 +180,22 @@ def test_keyed_exponential_matches_its_reference_and_is_exp1():
     assert abs(big.mean().item() - 1) < 0.005 and abs(big.var().item() - 1) < 0.02
     assert abs((big > 3).double().mean().item() - math.exp(-3)) < 0.002
     assert abs(torch.corrcoef(big[:2])[0, 1].item()) < 0.01  # seeds 0 and 1
+
+
+def test_position_seeds_are_the_references_elementwise():
+    pairs = [(0, 0), (1, 0), (0, 1), (-1, 5), (2**63 - 1, 2**31), (-2**63, 7), (1234, 10**9), (-77, 3)]
+    got = position_seeds(np.array([s for s, _ in pairs], dtype=np.int64), np.array([p for _, p in pairs]))
+    assert got.dtype == np.int64
+    assert [int(v) & (2**64 - 1) for v in got] == [position_seed(s, p) for s, p in pairs]
+
+
+def test_a_batch_without_greedy_rows_samples_without_the_argmax():
+    logits = torch.randn(6, 300, generator=gen(8))
+    batch = batch_of([Params(temperature=0.7)] * 6, [position_seed(9, i) for i in range(6)], vocab=300)
+    assert not batch.any_greedy
+    with_where = dataclasses.replace(batch, any_greedy=True)
+    assert torch.equal(sample(logits, batch, gen(1)), sample(logits, with_where, gen(1)))
+    assert batch_of([Params(temperature=0.7), Params(temperature=0.0)], vocab=300).any_greedy
 
 
 def test_the_race_in_blocks_of_rows_draws_what_it_draws_at_once():

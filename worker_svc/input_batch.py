@@ -345,7 +345,7 @@ class InputBatch:
 
             def greedy(d: dict[str, torch.Tensor]) -> SamplingBatch:  # the settings are not read
                 return SamplingBatch(temperatures=d["temperatures"][:count], greedy=d["greedy"][:count],
-                                     top_ks=None, top_ps=None, seeds=(None,) * count, all_greedy=True)
+                                     top_ks=None, top_ps=None, seeds=None, all_greedy=True)
             return greedy
         settings = self._settings[[s.row for s in samplers]]
         temps = settings[:, 0]
@@ -359,12 +359,12 @@ class InputBatch:
         use_k = bool((drawn[:, 1] < self.vocab_size).any())
         use_p = bool((drawn[:, 2] < 1.0).any())
         use_min_p = bool((drawn[:, 3] > 0.0).any())
-        all_greedy = bool(greedy.all())
+        all_greedy, any_greedy = bool(greedy.all()), bool(greedy.any())
 
         def on_device(d: dict[str, torch.Tensor]) -> SamplingBatch:
             return SamplingBatch(
                 temperatures=d["temperatures"][:count], greedy=d["greedy"][:count],
                 top_ks=d["top_ks"][:count] if use_k else None, top_ps=d["top_ps"][:count] if use_p else None,
-                seeds=(None,) * count, all_greedy=all_greedy,
+                seeds=None, all_greedy=all_greedy, any_greedy=any_greedy,
                 min_ps=d["min_ps"][:count] if use_min_p else None)
         return on_device

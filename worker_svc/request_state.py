@@ -5,7 +5,6 @@ from collections.abc import Collection
 from proto import worker_pb2
 from worker_svc.model.image_placement import PlaceholderRange
 from worker_svc.logits_processors import uses_edits
-from worker_svc.sampler import position_seed
 from worker_svc.stop import StopRule
 
 
@@ -75,7 +74,7 @@ class RequestState:
         # sampling.grammar is; None for unconstrained requests.
         self.grammar = None
         # Seeded requests only: each draw's seed comes from (seed, output position)
-        # (`draw_seed`), so the draw for a position is the same on any worker, after any
+        # (worker_svc/sampler.py `position_seed`; the runner's `_sample`), so the draw for a position is the same on any worker, after any
         # preemption, migration or restart.
         self.seeded = new.sampling.HasField("seed")
 
@@ -86,8 +85,3 @@ class RequestState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    def draw_seed(self) -> int | None:
-        """The seed of the token sampled now (output position `num_output_tokens`), from
-        (seed, position) alone; None for an unseeded request."""
-        return position_seed(self.sampling.seed, self.num_output_tokens) if self.seeded else None

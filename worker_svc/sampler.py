@@ -10,8 +10,8 @@ The draw uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sa
 p. E is a function of (row seed, token id) alone (`keyed_exponential`: splitmix64 of the
 pair, in a few batched integer ops over the whole [S, V] block: no per-row generator, no
 per-row launch). A seeded request's row seed comes from (request seed, output position)
-(`position_seed`; worker_svc/request_state.py), so it draws the same tokens whatever else is
-in the batch and wherever it runs: a request recomputed after a preemption, or moved to
+(`position_seed`; a step's rows at once: `position_seeds`), so it draws the same tokens
+whatever else is in the batch and wherever it runs: a request recomputed after a preemption, or moved to
 another worker or device, draws for each position what it would have drawn without the
 move. The other rows' seeds come from the runner's generator.
 """
@@ -33,11 +33,40 @@ ARGMAX_CHUNK = 256  # first_argmax's chunk on the CPU (128-1024 within 10% at 32
 
 def position_seed(seed: int, position: int) -> int:
     """The seed of a seeded request's draw at output `position`: splitmix64 of the pair, so
-    neighbouring seeds and positions give unrelated streams (an int in [0, 2**64))."""
+    neighbouring seeds and positions give unrelated streams (an int in [0, 2**64)). The
+    reference of `position_seeds`, which the worker runs."""
     z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+def position_seeds(seeds: numpy.ndarray, positions: numpy.ndarray) -> numpy.ndarray:
+    """`position_seed` of each (seed, position) pair (int64 arrays; numpy's uint64 arithmetic
+    wraps as the Python reference's masks do), as int64 bit patterns."""
+    z = seeds.astype(numpy.int64).view(numpy.uint64) * numpy.uint64(0x9E3779B97F4A7C15)
+    z += positions.astype(numpy.uint64) + numpy.uint64(1)
+    z = (z ^ (z >> numpy.uint64(30))) * numpy.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> numpy.uint64(27))) * numpy.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> numpy.uint64(31))).view(numpy.int64)
+
+
+@dataclass(frozen=True)
+class RowSeeds:
+    """The rows of a batch that draw from seeds of their own: `bits` (int64 [S]) holds each
+    such row's seed (`position_seed`) as an int64 bit pattern where `own` (bool [S]) is
+    set; the other rows draw theirs from the sampler's generator."""
+
+    bits: numpy.ndarray
+    own: numpy.ndarray
+
+    @classmethod
+    def of(cls, seeds: Sequence[int | None]) -> "RowSeeds | None":
+        """From each row's seed or None; None when no row has one."""
+        if all(seed is None for seed in seeds):
+            return None
+        return cls(bits=numpy.array([0 if s is None else _signed(s) for s in seeds], dtype=numpy.int64),
+                   own=numpy.array([s is not None for s in seeds], dtype=bool))
 
 
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
@@ -94,16 +123,17 @@ def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, max_elements: int
                       for i in range(0, len(probs), rows)])
 
 
-def row_seeds(seeds: Sequence[int | None], generator: torch.Generator | None,
+def row_seeds(seeds: RowSeeds | None, rows: int, generator: torch.Generator | None,
               device: torch.device) -> torch.Tensor:
-    """int64 [S]: each row's draw seed (`position_seed`), or one from `generator` where None."""
-    drawn = torch.randint(-(1 << 63), (1 << 63) - 1, (len(seeds),), dtype=torch.int64,
+    """int64 [rows]: each row's draw seed, its own (`seeds`) or one from `generator`.
+    Every row draws from the generator either way, so its stream does not depend on
+    which rows are seeded."""
+    drawn = torch.randint(-(1 << 63), (1 << 63) - 1, (rows,), dtype=torch.int64,
                           generator=generator, device=device)
-    if all(seed is None for seed in seeds):
+    if seeds is None:
         return drawn
-    own = torch.tensor([0 if s is None else _signed(s) for s in seeds], dtype=torch.int64)
-    mine = torch.tensor([s is not None for s in seeds])
-    return torch.where(mine.to(device, non_blocking=True), own.to(device, non_blocking=True), drawn)
+    own = torch.from_numpy(seeds.bits).to(device, non_blocking=True)
+    return torch.where(torch.from_numpy(seeds.own).to(device, non_blocking=True), own, drawn)
 
 
 def row_settings(p, vocab_size: int) -> tuple[float, int, float, float]:
@@ -124,7 +154,7 @@ class SamplingBatch:
     greedy: torch.Tensor  # bool [S] (or int 0/1)
     top_ks: torch.Tensor | None  # int [S], vocab size where off; None: no row uses it
     top_ps: torch.Tensor | None  # float32 [S], 1.0 where off; None: no row uses it
-    seeds: tuple[int | None, ...]  # per row: its draw's seed (position_seed); None: the shared generator's
+    seeds: RowSeeds | None  # the rows with draw seeds of their own (position_seed); None: no row
     all_greedy: bool
     min_ps: torch.Tensor | None = None  # float32 [S], 0 where off; None: no row uses it
     logit_bias: SparseEdit | None = None
@@ -132,6 +162,7 @@ class SamplingBatch:
     penalties: Penalties | None = None
     # bool [S, V], True where the row's grammar allows the token; None: no grammar row
     allowed: torch.Tensor | None = None
+    any_greedy: bool = True  # False: no row is greedy (no argmax of the logits is needed)
 
     @classmethod
     def build(cls, params: Sequence, seeds: Sequence[int | None],
@@ -159,7 +190,8 @@ class SamplingBatch:
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             top_ks=torch.tensor(ks, dtype=torch.long, device=device) if use_k else None,
             top_ps=torch.tensor(ps, dtype=torch.float32, device=device) if use_p else None,
-            seeds=tuple(seeds),
+            seeds=RowSeeds.of(seeds),
+            any_greedy=any(greedy),
             all_greedy=all(greedy),
             min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device) if use_min_p else None,
             logit_bias=build_logit_bias(params, vocab_size, device),
@@ -266,11 +298,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     `generator` draws the seeds of rows without their own (`batch.seeds`); `race` is an
     `exponential_race` (a backend's fused kernel; None: the torch one here)."""
     logits = batch.process(logits)
-    greedy_ids = first_argmax(logits)
     if batch.all_greedy:
-        return greedy_ids
+        return first_argmax(logits)
     scaled = apply_min_p(logits / batch.temperatures[:, None], batch.min_ps)
     scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
     probs = scaled.softmax(dim=-1)
-    sampled = (race or exponential_race)(probs, row_seeds(batch.seeds, generator, probs.device))
-    return torch.where(batch.greedy.bool(), greedy_ids, sampled)
+    sampled = (race or exponential_race)(probs, row_seeds(batch.seeds, len(probs), generator, probs.device))
+    if not batch.any_greedy:
+        return sampled
+    return torch.where(batch.greedy.bool(), first_argmax(logits), sampled)
