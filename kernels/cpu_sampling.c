@@ -19,6 +19,7 @@ static inline uint64_t noise_bits(uint64_t seed, uint64_t token) {
 
 #define CHUNK 256 /* entries tested together (loops the compiler vectorizes) */
 #define MARGIN (1.0f + 0x1p-18f) /* covers logf's error, the division's and the test's roundings */
+#define SKIP_FROM 0x1p-100f /* below it a product may be subnormal, its error not relative: no skipping */
 
 static int64_t race_row(const float *p, uint64_t seed, int64_t vocab) {
     float best = -1.0f; /* every x is >= 0, or NaN, made +inf */
@@ -34,16 +35,17 @@ static int64_t race_row(const float *p, uint64_t seed, int64_t vocab) {
            rounding: an entry with p * MARGIN <= best * (1 - u) cannot beat `best` (nor tie
            it: ties keep the first). `best` only grows, so the chunk's first value is a
            safe bound for all of it. A NaN p is never ruled out. */
+        float bound = best >= SKIP_FROM ? best : -1.0f;
         int any = 0;
         for (int64_t i = 0; i < n; i++) {
-            maybe[i] = !(pc[i] * MARGIN <= best * (1.0f - u[i]));
+            maybe[i] = !(pc[i] * MARGIN <= bound * (1.0f - u[i]));
             any |= maybe[i];
         }
         if (!any)
             continue;
         for (int64_t i = 0; i < n; i++) {
-            if (!maybe[i] || pc[i] * MARGIN <= best * (1.0f - u[i])) /* again, with `best` now */
-                continue;
+            if (!maybe[i] || (best >= SKIP_FROM && pc[i] * MARGIN <= best * (1.0f - u[i])))
+                continue; /* again, with `best` now */
             float x = pc[i] / -logf(u[i]);
             if (x != x)
                 x = INFINITY;

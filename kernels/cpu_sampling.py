@@ -12,10 +12,11 @@ skips the logarithm where it cannot matter, in chunks of 256 entries:
         x = p[v] / -logf(u)                         # a NaN counts as the largest
         if x > best: best, best_v = x, v            # strictly: ties keep the first
 
-The bound is rigorous for rows of probabilities: -log(u) >= 1 - u, and the margin covers
-logf's error (within two ulp), the division's rounding and the test's own, so a skipped
-entry's x is below `best`. (Those relative bounds hold above fp32's subnormal range; a row
-that sums to 1 has its winner's x there, >= 1 / (17 V).)
+The bound is rigorous: -log(u) >= 1 - u, and the margin covers logf's error (within two
+ulp), the division's rounding and the test's own, so a skipped entry's x is below `best`.
+Those relative error bounds hold for normal floats, so nothing is skipped while `best` is
+below 2**-100 (then every product the test makes is normal; a softmax row's best is far
+above it: its winner's x is >= 1 / (17 V)).
 Few entries pass it: an entry passes with probability about p / best, so a row computes
 about 1 / best + log(V) logarithms in all.
 
@@ -51,8 +52,9 @@ class CpuRace:
         self._cast = ffi.cast
 
     def __call__(self, probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-        """int64 [S]: per row of `probs` (fp32 [S, V] on the CPU, rows contiguous) the first
-        index of the largest `probs / keyed_exponential(seeds, V)`; `seeds` int64 [S]."""
+        """int64 [S]: per row of `probs` (fp32 [S, V] on the CPU, rows contiguous; finite
+        or NaN) the first index of the largest `probs / keyed_exponential(seeds, V)`;
+        `seeds` int64 [S]."""
         if (probs.dim() != 2 or probs.dtype != torch.float32 or probs.device.type != "cpu"
                 or probs.stride(-1) != 1):
             raise ValueError(f"probs must be fp32 [S, V] on the CPU with contiguous rows, got "

@@ -93,8 +93,9 @@ class StepRecorder:
         self.tokens.observe(sum(scheduled.values()))
         if result.HasField("gap_seconds"):
             self.gap.observe(result.gap_seconds)
-        self.forward.observe(result.forward_seconds)
-        self.sample.observe(result.sample_seconds)
+        if result.HasField("forward_seconds"):  # the step ran the model
+            self.forward.observe(result.forward_seconds)
+            self.sample.observe(result.sample_seconds)
 
     def snapshot(self) -> StepHistograms:
         return StepHistograms(duration=self.duration.snapshot(), batch_size=self.batch_size.snapshot(),
@@ -205,7 +206,8 @@ _STEP_HISTOGRAMS = (
     ("pagedserve:step_duration_seconds", "one step on the worker's compute thread: the host's work, "
      "the forward and sampling", "duration"),
     ("pagedserve:step_forward_seconds", "the model's forward in one step (on a GPU: launching it)", "forward"),
-    ("pagedserve:step_sample_seconds", "the sampler's pass over one step's logits", "sample"),
+    ("pagedserve:step_sample_seconds", "the sampling after a step's forward, the sampled ids' copy to the "
+     "host included (on a GPU: waiting for the forward)", "sample"),
     ("pagedserve:step_batch_size", "requests in one step", "batch_size"),
     ("pagedserve:iteration_tokens_total", "tokens computed in one step", "tokens"),
     ("pagedserve:step_gap_seconds", "the worker idle between two steps while requests went on: "

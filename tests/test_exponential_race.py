@@ -107,6 +107,17 @@ def test_nan_is_the_largest_and_ties_take_the_first(impl):
     assert torch.equal(race(probs, seeds), want)
 
 
+def test_rows_of_tiny_values_below_the_normal_range(impl):
+    """Rows of subnormal values (where the C kernel's bound, made for normal floats, is
+    not used: it skips nothing while its best is below 2**-100) draw what the torch race
+    draws."""
+    race, device = impl
+    for i, scale in enumerate((2.0 ** -126, 2.0 ** -135, 2.0 ** -140, 2.0 ** -149)):
+        probs, seeds = _batch(16, 700, "cpu", seed=40 + i)
+        probs, seeds = (probs * scale).to(device), seeds.to(device)
+        assert torch.equal(race(probs, seeds), exponential_race(probs, seeds)), scale
+
+
 def test_sample_takes_the_kernel_as_its_race(impl):
     race, device = impl
     rows, vocab = _shapes(device)[-1]

@@ -114,7 +114,8 @@ def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, max_elements: int
     [S, V]. The noise is made for a block of rows at a time, so its memory is bounded
     whatever the batch (the same draws either way: an entry depends on its seed and token).
     The contract and reference of the backends' fused races (one pass, the noise never
-    stored): kernels/cpu_sampling.py (C) and kernels/triton_sampling.py."""
+    stored; for rows that are finite or NaN, as a softmax's): kernels/cpu_sampling.py (C)
+    and kernels/triton_sampling.py."""
     vocab = probs.shape[-1]
     rows = max(1, max_elements // vocab)
     if len(probs) <= rows:
