@@ -13,6 +13,7 @@ import torch
 from proto import worker_pb2
 from worker_svc.input_batch import DUMMY_ROW, InputBatch
 from worker_svc.request_state import RequestState
+from worker_svc.sampler import position_seed
 
 BLOCK, WIDTH, GROUPS, VOCAB = 4, 12, 2, 50
 
@@ -43,6 +44,8 @@ class Model:
                                         num_computed_tokens=computed,
                                         sampling=worker_pb2.SamplingParams(temperature=self.rnd.choice([0.0, 0.7]),
                                                                            top_k=self.rnd.choice([0, 5])))
+        if self.rnd.random() < 0.5:  # a seeded request, over the whole int64 range
+            new.sampling.seed = self.rnd.randrange(-2**63, 2**63)
         self.states[rid] = RequestState(new, row=self.inputs.add(new.sampling, tables))
         self.tables[rid] = tables
 
@@ -97,6 +100,15 @@ class Model:
                 drawn = [s.sampling.temperature for s in samplers if s.sampling.temperature]
                 assert batch.sampling.temperatures[:len(greedy)][~batch.sampling.greedy.bool()].tolist() == \
                     pytest.approx(drawn)
+                assert batch.sampling.any_greedy == any(greedy)
+                seeded = [s.sampling.HasField("seed") for s in samplers]
+                seeds = batch.sampling.seeds
+                assert (seeds is None) == (not any(seeded))
+                if seeds is not None:  # each seeded row's seed for the position it samples now
+                    assert seeds.own.bool().tolist() == seeded
+                    assert [int(b) & (2**64 - 1) for b, own in zip(seeds.bits.tolist(), seeded) if own] == [
+                        position_seed(s.sampling.seed, s.num_output_tokens) for s in samplers
+                        if s.sampling.HasField("seed")]
         if pad_to is not None:  # padding: row 0's tables, position 0, context 1, K/V nowhere
             assert len(batch.input_ids) == pad_to == len(batch.attn.seq_lens)
             assert batch.positions[t:].tolist() == [0] * (pad_to - t)

@@ -22,6 +22,7 @@ staging buffer of int32 (pinned host memory on a GPU):
     seq_lens [R]     each request's context after the step
     query_start_loc [R + 1]                            logits_indices [S]  the rows that sample
     row_ids [R]      each request's row               the sampling rows' settings [S] x 4
+    seed_bits [S]    int64: each seeded sampling row's seed for this position (position_seeds)
     table diffs      (flat index, block id) pairs
 
 built in one Python pass over the requests (a decoding request's slot from its table row;
@@ -51,7 +52,7 @@ import torch
 from worker_svc.batch import AttentionMetadata, FlatBatch, GroupAttention, bidir_spans_of, effective_window, \
     whole_image_slices
 from worker_svc.request_state import RequestState
-from worker_svc.sampler import GREEDY_EPS, SamplingBatch, row_settings
+from worker_svc.sampler import GREEDY_EPS, RowSeeds, SamplingBatch, position_seeds, row_settings
 
 DUMMY_ROW = 0
 _NO_DIFFS = np.zeros(0, dtype=np.int64)
@@ -60,8 +61,10 @@ _NO_DIFFS.flags.writeable = False
 # multiples; "slots" has one token-length section per KV cache group.
 _TOKEN_SECTIONS = ("input_ids", "positions")
 _REQUEST_SECTIONS = ("seq_lens", "logits_indices", "row_ids", "temperatures", "greedy", "top_ks",
-                     "top_ps", "min_ps")
+                     "top_ps", "min_ps", "seeded")
 _FLOAT_SECTIONS = ("temperatures", "top_ps", "min_ps")
+# int64 sections (two int32 each per request), first in the buffer: 8-byte aligned
+_INT64_SECTIONS = ("seed_bits",)
 
 
 class _Buffers:
@@ -74,7 +77,8 @@ class _Buffers:
         self.tokens, self.requests, self.diffs = tokens, requests, diffs
         spans: dict[str, tuple[int, int]] = {}
         offset = 0
-        for name, length in ([(n, tokens) for n in _TOKEN_SECTIONS] + [("slots", groups * tokens)]
+        for name, length in ([(n, 2 * requests) for n in _INT64_SECTIONS]
+                             + [(n, tokens) for n in _TOKEN_SECTIONS] + [("slots", groups * tokens)]
                              + [("query_start_loc", requests + 1)]
                              + [(n, requests) for n in _REQUEST_SECTIONS]
                              + [("diff_index", diffs), ("diff_value", diffs)]):
@@ -89,6 +93,8 @@ class _Buffers:
             h, d = host[start:start + length], self.device_tensor[start:start + length]
             if name in _FLOAT_SECTIONS:
                 h, d = h.view(np.float32), d.view(torch.float32)
+            elif name in _INT64_SECTIONS:
+                h, d = h.view(np.int64), d.view(torch.int64)
             self.host[name], self.dev[name] = h, d
         self.host["slots"] = self.host["slots"].reshape(groups, tokens)
         self.dev["slots"] = self.dev["slots"].view(groups, tokens)
@@ -121,6 +127,8 @@ class InputBatch:
         self._tables_dev = self._device_tables()
         self._num_blocks = np.zeros(rows, dtype=np.int64)
         self._settings = np.zeros((rows, 4), dtype=np.float64)  # temperature, top_k, top_p, min_p
+        self._seeds = np.zeros(rows, dtype=np.int64)  # each row's request seed, where it has one
+        self._seeded = np.zeros(rows, dtype=bool)
         self._drawing: set[int] = set()  # rows that draw (not greedy): a step without them stages nothing
         self._free = list(range(rows - 1, DUMMY_ROW, -1))  # row 0 is nobody's
         self._pending: list[np.ndarray] = []  # flat indices of host table entries to ship
@@ -150,6 +158,8 @@ class InputBatch:
             self._grow()
         row = self._free.pop()
         settings = self._settings[row] = row_settings(params, self.vocab_size)
+        self._seeded[row] = params.HasField("seed")
+        self._seeds[row] = params.seed
         if settings[0] >= GREEDY_EPS:
             self._drawing.add(row)
         self.set_blocks(row, block_tables, replace=True)
@@ -199,6 +209,8 @@ class InputBatch:
         self._pending.clear()
         self._num_blocks = np.concatenate([self._num_blocks, np.zeros(old, dtype=np.int64)])
         self._settings = np.concatenate([self._settings, np.zeros((old, 4))])
+        self._seeds = np.concatenate([self._seeds, np.zeros(old, dtype=np.int64)])
+        self._seeded = np.concatenate([self._seeded, np.zeros(old, dtype=bool)])
         self._free.extend(range(rows - 1, old - 1, -1))
 
     # -- the step --------------------------------------------------------------------------------
@@ -347,7 +359,8 @@ class InputBatch:
                 return SamplingBatch(temperatures=d["temperatures"][:count], greedy=d["greedy"][:count],
                                      top_ks=None, top_ps=None, seeds=None, all_greedy=True)
             return greedy
-        settings = self._settings[[s.row for s in samplers]]
+        rows = [s.row for s in samplers]
+        settings = self._settings[rows]
         temps = settings[:, 0]
         greedy = temps < GREEDY_EPS
         h["temperatures"][:count] = np.where(greedy, 1.0, temps)
@@ -360,11 +373,19 @@ class InputBatch:
         use_p = bool((drawn[:, 2] < 1.0).any())
         use_min_p = bool((drawn[:, 3] > 0.0).any())
         all_greedy, any_greedy = bool(greedy.all()), bool(greedy.any())
+        seeded = self._seeded[rows]
+        any_seeded = bool(seeded.any())
+        if any_seeded:  # each seeded row's seed for the output position it samples now
+            positions = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in samplers),
+                                    dtype=np.int64, count=count)
+            h["seed_bits"][:count] = position_seeds(self._seeds[rows], positions)
+            h["seeded"][:count] = seeded
 
         def on_device(d: dict[str, torch.Tensor]) -> SamplingBatch:
             return SamplingBatch(
                 temperatures=d["temperatures"][:count], greedy=d["greedy"][:count],
                 top_ks=d["top_ks"][:count] if use_k else None, top_ps=d["top_ps"][:count] if use_p else None,
-                seeds=None, all_greedy=all_greedy, any_greedy=any_greedy,
+                seeds=RowSeeds(d["seed_bits"][:count], d["seeded"][:count]) if any_seeded else None,
+                all_greedy=all_greedy, any_greedy=any_greedy,
                 min_ps=d["min_ps"][:count] if use_min_p else None)
         return on_device

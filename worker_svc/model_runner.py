@@ -32,14 +32,12 @@ token_id NO_TOKEN_ID (there is none; it may come in a step that samples nothing 
 request). The step and the other requests go on.
 """
 
-import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy
 import torch
 
 from kernels.backend import get_attention_backend
@@ -61,7 +59,7 @@ from worker_svc.model.registry import load_config, load_vision_config
 from worker_svc.model.loader import load_model, resolve_dtype
 from worker_svc.published_embeddings import PublishedEmbeddings
 from worker_svc.request_state import RequestState, split_groups
-from worker_svc.sampler import RowSeeds, SamplingBatch, position_seeds, sample
+from worker_svc.sampler import SamplingBatch, sample
 from worker_svc.vision_step import ImageEmbedder, VisionStepStats, place_step_images
 
 
@@ -412,14 +410,8 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, reqs: tuple[RequestState, ...], sampling: SamplingBatch,
                 produced: dict[int, _Produced]) -> None:
-        """Sample on the device from the persistent batch's settings, with the per-step
-        edits and per-request seeds of the rows that need them; the ids come to the
-        host in one copy."""
-        own = numpy.fromiter((r.seeded for r in reqs), dtype=bool, count=len(reqs))
-        if own.any():  # each seeded row's seed for the position it samples now (RequestState)
-            seeds = numpy.fromiter((r.sampling.seed for r in reqs), dtype=numpy.int64, count=len(reqs))
-            positions = numpy.fromiter((r.num_output_tokens for r in reqs), dtype=numpy.int64, count=len(reqs))
-            sampling = dataclasses.replace(sampling, seeds=RowSeeds(position_seeds(seeds, positions), own))
+        """Sample on the device from the persistent batch's settings and seeds, with the
+        per-step edits of the rows that need them; the ids come to the host in one copy."""
         if any(r.edits or r.grammar is not None for r in reqs):
             vocab_size = self.model_config.vocab_size
             allowed = self.grammars.allowed([r.grammar for r in reqs], vocab_size, self.device) \

@@ -53,20 +53,23 @@ def position_seeds(seeds: numpy.ndarray, positions: numpy.ndarray) -> numpy.ndar
 
 @dataclass(frozen=True)
 class RowSeeds:
-    """The rows of a batch that draw from seeds of their own: `bits` (int64 [S]) holds each
-    such row's seed (`position_seed`) as an int64 bit pattern where `own` (bool [S]) is
-    set; the other rows draw theirs from the sampler's generator."""
+    """The rows of a batch that draw from seeds of their own, on the sampler's device:
+    `bits` (int64 [S]) holds each such row's seed (`position_seed`) as an int64 bit
+    pattern where `own` (bool, or int 0/1, [S]) is set; the other rows draw theirs from the
+    sampler's generator. The worker's come from its persistent batch
+    (worker_svc/input_batch.py), views of the step's one copy."""
 
-    bits: numpy.ndarray
-    own: numpy.ndarray
+    bits: torch.Tensor
+    own: torch.Tensor
 
     @classmethod
-    def of(cls, seeds: Sequence[int | None]) -> "RowSeeds | None":
+    def of(cls, seeds: Sequence[int | None], device: str | torch.device = "cpu") -> "RowSeeds | None":
         """From each row's seed or None; None when no row has one."""
         if all(seed is None for seed in seeds):
             return None
-        return cls(bits=numpy.array([0 if s is None else _signed(s) for s in seeds], dtype=numpy.int64),
-                   own=numpy.array([s is not None for s in seeds], dtype=bool))
+        return cls(bits=torch.tensor([0 if s is None else _signed(s) for s in seeds], dtype=torch.int64,
+                                     device=device),
+                   own=torch.tensor([s is not None for s in seeds], dtype=torch.bool, device=device))
 
 
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
@@ -133,8 +136,7 @@ def row_seeds(seeds: RowSeeds | None, rows: int, generator: torch.Generator | No
                           generator=generator, device=device)
     if seeds is None:
         return drawn
-    own = torch.from_numpy(seeds.bits).to(device, non_blocking=True)
-    return torch.where(torch.from_numpy(seeds.own).to(device, non_blocking=True), own, drawn)
+    return torch.where(seeds.own.bool(), seeds.bits, drawn)
 
 
 def row_settings(p, vocab_size: int) -> tuple[float, int, float, float]:
@@ -191,7 +193,7 @@ class SamplingBatch:
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             top_ks=torch.tensor(ks, dtype=torch.long, device=device) if use_k else None,
             top_ps=torch.tensor(ps, dtype=torch.float32, device=device) if use_p else None,
-            seeds=RowSeeds.of(seeds),
+            seeds=RowSeeds.of(seeds, device),
             any_greedy=any(greedy),
             all_greedy=all(greedy),
             min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device) if use_min_p else None,
