@@ -167,12 +167,15 @@ def plausible(body: dict, model: str) -> dict:
         body.pop(key, None)
     if isinstance(body.get("input"), list):
         body["input"] = [{"role": "user", "content": str(item)[:40]} for item in body["input"]] or "x"
+    def number(key: str) -> bool:  # (an extra key the fuzzer merged in may hold any JSON)
+        return isinstance(body.get(key), int) and not isinstance(body.get(key), bool)
+
     for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        if body.get(key) is not None:
+        if number(key):
             body[key] = body[key] % 6 + 1
-    if body.get("min_tokens"):
+    if number("min_tokens"):
         body["min_tokens"] %= 4
-    if body.get("n"):
+    if number("n") and body["n"]:
         body["n"] = body["n"] % 3 + 1
     body.pop("best_of", None)
     body.pop("suffix", None)

@@ -59,6 +59,22 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert out.tolist() == [6, 0, 0, 0]
 
 
+def test_a_grammar_that_allows_only_eos_wins_over_min_tokens():
+    """When the grammar's mask and the min_tokens ban leave a row nothing, the row keeps the
+    grammar's mask (its output must match: EOS here), not its raw logits; a row whose
+    grammar allows nothing at all keeps its raw logits."""
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 6] = 10.0  # the raw favourite, which no grammar below allows
+    params = [Params(temperature=0, min_tokens=2), Params(temperature=0.9, min_tokens=2, seed=3),
+              Params(temperature=0, min_tokens=2)]
+    allowed = torch.zeros(3, VOCAB, dtype=torch.bool)
+    allowed[:2, 0] = True  # the grammar is complete: only EOS (id 0) may follow
+    histories = [history([1, 2], [9])] * 3
+    batch = SamplingBatch.build(params, [None, 3, None], VOCAB, histories=histories, eos_token_ids=(0,),
+                                allowed=allowed)
+    assert sample(logits, batch, gen(0)).tolist() == [0, 0, 6]
+
+
 def reference_penalties(logits, params, histories):
     """Per row, per token: HF's repetition penalty, then OpenAI's frequency / presence."""
     out = logits.clone()

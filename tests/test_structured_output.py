@@ -129,3 +129,21 @@ def test_regex_choice_and_lark_outputs_match(tiny_model_dir):
             assert text in ("red", "green", "blue") and reason == "stop", (text, reason)
         else:
             assert re.fullmatch("n=[1-9][0-9]?;", text) and reason == "stop", (text, reason)
+
+
+def test_a_grammar_complete_before_min_tokens_ends_the_request(tiny_model_dir):
+    """An empty regex allows only EOS; with min_tokens it used to leave the row nothing, so
+    the raw logits drew a token the grammar refused (a 500 at the gateway). The grammar
+    wins: EOS, and the request stops. A choice completed before min_tokens ends the same way."""
+    runner = ModelRunner(RunnerConfig(model=str(tiny_model_dir), block_size=16, num_blocks=256))
+    eos = runner.model_config.eos_token_ids
+    requests = {
+        "empty": ([5, 6, 7], Params(max_tokens=8, min_tokens=1, grammar=worker_pb2.Grammar(kind="regex", spec=""))),
+        "choice": ([5, 6, 7], Params(max_tokens=40, min_tokens=30, temperature=1.0, seed=1,
+                                     grammar=worker_pb2.Grammar(kind="choice", spec=json.dumps(["red", "blue"])))),
+    }
+    out = run(runner, requests)
+    ids, reason = out["empty"]
+    assert reason == "stop" and text_of(runner, ids) == "" and all(i in eos for i in ids), (ids, reason)
+    ids, reason = out["choice"]
+    assert reason == "stop" and text_of(runner, ids) in ("red", "blue"), (ids, reason)

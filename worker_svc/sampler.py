@@ -222,8 +222,10 @@ class SamplingBatch:
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """The request-specific edits (module docstring), on a float32 copy of `logits`
         (`logits` itself when no row has one). A row that every edit together leaves without
-        a finite logit keeps its raw logits (only an absurd request, e.g. every token a stop
-        id under min_tokens, gets there)."""
+        a finite logit keeps its grammar's mask alone, so its output still matches (a
+        grammar that allows only EOS where min_tokens bans it: the grammar wins), else its
+        raw logits (only an absurd request, e.g. every token a stop id under min_tokens, or
+        a grammar that allows nothing, gets there)."""
         if not self.has_edits:
             return logits
         raw = logits
@@ -238,7 +240,11 @@ class SamplingBatch:
             logits = self.penalties.apply(logits)
         if self.allowed is not None or self.min_tokens_ban is not None:
             dead = torch.isneginf(logits.amax(dim=-1))
-            logits = torch.where(dead[:, None], raw.float(), logits)
+            fallback = raw.float()
+            if self.allowed is not None:
+                masked = fallback.masked_fill(~self.allowed, float("-inf"))
+                fallback = torch.where(torch.isneginf(masked.amax(dim=-1))[:, None], fallback, masked)
+            logits = torch.where(dead[:, None], fallback, logits)
         return logits
 
 
