@@ -31,7 +31,7 @@ class RequestState:
     image_hashes[i] (NewRequestData.mm_inputs, in prompt order; both empty for text)."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "row",
-                 "num_computed_tokens", "sampling", "seeded", "reply_channel",
+                 "num_computed_tokens", "sampling", "reply_channel",
                  "finish_reason", "grammar", "image_ranges", "image_hashes", "images_end", "failure",
                  "num_cached_tokens", "edits", "prompt_logprobs", "stop")
 
@@ -73,10 +73,6 @@ class RequestState:
         # The structured-output matcher (worker_svc/grammar.py), set by the runner when
         # sampling.grammar is; None for unconstrained requests.
         self.grammar = None
-        # Seeded requests only: each draw's seed comes from (seed, output position)
-        # (worker_svc/sampler.py `position_seed`; the runner's `_sample`), so the draw for a position is the same on any worker, after any
-        # preemption, migration or restart.
-        self.seeded = new.sampling.HasField("seed")
 
     @property
     def num_tokens(self) -> int:

@@ -10,10 +10,11 @@ The draw uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sa
 p. E is a function of (row seed, token id) alone (`keyed_exponential`: splitmix64 of the
 pair, in a few batched integer ops over the whole [S, V] block: no per-row generator, no
 per-row launch). A seeded request's row seed comes from (request seed, output position)
-(`position_seed`; a step's rows at once: `position_seeds`), so it draws the same tokens
-whatever else is in the batch and wherever it runs: a request recomputed after a preemption, or moved to
-another worker or device, draws for each position what it would have drawn without the
-move. The other rows' seeds come from the runner's generator.
+(`position_seed`; a step's rows at once: `position_seeds`, staged by the persistent batch,
+worker_svc/input_batch.py), so it draws the same tokens whatever else is in the batch and
+wherever it runs: a request recomputed after a preemption, or moved to another worker or
+device, draws for each position what it would have drawn without the move. The other
+rows' seeds come from the runner's generator.
 """
 
 import dataclasses
