@@ -212,6 +212,24 @@ class Driver:
         return step, output.result, elapsed, step_cost(self.cfg, self.elem, work, self.layer_elem, self.kv_elem)
 
 
+    def pipelined(self, steps: int) -> float:
+        """Median seconds per step over `steps` decode steps, each launched before the one
+        before finishes (as the worker service does on an accelerator: ModelRunner.launch /
+        finish), the scheduler planning one step ahead."""
+        step = self.scheduler.schedule()
+        launched = self.runner.launch(step)
+        times, last = [], time.perf_counter()
+        for _ in range(steps):
+            ahead = self.scheduler.schedule()  # planned before the update of the one in flight
+            ahead_launched = self.runner.launch(ahead)
+            self.scheduler.update(step, self.runner.finish(launched).result)
+            now = time.perf_counter()
+            times.append(now - last)
+            step, launched, last = ahead, ahead_launched, now
+        self.scheduler.update(step, self.runner.finish(launched).result)
+        return statistics.median(times)
+
+
 def count_kernels(driver: Driver) -> dict:
     """What one step launches: CUDA kernels from torch.profiler on a GPU; on the CPU, the
     aten operators that did work (views, reshapes and allocations left out)."""
@@ -279,6 +297,7 @@ def decode_roofline(args, rate: float, bandwidth: float, batch: int, runner: Mod
     if forwards:
         extra.update(forward_ms=statistics.median(forwards) * 1e3, sampling_ms=statistics.median(samplings) * 1e3,
                      host_ms=statistics.median(t - f - s for t, f, s in zip(times, forwards, samplings)) * 1e3)
+    pipelined_s = driver.pipelined(args.steps)
     if args.count_kernels:
         extra["kernels"] = count_kernels(driver)
     graphs = runner.graphs
@@ -292,6 +311,7 @@ def decode_roofline(args, rate: float, bandwidth: float, batch: int, runner: Mod
                 flops=cost.flops, bytes=cost.bytes, compute_ms=cost.flops / rate * 1e3,
                 memory_ms=cost.bytes / bandwidth * 1e3, floor_ms=floor * 1e3,
                 ratio=step_s / floor, phases_floor_ms=phases * 1e3, phases_ratio=step_s / phases,
+                pipelined_step_ms=pipelined_s * 1e3, pipelined_ratio=pipelined_s / floor,
                 tokens_per_s=batch / step_s,
                 bandwidth_utilisation=cost.bytes / step_s / bandwidth)
 
@@ -385,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({d['bytes'] / 1e6:.0f} MB) -> {d['ratio']:.2f}x the floor, "
               f"{d['bandwidth_utilisation']:.0%} of the {kind} bandwidth; the phases one after the "
               f"other {d['phases_floor_ms']:.2f} ms -> {d['phases_ratio']:.2f}x")
+        print(f"  launched ahead (each step before the one before finishes): {d['pipelined_step_ms']:.2f} ms "
+              f"a step -> {d['pipelined_ratio']:.2f}x the floor")
         if "host_ms" in d:
             print(f"  forward {d['forward_ms']:.2f} ms, the sampler's pass over the logits "
                   f"{d['sampling_ms']:.3f} ms, the host work around them {d['host_ms']:.3f} ms")

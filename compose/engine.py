@@ -130,9 +130,9 @@ class InProcessEngine:
         self._refresh_stats(idle=False)
         self.recorder.scheduled(self.scheduler, step)
         try:
-            self._gap.start()
+            gap = self._gap.start()
             output = self.runner.step(step)
-            self._gap.end(step, output.result)
+            self._gap.end(step, output.result, gap)
         except Exception:  # fail what ran, keep serving the rest
             log.exception("step %d failed", step.step_id)
             self._fail(self.scheduler.drain(), "the model step failed; see the server log")

@@ -61,3 +61,5 @@ def test_decode_roofline_runs_and_reports_its_bandwidth_share(tiny_model_dir, tm
         assert 0 < d["host_ms"] and 0 < d["sampling_ms"] and 0 < d["forward_ms"] < d["step_ms"]
         assert d["kernels"]["kind"] == "aten operators doing work" and d["kernels"]["count"] > 20
         assert d["cuda_graphs"] is False
+        assert d["pipelined_step_ms"] > 0 and d["pipelined_ratio"] == pytest.approx(
+            d["pipelined_step_ms"] / d["floor_ms"])

@@ -24,14 +24,17 @@ from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from worker_svc import server
 from worker_svc.config import RunnerConfig
+from worker_svc.model_runner import ModelRunner
 
 
 @contextlib.contextmanager
-def worker(model_dir, redis_url, batching: SchedulerConfig = SchedulerConfig(max_num_batched_tokens=16)):
+def worker(model_dir, redis_url, batching: SchedulerConfig = SchedulerConfig(max_num_batched_tokens=16),
+           launch_ahead: bool | None = None):
     """A worker service on a thread; yields (stub, a scheduler for it, the redis client)."""
     prefix = f"pipelining-{uuid.uuid4().hex[:8]}"
     config = server.WorkerServiceConfig(runner=RunnerConfig(model=str(model_dir), num_blocks=64),
-                                        port=0, redis_url=redis_url, key_prefix=prefix)
+                                        port=0, redis_url=redis_url, key_prefix=prefix,
+                                        launch_ahead=launch_ahead, drain_timeout_s=0)
     ready, stop = threading.Event(), threading.Event()
     serving = threading.Thread(target=server.serve, args=(config, ready, stop), daemon=True)
     serving.start()
@@ -86,8 +89,9 @@ def outputs_of(scheduler: BatchScheduler, stub, pipelined: bool, pool: ThreadPoo
     return finished
 
 
-def test_steps_planned_ahead_give_the_outputs_of_steps_in_lockstep(tiny_model_dir, redis_url):
-    with worker(tiny_model_dir, redis_url) as (stub, scheduler, client), \
+@pytest.mark.parametrize("launch_ahead", [False, True], ids=["finish-first", "launch-ahead"])
+def test_steps_planned_ahead_give_the_outputs_of_steps_in_lockstep(tiny_model_dir, redis_url, launch_ahead):
+    with worker(tiny_model_dir, redis_url, launch_ahead=launch_ahead) as (stub, scheduler, client), \
             ThreadPoolExecutor(4) as pool:
         channel, events = subscribed(client, scheduler)
         lockstep = outputs_of(scheduler, stub, False, pool)
@@ -126,16 +130,84 @@ def streamed_outputs(scheduler: BatchScheduler, stub):
     return finished
 
 
-def test_the_steps_stream_gives_the_outputs_of_one_call_a_step(tiny_model_dir, redis_url):
-    with worker(tiny_model_dir, redis_url) as (stub, scheduler, client), \
+def traced(monkeypatch) -> list[tuple[str, int]]:
+    """ModelRunner's launch and finish calls from now on, as (name, step id)."""
+    calls = []
+    for name in ("launch", "finish"):
+        def tracing(self, step, _name=name, _original=getattr(ModelRunner, name)):
+            calls.append((_name, (step if _name == "launch" else step.request).step_id))
+            return _original(self, step)
+        monkeypatch.setattr(ModelRunner, name, tracing)
+    return calls
+
+
+def launched_ahead(calls: list[tuple[str, int]]) -> list[int]:
+    """The steps launched before the step before them finished."""
+    return [step for i, (call, step) in enumerate(calls) if call == "launch" and ("finish", step - 1) in calls[i:]]
+
+
+@pytest.mark.parametrize("launch_ahead", [False, True], ids=["finish-first", "launch-ahead"])
+def test_the_steps_stream_gives_the_outputs_of_one_call_a_step(tiny_model_dir, redis_url, launch_ahead, monkeypatch):
+    calls = traced(monkeypatch)
+    with worker(tiny_model_dir, redis_url, launch_ahead=launch_ahead) as (stub, scheduler, client), \
             ThreadPoolExecutor(4) as pool:
         channel, events = subscribed(client, scheduler)
         streamed = streamed_outputs(scheduler, stub)
+        assert bool(launched_ahead(calls)) == launch_ahead
         assert len(streamed) == 3
         assert lockstep_outputs(scheduler, stub, channel, pool) == streamed
         published = read_published(events, 2 * sum(map(len, streamed.values())))
         assert {rid: out for rid, out in published.items() if not rid.endswith("-1")} == streamed
         events.close()
+
+
+def mixed_requests(channel: str, stop_token: int | None = None) -> list[NewRequest]:
+    """Greedy and seeded requests a step may launch ahead for, one with a stop token (it
+    finishes while the step after is in flight, where `stop_token` is one it samples),
+    and one with a penalty (its steps finish the step before first)."""
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18], [19, 20, 21]]
+    params = [SamplingParams(max_tokens=9, temperature=0.0),
+              SamplingParams(max_tokens=7, temperature=1.0, seed=11),
+              SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=3),
+              SamplingParams(max_tokens=9, temperature=0.0,
+                             stop_token_ids=[stop_token] if stop_token is not None else []),
+              SamplingParams(max_tokens=2, temperature=0.0, repetition_penalty=1.3)]
+    return [NewRequest(f"m{i}", prompt, sampling, channel, time.time())
+            for i, (prompt, sampling) in enumerate(zip(prompts, params))]
+
+
+def test_steps_launched_ahead_sample_what_steps_finished_first_sample(tiny_model_dir, redis_url, monkeypatch):
+    """Launched ahead, a step reads the tokens of the step in flight on the device: the
+    outputs (seeded draws, a stop token, a penalty's request) are those of a worker
+    that finishes each step first, and steps did launch ahead."""
+    calls = traced(monkeypatch)
+    outputs = {}
+    stop_token = None
+    for launch_ahead in (False, True):
+        with worker(tiny_model_dir, redis_url, launch_ahead=launch_ahead) as (stub, scheduler, client):
+            channel, events = f"out:{uuid.uuid4().hex[:8]}", None
+            if launch_ahead:
+                events = client.pubsub()
+                events.subscribe(channel)
+            for req in mixed_requests(channel, stop_token):
+                scheduler.add_request(req)
+            calls.clear()
+            outputs[launch_ahead] = streamed_outputs(scheduler, stub)
+            if not launch_ahead:  # the third token m3 samples stops it, with a step ahead in flight
+                stop_token = outputs[False]["m3"][2]
+                assert stop_token not in outputs[False]["m3"][:2]
+                for req in mixed_requests(channel, stop_token):
+                    scheduler.add_request(msgspec.structs.replace(req, request_id=req.request_id + "-stop"))
+                outputs[False] = {rid.removesuffix("-stop"): out
+                                  for rid, out in streamed_outputs(scheduler, stub).items() if rid.endswith("-stop")}
+                assert len(outputs[False]["m3"]) == 3
+                assert [c for c, _ in calls if c == "launch"]  # traced
+            else:
+                assert len(launched_ahead(calls)) >= 3, str(calls)
+                published = read_published(events, sum(map(len, outputs[True].values())))
+                assert published == outputs[True]
+                events.close()
+    assert outputs[True] == outputs[False]
 
 
 def read_published(events, num_tokens: int) -> dict[str, list[int]]:
@@ -188,8 +260,9 @@ def bad_step_and_one_after() -> tuple[worker_pb2.StepRequest, worker_pb2.StepReq
     return bad, after
 
 
-def test_a_failed_step_ends_the_steps_stream_with_its_status(tiny_model_dir, redis_url):
-    with worker(tiny_model_dir, redis_url) as (stub, _, _):
+@pytest.mark.parametrize("launch_ahead", [False, True], ids=["finish-first", "launch-ahead"])
+def test_a_failed_step_ends_the_steps_stream_with_its_status(tiny_model_dir, redis_url, launch_ahead):
+    with worker(tiny_model_dir, redis_url, launch_ahead=launch_ahead) as (stub, _, _):
         results = stub.Steps(iter(bad_step_and_one_after()), timeout=30)
         with pytest.raises(grpc.RpcError) as err:
             next(results)
@@ -202,8 +275,10 @@ def test_a_failed_step_ends_the_steps_stream_with_its_status(tiny_model_dir, red
         assert stub.Health(worker_pb2.HealthRequest(), timeout=5).num_requests == 1  # y; x never ran
 
 
-def test_a_step_planned_after_a_failed_one_fails_without_running(tiny_model_dir, redis_url):
-    with worker(tiny_model_dir, redis_url) as (stub, scheduler, _), ThreadPoolExecutor(2) as pool:
+@pytest.mark.parametrize("launch_ahead", [False, True], ids=["finish-first", "launch-ahead"])
+def test_a_step_planned_after_a_failed_one_fails_without_running(tiny_model_dir, redis_url, launch_ahead):
+    with worker(tiny_model_dir, redis_url, launch_ahead=launch_ahead) as (stub, scheduler, _), \
+            ThreadPoolExecutor(2) as pool:
         bad, after = bad_step_and_one_after()
         bad.step_id, after.step_id, after.after_step_id = 2, 3, 2
         first = pool.submit(stub.Step, bad, timeout=30)

@@ -37,9 +37,11 @@ Two buffers exist. The eager one is sized for the step (grown when a step needs 
 graph one is fixed at `graph_capacity` requests, so that captured CUDA graphs
 (worker_svc/cuda_graphs.py) read their inputs at fixed addresses: `prepare(..., pad_to=b)`
 lays a pure-decode step out there, padded to `b` rows (row 0, position 0, slot -1,
-context 1). Both are reused every step: a step's tensors are valid until the next
-`prepare` (the runner finishes a step -- its sampled ids copied to the host -- before it
-prepares the next, so a non-blocking copy never overwrites inputs still being read).
+context 1). Both are reused every step. On the device, a step's copy is ordered after the
+kernels of the step before, so it never overwrites inputs still being read; on the host,
+`prepare` waits until the step before's copy has left a buffer before writing it again
+(the step before may still be running: the runner launches a step ahead of the one before
+finishing, worker_svc/model_runner.py).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ _NO_DIFFS.flags.writeable = False
 # multiples; "slots" has one token-length section per KV cache group.
 _TOKEN_SECTIONS = ("input_ids", "positions")
 _REQUEST_SECTIONS = ("seq_lens", "logits_indices", "row_ids", "temperatures", "greedy", "top_ks",
-                     "top_ps", "min_ps", "seeded")
+                     "top_ps", "min_ps", "seeded", "ahead_dst", "ahead_src")
 _FLOAT_SECTIONS = ("temperatures", "top_ps", "min_ps")
 # int64 sections (two int32 each per request), first in the buffer: 8-byte aligned
 _INT64_SECTIONS = ("seed_bits",)
@@ -99,6 +101,14 @@ class _Buffers:
         self.host["slots"] = self.host["slots"].reshape(groups, tokens)
         self.dev["slots"] = self.dev["slots"].view(groups, tokens)
         self.separate = separate
+        self._copied: torch.cuda.Event | None = None  # the last copy, on a GPU
+
+    def writable(self) -> _Buffers:
+        """The host buffer, once the last copy from it is done (at once but on a GPU)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        return self
 
     def fits(self, tokens: int, requests: int, diffs: int) -> bool:
         return tokens <= self.tokens and requests <= self.requests and diffs <= self.diffs
@@ -107,6 +117,9 @@ class _Buffers:
         """The one host-to-device copy of the step (none on the CPU)."""
         if self.separate:
             self.device_tensor.copy_(self.host_tensor, non_blocking=True)
+            if self.device_tensor.is_cuda:
+                self._copied = torch.cuda.Event()
+                self._copied.record()
 
 
 class InputBatch:
@@ -216,11 +229,16 @@ class InputBatch:
     # -- the step --------------------------------------------------------------------------------
 
     def prepare(self, scheduled: Sequence[tuple[RequestState, int]], plan_fn: Callable,
-                windows: Sequence[int | None], pad_to: int | None = None) -> FlatBatch:
+                windows: Sequence[int | None], pad_to: int | None = None,
+                ahead_ids: torch.Tensor | None = None) -> FlatBatch:
         """The step's FlatBatch (worker_svc/batch.py) for `scheduled` (request, tokens to
         compute) in batch order. `plan_fn`: the attention backend's plan, called once per
         KV cache group with its window. `pad_to`: lay a pure-decode step out in the graph
-        buffers, padded to that many requests (None: the eager buffers, unpadded)."""
+        buffers, padded to that many requests (None: the eager buffers, unpadded).
+        `ahead_ids`: the sampled ids, still on the device, of the step launched before
+        this one and not finished yet: a request whose next token is one of them
+        (num_computed_tokens == len(token_ids); at `req.ahead` in them) computes it from
+        there, copied into input_ids on the device after the step's one copy."""
         num_reqs = len(scheduled)
         bs, groups, host_tables, have = self.block_size, range(self.num_groups), self._tables, self._num_blocks
         rows: list[int] = []
@@ -232,11 +250,18 @@ class InputBatch:
         samplers: list[RequestState] = []
         sample_rows: list[int] = []
         images = []
+        ahead_dst: list[int] = []  # batch positions whose token is in ahead_ids ...
+        ahead_src: list[int] = []  # ... at these indices
         token = width = 0
         for req, n in scheduled:  # per-request scalars in Python: a handful of requests' numpy calls cost more
             start, row, tokens = req.num_computed_tokens, req.row, req.token_ids
             end = start + n
-            if n <= 0 or end > len(tokens):
+            known = len(tokens)
+            if start == known:  # its next token was sampled by the step in flight
+                if ahead_ids is None or n != 1:
+                    raise ValueError(f"request {req.request_id!r}: its next token is not sampled yet")
+                known += 1
+            if n <= 0 or end > known:
                 raise ValueError(f"request {req.request_id!r}: cannot compute {n} tokens from "
                                  f"{start} (it has {len(tokens)})")
             need = -(-end // bs)
@@ -247,7 +272,12 @@ class InputBatch:
             rows.append(row)
             ends.append(end)
             if n == 1:
-                ids.append(tokens[start])
+                if start < len(tokens):
+                    ids.append(tokens[start])
+                else:
+                    ids.append(0)
+                    ahead_dst.append(token)
+                    ahead_src.append(req.ahead)
                 positions.append(start)
                 for g in groups:
                     slots[g].append(int(host_tables[g, row, start // bs]) * bs + start % bs)
@@ -261,7 +291,7 @@ class InputBatch:
                 images.extend((req, s) for s in whole_image_slices(req, start, n, token))
             token += n
             query_start_loc.append(token)
-            if end == len(tokens):
+            if end == known:
                 samplers.append(req)
                 sample_rows.append(token - 1)
         num_tokens = token
@@ -276,6 +306,7 @@ class InputBatch:
                 self._apply_diffs(self._eager_buffers(0, 0, len(diffs)), diffs)
                 diffs = diffs[:0]
             width = self.width
+            buf.writable()
         else:
             buf = self._eager_buffers(num_tokens, num_reqs, len(diffs))
         total_tokens = num_tokens if pad_to is None else pad_to
@@ -297,9 +328,16 @@ class InputBatch:
             h["seq_lens"][num_reqs:total_reqs] = 1
             h["row_ids"][num_reqs:total_reqs] = DUMMY_ROW
             h["logits_indices"][len(sample_rows):total_reqs] = np.arange(len(sample_rows), total_reqs)
+        if ahead_dst:
+            h["ahead_dst"][:len(ahead_dst)] = ahead_dst
+            h["ahead_src"][:len(ahead_src)] = ahead_src
         sampling = self._stage_sampling(h, samplers)
         self._apply_diffs(buf, diffs)
         d = buf.dev
+        if ahead_dst:  # stream-ordered after the copy: the ids never visit the host
+            count = len(ahead_dst)
+            d["input_ids"].index_put_((d["ahead_dst"][:count],),
+                                      ahead_ids.index_select(0, d["ahead_src"][:count]).to(torch.int32))
         row_ids = d["row_ids"][:total_reqs]
         if pad_to is not None:
             tables = self.graph_tables[:, :pad_to]
@@ -333,7 +371,7 @@ class InputBatch:
             old = self._eager
             self._eager = _Buffers(max(tokens, old.tokens * 2), max(requests, old.requests * 2),
                                    max(diffs, old.diffs * 2), self.num_groups, self.device, self._on_gpu)
-        return self._eager
+        return self._eager.writable()
 
     def _apply_diffs(self, buf: _Buffers, diffs: np.ndarray) -> None:
         """Ship `buf` to the device with the table entries `diffs` (flat indices), and
@@ -376,7 +414,8 @@ class InputBatch:
         seeded = self._seeded[rows]
         any_seeded = bool(seeded.any())
         if any_seeded:  # each seeded row's seed for the output position it samples now
-            positions = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in samplers),
+            positions = np.fromiter((len(s.token_ids) + (s.num_computed_tokens == len(s.token_ids))
+                                     - s.num_prompt_tokens for s in samplers),
                                     dtype=np.int64, count=count)
             h["seed_bits"][:count] = position_seeds(self._seeds[rows], positions)
             h["seeded"][:count] = seeded

@@ -24,6 +24,15 @@ No transport here (the gRPC server and Redis publishing wrap it). One step:
 Requests that finished keep their state until the scheduler forgets them, but are never
 computed or sampled again (a scheduler that still lists them gets nothing for them).
 
+A step is `launch`ed (steps 0-4, up to the sampled ids on the device, their copy to the
+host started) and then `finish`ed (5: the ids read, appended, the result and events made);
+`step` is both. The worker service launches a step planned ahead before finishing the one
+in flight where `can_launch_ahead` allows (worker_svc/server.py): a token that step sampled
+is then in flight (num_computed_tokens == len(token_ids)), and the new step reads it from
+the device (InputBatch.prepare's ahead_ids), so the host prepares step k+1 while the
+device runs step k. A request that step k finishes is then computed once more by k+1, for
+nothing: k+1's finish gives it nothing.
+
 A request that cannot run here -- images on a worker without a vision encoder or media
 source, placeholder ranges that are not the model's, an image expired from the media store
 or undecodable -- fails alone, in the step it is scheduled in, without being computed: an
@@ -45,13 +54,15 @@ from kvstore.cache_tensors import KVCacheTensors, num_blocks_for_memory, resolve
 from kvstore.kv_cache_groups import kv_capacity
 from proto import worker_pb2
 from proto.model_source import resolve_model
-from proto.messages import NO_TOKEN_ID, Logprobs, TokenEvent
+from proto.messages import NO_TOKEN_ID, TokenEvent
 from worker_svc.cuda_graphs import DecodeGraphs, GraphMemoryError, decode_graph_sizes
 from worker_svc.input_batch import InputBatch
+from worker_svc.launched_step import LaunchedStep, Produced, SampledIds
 from worker_svc.config import RunnerConfig
 from worker_svc.cpu_threads import CpuShare, choose_threads
 from worker_svc.grammar import GrammarCompiler
 from worker_svc.kv_budget import kv_cache_bytes
+from worker_svc.logits_processors import uses_edits
 from worker_svc.logprobs import gather_logprobs, prompt_logprob_rows
 from worker_svc.media_encoder import MediaEncoder
 from worker_svc.media_source import MediaSource
@@ -75,17 +86,6 @@ class StepOutput:
     result: worker_pb2.StepResult
     events: dict[str, list[TokenEvent]]  # reply channel → that channel's events this step
     vision: VisionStepStats | None = None  # what the step's images cost; None: no image in the step
-
-
-@dataclass(slots=True)
-class _Produced:
-    """What one request got from a step: a sampled token, and/or prompt logprobs."""
-
-    state: RequestState
-    token_id: int | None = None
-    logprobs: Logprobs | None = None
-    prompt_logprobs: list[Logprobs] | None = None
-    prompt_index: int = 0  # prompt position of prompt_logprobs[0]
 
 
 class ModelRunner:
@@ -171,6 +171,7 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         self.requests: dict[str, RequestState] = {}
         self._prompt_logprobs: set[str] = set()  # the requests held that ask for prompt logprobs
+        self._ahead_ids: torch.Tensor | None = None  # the last launched step's sampled ids, on the device
         self.grammars = GrammarCompiler(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
 
     def _graph_memory(self, sizes: list[int]) -> int:
@@ -280,13 +281,43 @@ class ModelRunner:
         return self.vision.check(state)
 
     def step(self, request: worker_pb2.StepRequest) -> StepOutput:
+        return self.finish(self.launch(request))
+
+    def launch(self, request: worker_pb2.StepRequest) -> LaunchedStep:
+        """Steps 0-4 up to the sampled ids, on the device (`finish` takes them to the host).
+        One step may be launched while the one before is not finished, where
+        `can_launch_ahead` says so: a token that step sampled is then read from the device."""
         start = time.perf_counter()
         if self.cpu_share is not None and (threads := self.cpu_share.threads()):
             torch.set_num_threads(threads)
         with torch.inference_mode():
-            return self._step(request, start)
+            launched = self._launch(request)
+        launched.launch_seconds = time.perf_counter() - start
+        return launched
 
-    def _step(self, request: worker_pb2.StepRequest, start: float) -> StepOutput:
+    def can_launch_ahead(self, request: worker_pb2.StepRequest) -> bool:
+        """Whether `request` may launch before the step in flight finishes: nothing it does
+        reads what that step's sampled tokens change on the host (a grammar's state, the
+        penalties' counts, min_tokens), and nothing in it waits for the device (logprobs
+        read on the host, images encoded, blocks swapped or copied)."""
+        if (request.blocks_to_swap_out or request.blocks_to_swap_in or request.blocks_to_copy
+                or request.swapped_out_request_ids):
+            return False
+        for new in request.new_requests:
+            sampling = new.sampling
+            if new.mm_inputs or sampling.HasField("grammar") or sampling.HasField("prompt_logprobs") \
+                    or sampling.HasField("logprobs") or uses_edits(sampling):
+                return False
+        for request_id in request.num_scheduled_tokens:
+            state = self.requests.get(request_id)
+            if state is not None and (state.grammar is not None or state.edits or state.sampling.HasField("logprobs")
+                                      or state.num_computed_tokens < state.images_end
+                                      or (state.prompt_logprobs is not None
+                                          and state.num_computed_tokens < state.num_prompt_tokens - 1)):
+                return False
+        return True
+
+    def _launch(self, request: worker_pb2.StepRequest) -> LaunchedStep:
         self._swap_out(request)
         self._update_states(request)
         self._copy_in(request)
@@ -313,25 +344,40 @@ class ModelRunner:
                     items_encoded=vision.items_encoded, seconds=vision.seconds))
         for state, message in failed:
             self._fail(state, message, result, events)
-        if scheduled:
-            produced, result.forward_seconds, result.sample_seconds = self._execute(scheduled, embeddings)
-            for out in produced:
-                state, reason = out.state, None
-                if out.token_id is not None:
-                    reason = self._append(state, out.token_id)
-                    result.sampled.add(request_id=state.request_id, token_id=out.token_id,
-                                       finish_reason=reason or "")
-                sampled = [out.token_id] if out.token_id is not None else []
-                index = state.num_output_tokens - len(sampled)
-                events.setdefault(state.reply_channel, []).append(TokenEvent(
-                    request_id=state.request_id, index=index,
-                    token_ids=sampled, finish_reason=reason,
-                    error=(state.grammar.error or None) if reason == "error" else None,
-                    logprobs=[out.logprobs] if out.logprobs is not None else None,
-                    prompt_logprobs=out.prompt_logprobs or None, prompt_index=out.prompt_index,
-                    num_cached_tokens=state.num_cached_tokens if sampled and index == 0 else 0))
-        result.execute_seconds = time.perf_counter() - start
-        return StepOutput(result=result, events=events, vision=vision)
+        if not scheduled:
+            return LaunchedStep(request, result, events, vision, {})
+        produced, sampled, ids, result.forward_seconds, result.sample_seconds = self._execute(scheduled, embeddings)
+        return LaunchedStep(request, result, events, vision, produced, sampled, ids)
+
+    def finish(self, launched: LaunchedStep) -> StepOutput:
+        """Step 5: the sampled ids on the host, appended, and the step's result and events.
+        A request that the step before finished while this one was launched ahead of it
+        was computed for nothing: it gets nothing here."""
+        start = time.perf_counter()
+        produced, result, events = launched.produced, launched.result, launched.events
+        if launched.ids is not None:
+            for state, token_id in zip(launched.sampled, launched.ids.tolist()):
+                produced[id(state)].token_id = token_id
+        for out in produced.values():
+            state, reason = out.state, None
+            if state.finish_reason is not None:
+                continue
+            if out.token_id is not None:
+                reason = self._append(state, out.token_id)
+                result.sampled.add(request_id=state.request_id, token_id=out.token_id,
+                                   finish_reason=reason or "")
+            sampled = [out.token_id] if out.token_id is not None else []
+            index = state.num_output_tokens - len(sampled)
+            events.setdefault(state.reply_channel, []).append(TokenEvent(
+                request_id=state.request_id, index=index,
+                token_ids=sampled, finish_reason=reason,
+                error=(state.grammar.error or None) if reason == "error" else None,
+                logprobs=[out.logprobs] if out.logprobs is not None else None,
+                prompt_logprobs=out.prompt_logprobs or None, prompt_index=out.prompt_index,
+                num_cached_tokens=state.num_cached_tokens if sampled and index == 0 else 0))
+        # the step's own time: its launch and its finish, not what ran between them
+        result.execute_seconds = launched.launch_seconds + time.perf_counter() - start
+        return StepOutput(result=result, events=events, vision=launched.vision)
 
     def _embed_images(self, scheduled: list[tuple[RequestState, int]], failed: list[tuple[RequestState, str]]):
         """The embeddings of the images the scheduled chunks hold (worker_svc/vision_step.py).
@@ -360,14 +406,16 @@ class ModelRunner:
             error=message))
 
     def _execute(self, scheduled: list[tuple[RequestState, int]],
-                 image_embeddings: dict[str, torch.Tensor] | None = None) -> tuple[list[_Produced], float, float]:
+                 image_embeddings: dict[str, torch.Tensor] | None = None):
         """Forward the flat batch (with the images' embeddings by content hash over their
         soft tokens' rows), advance num_computed_tokens, sample, gather logprobs. Returns
-        what each request produced, and the seconds of the forward and of the sampling."""
+        what each request produced (by id(state); token ids still to come), the requests
+        that sampled, their sampled ids, and the seconds of the forward and of the sampling."""
         prompt_rows, prompt_targets, prompt_ks, prompt_parts = (
             prompt_logprob_rows(scheduled) if self._prompt_logprobs else ((), (), (), ()))
         size = self._graph_size(scheduled) if self.graphs is not None and not prompt_rows else None
-        batch = self.inputs.prepare(scheduled, self.plan_attention, self.kv_layout.windows, pad_to=size)
+        batch = self.inputs.prepare(scheduled, self.plan_attention, self.kv_layout.windows, pad_to=size,
+                                    ahead_ids=self._ahead_ids)
         forward_start = time.perf_counter()
         if size is not None:  # every request decodes and samples: the rows are the requests
             y, residual = self.graphs.replay(size)
@@ -387,31 +435,37 @@ class ModelRunner:
         for state, n in scheduled:
             state.num_computed_tokens += n
         reqs = batch.sampling_requests
-        produced = {id(r): _Produced(r) for r in reqs}
+        produced = {id(r): Produced(r) for r in reqs}
         if prompt_rows:
             logprobs = gather_logprobs(logits[len(reqs):], torch.tensor(prompt_targets, device=self.device),
                                        prompt_ks)
             start = 0
             for state, position, count in prompt_parts:
-                out = produced.setdefault(id(state), _Produced(state))
+                out = produced.setdefault(id(state), Produced(state))
                 out.prompt_logprobs, out.prompt_index = logprobs[start:start + count], position
                 start += count
         sample_start = time.perf_counter()
+        ids = None
         if reqs:
-            self._sample(logits[:len(reqs)], reqs, batch.sampling, produced)
-        return list(produced.values()), forward_seconds, time.perf_counter() - sample_start
+            ids = SampledIds(self._sample(logits[:len(reqs)], reqs, batch.sampling, produced))
+            self._ahead_ids = ids.device
+            for j, state in enumerate(reqs):
+                state.ahead = j
+        return produced, reqs, ids, forward_seconds, time.perf_counter() - sample_start
 
     def _graph_size(self, scheduled: list[tuple[RequestState, int]]) -> int | None:
-        """The captured size a step replays: every request computes its last token (one) and
-        samples, and there are at most the largest size of them; else None (eager)."""
-        if all(n == 1 and state.num_computed_tokens + 1 == len(state.token_ids) for state, n in scheduled):
+        """The captured size a step replays: every request computes its last token (one, on
+        the host or in flight) and samples, and there are at most the largest size of them;
+        else None (eager)."""
+        if all(n == 1 and len(state.token_ids) - 1 <= state.num_computed_tokens for state, n in scheduled):
             return self.graphs.size_for(len(scheduled))
         return None
 
     def _sample(self, logits: torch.Tensor, reqs: tuple[RequestState, ...], sampling: SamplingBatch,
-                produced: dict[int, _Produced]) -> None:
+                produced: dict[int, Produced]) -> torch.Tensor:
         """Sample on the device from the persistent batch's settings and seeds, with the
-        per-step edits of the rows that need them; the ids come to the host in one copy."""
+        per-step edits of the rows that need them; returns the ids, on the device (the
+        logprobs asked for go into `produced`)."""
         if any(r.edits or r.grammar is not None for r in reqs):
             vocab_size = self.model_config.vocab_size
             allowed = self.grammars.allowed([r.grammar for r in reqs], vocab_size, self.device) \
@@ -421,10 +475,9 @@ class ModelRunner:
         rows = [i for i, r in enumerate(reqs) if r.sampling.HasField("logprobs")]
         logprobs = gather_logprobs(logits[rows], token_ids[rows],
                                    [reqs[i].sampling.logprobs for i in rows]) if rows else []
-        for req, token_id in zip(reqs, token_ids.tolist()):
-            produced[id(req)].token_id = token_id
         for i, lp in zip(rows, logprobs):
             produced[id(reqs[i])].logprobs = lp
+        return token_ids
 
     def _append(self, state: RequestState, token_id: int) -> str | None:
         state.token_ids.append(token_id)

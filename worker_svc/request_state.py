@@ -24,7 +24,8 @@ class RequestState:
     """Invariants: token_ids[:num_computed_tokens] have K/V in the slots named by each KV
     cache group's block table, kept in the request's `row` of the persistent batch
     (worker_svc/input_batch.py; token t in table[g][t // block_size]; a sliding group's
-    blocks behind its window are holes); num_prompt_tokens <= len(token_ids);
+    blocks behind its window are holes); num_computed_tokens <= len(token_ids), equal while
+    a sampled token is in flight (`ahead`); num_prompt_tokens <= len(token_ids);
     once finish_reason is set the request never samples again (it waits for the scheduler
     to list it in finished_request_ids). Image i's soft tokens are
     token_ids[image_ranges[i].offset : offset + length], its media stored under
@@ -33,7 +34,7 @@ class RequestState:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "row",
                  "num_computed_tokens", "sampling", "reply_channel",
                  "finish_reason", "grammar", "image_ranges", "image_hashes", "images_end", "failure",
-                 "num_cached_tokens", "edits", "prompt_logprobs", "stop")
+                 "num_cached_tokens", "edits", "prompt_logprobs", "stop", "ahead")
 
     def __init__(self, new: worker_pb2.NewRequestData, row: int = 0,
                  eos_token_ids: Collection[int] = ()):
@@ -73,6 +74,10 @@ class RequestState:
         # The structured-output matcher (worker_svc/grammar.py), set by the runner when
         # sampling.grammar is; None for unconstrained requests.
         self.grammar = None
+        # Where the last step that sampled for it put its token in that step's sampled ids,
+        # read while the token is in flight: sampled on the device, not yet appended here
+        # (num_computed_tokens == len(token_ids)), when the next step computes it from there.
+        self.ahead: int = -1
 
     @property
     def num_tokens(self) -> int:

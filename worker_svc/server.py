@@ -17,6 +17,11 @@ go out before its result (a finished request is acknowledged only after its last
 went out; worker_svc/event_publisher.py returns once Redis has answered every PUBLISH),
 in step order: from the compute thread itself when no step waits behind it
 (no thread to wake), else from a publishing thread while the next step computes.
+
+On an accelerator a step planned ahead is also *launched* before the step it follows
+finishes (ModelRunner.launch / finish): the step in flight is finished -- its sampled ids
+read on the host -- only once the next one is launched, or once its ids are on the host
+with no next step queued. The host then lays out step k+1 while the device runs step k.
 """
 
 from __future__ import annotations
@@ -49,13 +54,14 @@ from worker_svc.config import RunnerConfig
 from worker_svc.event_publisher import EventPublisher
 from worker_svc.media_source import RedisMediaSource
 from worker_svc.published_embeddings import PublishedEmbeddings
-from worker_svc.model_runner import ModelRunner, StepConsistencyError, StepOutput
+from worker_svc.model_runner import LaunchedStep, ModelRunner, StepConsistencyError
 from worker_svc.step_gap import StepGap
 
 log = logging.getLogger("pagedserve.worker")
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # for grpc.health.v1
 ORDER_TIMEOUT_S = 30.0  # how long a step planned ahead waits for the step it follows
+POLL_S = 1e-4  # how often a launched step's ids are looked for while the next step may come
 
 
 class StepOrderError(Exception):
@@ -81,6 +87,23 @@ class WorkerServiceConfig:
     # SIGTERM: registered as draining (no new requests) while running ones finish, for at
     # most this long; then deregistered, and schedulers move what is left elsewhere.
     drain_timeout_s: float = 30.0
+    # Launch a step planned ahead before finishing the one in flight (ModelWorkerServicer._run).
+    # None: on an accelerator. On the CPU a launch is the whole step, so finishing the one
+    # before later only delays its result; tests turn it on there to check the bookkeeping.
+    launch_ahead: bool | None = None
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A step launched on the compute thread and not finished yet."""
+
+    launched: LaunchedStep
+    outcome: Future  # of (StepOutput, publish future or None)
+    gap: float | None  # the compute thread's idle before it (StepGap)
+
+    @property
+    def request(self) -> worker_pb2.StepRequest:
+        return self.launched.request
 
 
 class ModelWorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -90,13 +113,17 @@ class ModelWorkerServicer(worker_pb2_grpc.WorkerServicer):
     Every step runs on the compute thread that loaded the runner, whichever gRPC thread
     received it (worker_svc/compute_thread.py says why)."""
 
-    def __init__(self, runner: ModelRunner, compute: ComputeThread, publisher: EventPublisher):
+    def __init__(self, runner: ModelRunner, compute: ComputeThread, publisher: EventPublisher,
+                 launch_ahead: bool = False):
         self._runner = runner
+        self._launch_ahead = launch_ahead
         self._compute = compute
         self._publisher = publisher
         self._publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # FIFO
         self._order = threading.Condition()
         self._last_queued = 0  # id of the last step queued on the compute thread
+        self._followed: set[int] = set()  # ids of steps that a queued step is planned after
+        self._in_flight: _InFlight | None = None  # launched, left for the next step to finish (compute thread only)
         self._failed = 0  # id of the last step that failed (compute thread only)
         self._handed_off: Future | None = None  # the last publish handed to _publishing
         self._gap = StepGap()  # compute thread only
@@ -145,17 +172,21 @@ class ModelWorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield self._result(*item, context)
 
     def _queue(self, request: worker_pb2.StepRequest) -> Future:
-        """Queue the step on the compute thread, behind the step it was planned after."""
+        """Queue the step on the compute thread, behind the step it was planned after;
+        the future of its (StepOutput, publish future or None)."""
         after = request.after_step_id
+        outcome: Future = Future()
         with self._order:
             # Planned ahead: its RPC may overtake the one of the step it follows.
             if after and not self._order.wait_for(lambda: self._last_queued == after, ORDER_TIMEOUT_S):
                 raise StepOrderError(f"step {request.step_id} is planned after step {after}, "
                                      f"which this worker did not receive")
+            self._compute.submit(self._run, request, outcome)
             self._last_queued = request.step_id
-            done = self._compute.submit(self._run, request)
+            if after:
+                self._followed.add(after)
             self._order.notify_all()
-        return done
+        return outcome
 
     def _result(self, request: worker_pb2.StepRequest, done: Future, context) -> worker_pb2.StepResult:
         """The queued step's result, once its events went out; a failed step aborts the call."""
@@ -172,30 +203,99 @@ class ModelWorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.encoder.observe(v.items_encoded, v.cache_hits, v.seconds, v.published_hits, v.queries)
         return output.result
 
-    def _run(self, request: worker_pb2.StepRequest) -> tuple[StepOutput, Future | None]:
-        """On the compute thread: the step, then its events published, or handed to the
-        publishing thread (that publish's future) when the next step is queued already."""
-        self._fence(request)
-        if request.after_step_id and request.after_step_id == self._failed:
-            self._failed = request.step_id  # and so on down the queue
-            raise StepConsistencyError(
-                f"step {request.step_id} is planned after step {request.after_step_id}, which failed")
+    def _run(self, request: worker_pb2.StepRequest, outcome: Future) -> None:
+        """On the compute thread: launch the step, and finish it (ModelRunner.finish) now,
+        or, when the step planned after it is queued already and launching ahead is on,
+        once that step is launched too: the device then runs this step while the host
+        prepares the next, whose tokens from this step never visit the host."""
+        behind, self._in_flight = self._in_flight, None
+        with self._order:
+            self._followed.discard(request.after_step_id)
         try:
-            self._gap.start()
-            output = self._runner.step(request)
-            self._gap.end(request, output.result)
-        except Exception:
+            self._launch_after(request, outcome, behind)
+        except BaseException as exc:  # a bug, or a broken device: no step may wait forever
+            log.exception("step %d: the compute thread failed", request.step_id)
             self._failed = request.step_id
-            raise
+            for step in (behind, self._in_flight):
+                if step is not None and not step.outcome.done():
+                    step.outcome.set_exception(exc)
+            self._in_flight = None
+            if not outcome.done():
+                outcome.set_exception(exc)
+
+    def _launch_after(self, request: worker_pb2.StepRequest, outcome: Future, behind: _InFlight | None) -> None:
+        """_run's work: `behind` is the step launched before and not finished yet."""
+        ahead = (behind is not None and request.after_step_id == behind.request.step_id
+                 and request.fencing_token == behind.request.fencing_token
+                 and self._runner.can_launch_ahead(request))
+        if behind is not None and not ahead:
+            self._finish(behind)
+            behind = None
+        try:
+            self._fence(request)
+            if request.after_step_id and request.after_step_id == self._failed:
+                raise StepConsistencyError(
+                    f"step {request.step_id} is planned after step {request.after_step_id}, which failed")
+            gap = self._gap.start()
+            launched = _InFlight(self._runner.launch(request), outcome, gap)
+        except Exception as exc:
+            if behind is not None:
+                self._finish(behind)
+            self._failed = request.step_id  # and so on down the queue
+            outcome.set_exception(exc)
+            return
+        if behind is not None:
+            self._finish(behind)
+            if self._failed == behind.request.step_id:  # this step read its sampled ids: it fails too
+                self._finish(launched, failure=StepConsistencyError(
+                    f"step {request.step_id} is planned after step {behind.request.step_id}, which failed"))
+                return
+        if self._launch_ahead and self._next_comes_first(launched):
+            self._in_flight = launched
+        else:
+            self._finish(launched)
+
+    def _next_comes_first(self, step: _InFlight) -> bool:
+        """Whether the step planned after `step` is queued before `step`'s sampled ids are
+        on the host (then it launches before `step` finishes); polled, as the device
+        cannot wake this thread. Where `step`'s ids are all the scheduler waits for, this
+        is as long as finishing it now would wait."""
+        with self._order:
+            while step.request.step_id not in self._followed:
+                if step.launched.ready():
+                    return False
+                self._order.wait(POLL_S)
+        return True
+
+    def _finish(self, step: _InFlight, failure: Exception | None = None) -> None:
+        """On the compute thread: the launched step finished, and its events published, or
+        handed to the publishing thread (that publish's future) when a later step is
+        queued already; its outcome set. With `failure`, the step is finished on the
+        runner (whose state then follows what the device did) and fails with it, unheard."""
+        request = step.request
+        try:
+            output = self._runner.finish(step.launched)
+            self._gap.end(request, output.result, step.gap)
+            if failure is not None:
+                raise failure
+        except Exception as exc:
+            self._failed = request.step_id
+            step.outcome.set_exception(exc)
+            return
         self._failed = 0  # step ids start again at 1 with a new scheduler
-        if self._last_queued > request.step_id:  # the next step waits: publish beside it
-            self._handed_off = self._publishing.submit(self._publish, output.events)
-            return output, self._handed_off
-        if self._handed_off is not None:  # an earlier step's events go first
-            handed_off, self._handed_off = self._handed_off, None
-            handed_off.result()  # if that publish failed, this step fails too, not the ones after
-        self._publish(output.events)
-        return output, None
+        published = None
+        try:
+            if self._last_queued > request.step_id:  # the next step waits: publish beside it
+                published = self._handed_off = self._publishing.submit(self._publish, output.events)
+            else:
+                if self._handed_off is not None:  # an earlier step's events go first
+                    handed_off, self._handed_off = self._handed_off, None
+                    handed_off.result()  # if that publish failed, this step fails too, not the ones after
+                self._publish(output.events)
+        except Exception as exc:
+            step.outcome.set_exception(exc)
+            return
+        step.outcome.set_result((output, published))
 
     def _fence(self, request: worker_pb2.StepRequest) -> None:
         """On the compute thread, before the step: refuse a scheduler that lost its lease
@@ -299,7 +399,8 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
         futures.ThreadPoolExecutor(max_workers=8),  # a Steps stream holds one for its life
         options=GRPC_OPTIONS,
     )
-    servicer = ModelWorkerServicer(runner, compute, EventPublisher(client))
+    launch_ahead = config.launch_ahead if config.launch_ahead is not None else runner.device.type != "cpu"
+    servicer = ModelWorkerServicer(runner, compute, EventPublisher(client), launch_ahead)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     probes = health.HealthServicer()  # "" (the process) and the Worker service alike
     health_pb2_grpc.add_HealthServicer_to_server(probes, server)

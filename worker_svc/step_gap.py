@@ -2,10 +2,10 @@
 trip between steps costs (publishing the events, the result back to the scheduler, its
 update and next schedule, the next step over to the worker), as the worker sees it.
 
-    gap = StepGap()
-    gap.start()                                  # right before the step computes: the idle
+    gaps = StepGap()
+    gap = gaps.start()                           # right before the step computes: the idle
     output = runner.step(request)                #   time since the last step, or None
-    gap.end(request, output.result)              # right after it: sets result.gap_seconds
+    gaps.end(request, output.result, gap)        # right after it: sets result.gap_seconds
 
 The time is measured only when the step before left a request to go on (one it did not
 finish: a decode, or a prefill chunk): after a step that finished everything the worker
@@ -23,19 +23,18 @@ from proto import worker_pb2
 class StepGap:
     def __init__(self) -> None:
         self._ended_at: float | None = None  # end of the last step, when it left work to go on
-        self._gap: float | None = None  # measured by start(), for end() to report
 
     def start(self) -> float | None:
         """Seconds since the step before ended, if it left requests to go on; else None."""
         ended_at, self._ended_at = self._ended_at, None
-        self._gap = None if ended_at is None else time.perf_counter() - ended_at
-        return self._gap
+        return None if ended_at is None else time.perf_counter() - ended_at
 
-    def end(self, step: worker_pb2.StepRequest, result: worker_pb2.StepResult) -> None:
-        """The step done: its gap into `result.gap_seconds` (when there was one), and the
-        clock started for the next if the step left requests to go on."""
-        if self._gap is not None:
-            result.gap_seconds = self._gap
+    def end(self, step: worker_pb2.StepRequest, result: worker_pb2.StepResult, gap: float | None) -> None:
+        """The step done: its `gap` (what start() gave before it) into `result.gap_seconds`
+        when there was one, and the clock started for the next if the step left requests
+        to go on."""
+        if gap is not None:
+            result.gap_seconds = gap
         finished = sum(1 for token in result.sampled if token.finish_reason)
         if len(step.num_scheduled_tokens) > finished:
             self._ended_at = time.perf_counter()

@@ -9,7 +9,9 @@ against the in-process engine, on a random checkpoint made from a carried tokeni
 2. bench/roofline.py's decode step at each `--roofline-batches` (context 320), with CUDA
    graphs and with --enforce-eager (one process each): its time, the floor, its
    model-bandwidth utilisation (weights + K/V read and written per step, over the step,
-   over a measured device-to-device copy's bandwidth), and the CUDA kernels one step runs.
+   over a measured device-to-device copy's bandwidth), and the CUDA kernels one step runs;
+   and the step time with each step launched before the one before finishes, as the
+   worker service runs them on a GPU (ModelRunner.launch / finish).
 3. For each `--concurrency`: bench/compare.py with the contenders `stack` and `engine`,
    `--rounds` interleaved rounds, `2 x concurrency` requests of the serving workload (input
    mean 256, output mean 128): output tokens/s of each, the stack over the engine, TTFT
@@ -87,6 +89,8 @@ def roofline(args, model: Path, eager: bool) -> dict:
                     "--kv-cache-gib", str(args.roofline_kv_gib), "--out", str(out)], check=True, cwd=ROOT)
     result = json.loads(out.read_text())
     return {str(d["batch"]): {"step_ms": d["step_ms"], "floor_ms": d["floor_ms"], "floor_ratio": d["ratio"],
+                              "launched_ahead_step_ms": d["pipelined_step_ms"],
+                              "launched_ahead_floor_ratio": d["pipelined_ratio"],
                               "bandwidth_utilisation": d["bandwidth_utilisation"], "bytes_per_step": d["bytes"],
                               "cuda_graph": d["cuda_graphs"], "kernels_per_step": d["kernels"]["count"],
                               "kernels_busy_ms": d["kernels"].get("busy_ms"),
@@ -132,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         save()
         for b, row in result["decode_roofline"][mode].items():
             print(f"decode batch {b} ({mode}): {row['step_ms']:.2f} ms = {row['floor_ratio']:.2f}x the floor, "
-                  f"{row['bandwidth_utilisation']:.0%} of the copy bandwidth, {row['kernels_per_step']} kernels",
-                  flush=True)
+                  f"{row['bandwidth_utilisation']:.0%} of the copy bandwidth, {row['kernels_per_step']} kernels; "
+                  f"launched ahead {row['launched_ahead_step_ms']:.2f} ms = "
+                  f"{row['launched_ahead_floor_ratio']:.2f}x the floor", flush=True)
     for c in args.concurrency:
         result["serving"][str(c)] = compare(args, model, c)
         save()
