@@ -1,9 +1,9 @@
 """bench/cameras.py's server side: the /metrics pages it reads before and after a run (the
 gateway's, each vision worker's, each encoder service's), and what grew in between.
 
-    before = scrape_all(urls)
+    before = settle(urls)                      # once the pages stand still
     ... the run ...
-    after = settle(urls)                       # once every encoder's queue is empty
+    after = settle(urls)                       # and again, every encoder's queue empty
     server = server_counters(before, after)    # {"encoded": 336.0, "encoded_by_encoders": ...}
 
 A counter is summed over its series, each series counted once however many pages show it:
@@ -40,6 +40,9 @@ LABELLED = {  # → (the metric, the label its samples carry): summed over those
     "encoder_steps": ("pagedserve:encoder_seconds_count", "worker"),
     "encoders_s": ("pagedserve:encoder_seconds_sum", "encoder"),  # the encoder services', busy seconds
     "encoders_batches": ("pagedserve:encoder_seconds_count", "encoder")}
+# longer than the scheduler's --stats-interval-s (1 s), after which the gateway's copy of a
+# worker's counters is fresh
+QUIET_S = 1.2
 QUEUE_DEPTH = "pagedserve:encoder_queue_depth"  # a gauge: encode jobs not finished (the same stream on every encoder)
 
 
@@ -78,12 +81,24 @@ def server_counters(before: list[Samples], after: list[Samples]) -> dict[str, fl
     return out
 
 
-def settle(urls: list[str], timeout_s: float = 30.0) -> list[Samples]:
-    """The pages, once no encoder service among them has an encode job left (it may still be
-    encoding frames uploaded for a question that was skipped), or after `timeout_s`."""
+def settle(urls: list[str], timeout_s: float = 30.0, quiet_s: float = QUIET_S) -> list[Samples]:
+    """The pages once they stand still: no encoder service among them has an encode job left
+    (it may still be encoding frames uploaded for a question that was skipped), and none of
+    the counters read moved over `quiet_s` (the gateway shows the workers' counters as the
+    scheduler last wrote them, once a second: what a scrape right after a question shows
+    may miss its frames); or after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
+    last = None
     while True:
         pages = scrape_all(urls)
-        if all(metric(p, QUEUE_DEPTH) == 0 for p in pages) or time.monotonic() > deadline:
+        now = _read(pages)
+        if (all(metric(p, QUEUE_DEPTH) == 0 for p in pages) and now == last) or time.monotonic() > deadline:
             return pages
-        time.sleep(0.2)
+        last = now
+        time.sleep(quiet_s)
+
+
+def _read(pages: list[Samples]) -> Samples:
+    """The series of the counters `server_counters` reads."""
+    names = set(COUNTERS.values()) | {name for name, _ in LABELLED.values()}
+    return {key: value for key, value in merged(pages).items() if key[0] in names}

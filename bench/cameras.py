@@ -259,7 +259,7 @@ async def run(args) -> dict:
         last = [max((newest_frame(args, at_s) for at_s, k2, _ in plan if k2 == k), default=-1)
                 for k in range(args.cameras)]
         uploads = CameraUploads(client, args, [[base64.b64decode(f) for f in camera] for camera in frames], last)
-    before = scrape_all(args.metrics_url)
+    before = settle(args.metrics_url)  # the warm-up's counters in, on the gateway's page too
     if uploads is not None:
         await uploads.preroll()
     sent: list[set[int]] = [set() for _ in range(args.cameras)]

@@ -52,6 +52,35 @@ def test_server_counters_add_up_every_series_once_whichever_pages_show_it(camera
     assert counters["encoded"] == counters["encoded_by_workers"] == 5 and counters["stored"] == 4
 
 
+def test_settle_waits_for_the_counters_to_stand_still(cameras):
+    """The gateway's copy of a worker's counters lags by up to the scheduler's stats
+    interval: a page read while they still move is not taken."""
+    import http.server
+    import threading
+
+    values = iter([3, 5, 6, 6, 6, 9])  # the scheduler's copy catching up, then still
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = f'pagedserve:mm_items_encoded_total{{worker="w"}} {next(values)}\n'.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        pages = cameras.settle([url], quiet_s=0.01)
+        assert cameras.server_counters([{}], pages)["encoded"] == 6
+    finally:
+        server.shutdown()
+
+
 def test_server_counters_split_the_encoding_by_workers_and_encoder_services(cameras):
     def worker(encoded: int, seconds: float) -> str:
         return (f'pagedserve:mm_items_encoded_total{{worker="worker-0"}} {encoded}\n'

@@ -76,20 +76,24 @@ def test_close_with_a_timeout_leaves_a_stuck_daemon_behind():
 
 @pytest.fixture
 def runner_threads(monkeypatch):
-    """Spy on the real ModelRunner: the threads it was built on and stepped on."""
+    """Spy on the real ModelRunner: the threads it was built on and stepped on (a step's
+    launch and its finish: `step` calls both)."""
     seen: dict[str, set[int]] = {"init": set(), "step": set()}
-    init, step = ModelRunner.__init__, ModelRunner.step
+    init = ModelRunner.__init__
 
     def spy_init(self, *args, **kwargs):
         seen["init"].add(threading.get_ident())
         init(self, *args, **kwargs)
 
-    def spy_step(self, *args, **kwargs):
-        seen["step"].add(threading.get_ident())
-        return step(self, *args, **kwargs)
+    def spying(original):
+        def spy(self, *args, **kwargs):
+            seen["step"].add(threading.get_ident())
+            return original(self, *args, **kwargs)
+        return spy
 
     monkeypatch.setattr(ModelRunner, "__init__", spy_init)
-    monkeypatch.setattr(ModelRunner, "step", spy_step)
+    for name in ("launch", "finish"):
+        monkeypatch.setattr(ModelRunner, name, spying(getattr(ModelRunner, name)))
     return seen
 
 
