@@ -17,6 +17,8 @@
 4. The sampler's exponential race (kernels/triton_sampling.py) against the torch ops it
    replaces, at batch 1-256 over Llama 3's and Gemma 3's vocabularies (bench/sampling.py:
    the method, and its CPU run).
+5. Gemma 3's vision encoder, SigLIP at 896 px with the projector: images/s and TFLOP/s
+   per batch of frames and SDPA path, against the matmul rate (bench/vision_tower.py).
 
 Every case is first checked against SDPA, so a wrong kernel is never timed. Timings are
 the median of CUDA-event intervals, each after overwriting a 256 MiB buffer to empty L2.
@@ -293,9 +295,10 @@ def main() -> None:
     print_header(PREFILL_COLUMNS)
     prefill = bench_prefill(args, ta, dtype, mm, flush, gqa, gen)
     sampling = bench_sampling(device, args.smoke)
+    vision = bench_vision(device, args.smoke, args.quick)
     if args.json:
         args.json.write_text(json.dumps({"env": env, "decode": decode, "prefill": prefill,
-                                         "sampling": sampling}, indent=1))
+                                         "sampling": sampling, "vision": vision}, indent=1))
 
 
 def bench_sampling(device: str, smoke: bool) -> list[dict]:
@@ -313,6 +316,17 @@ def bench_sampling(device: str, smoke: bool) -> list[dict]:
         print(f"| {r['rows']} x {r['vocab']} | {r['torch_ms']:.3f} ms | {r['fused_ms']:.3f} ms | "
               f"{r['fused_over_torch']:.3f} | {r['fused_read_gb_s']:.1f} GB/s |")
     return rows
+
+
+def bench_vision(device: str, smoke: bool, quick: bool) -> dict:
+    """bench/vision_tower.py's table (a 2-layer tower at 224 px in the smoke run)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import vision_tower
+
+    result = vision_tower.bench(torch.device(device), torch.float32 if smoke else torch.bfloat16, smoke,
+                                [2] if smoke else [1, 8] if quick else [1, 4, 8], 2 if smoke else 5)
+    vision_tower.print_table(result)
+    return result
 
 
 if __name__ == "__main__":

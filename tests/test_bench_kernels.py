@@ -22,3 +22,4 @@ def test_smoke_runs_every_case_and_writes_json(tmp_path):
     assert result["env"]["device"] == "cpu (smoke test)"
     assert result["decode"] and result["prefill"]
     assert [(r["rows"], r["vocab"]) for r in result["sampling"]] == [(3, 3000)]
+    assert [(r["batch"], r["path"]) for r in result["vision"]["rows"]] == [(2, "default")]

@@ -17,7 +17,8 @@ box inside one overall budget (`--budget-s`, 480 s), carrying on past a step tha
             and images through the runner (Triton with bidirectional image spans), against
             transformers on CUDA
   kernels   bench/kernels.py --quick: decode attention bandwidth against a measured device
-            copy, paged against contiguous SDPA, prefill TFLOP/s
+            copy, paged against contiguous SDPA, prefill TFLOP/s, the sampler's race, and
+            the Gemma 3 vision tower at 896 px (bench/vision_tower.py)
   serving   bench/gpu/serving.py: the `1b` preset in bf16, made there from the carried
             tokenizer; decode steps' model-bandwidth utilisation and kernels per step, with
             CUDA graphs and with --enforce-eager (bench/roofline.py); the stack against the
