@@ -23,6 +23,8 @@ staging buffer of int32 (pinned host memory on a GPU):
     query_start_loc [R + 1]                            logits_indices [S]  the rows that sample
     row_ids [R]      each request's row               the sampling rows' settings [S] x 4
     seed_bits [S]    int64: each seeded sampling row's seed for this position (position_seeds)
+    ahead_dst/src    the tokens in flight: where in input_ids, and where in the ids sampled
+                     by the step launched before (prepare's ahead_ids)
     table diffs      (flat index, block id) pairs
 
 built in one Python pass over the requests (a decoding request's slot from its table row;
