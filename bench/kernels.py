@@ -5,14 +5,15 @@
 
 1. Roofs, measured here: copy bandwidth (a device-to-device copy of 2 GiB, read + write
    bytes / time) and the matmul rate (bf16/fp16 8192^3 GEMM).
-2. Decode, Llama-3-8B layout (32 query heads over 8 KV heads of 128), one token per request,
+2. Decode, in each attention layout of `--layouts`: Llama-3-8B's (32 query heads over 8 KV
+   heads of 128) and Gemma-3-12B's (16 over 8 of 256); one token per request,
    batch 64-256, context 512-8192, block size 16, blocks scattered at random:
    achieved bandwidth = bytes the kernel must read (each request's K and V up to its
    seq_len, plus Q and the output) / time, as a fraction of the copy bandwidth (target
    >= 80%); and the same attention on contiguous K/V with torch SDPA — equal lengths
    unmasked, mixed lengths (uniform in [ctx/8, ctx]) padded to the longest with a mask —
    (target: at most 10% slower on equal lengths, faster on mixed).
-3. Prefill, one request of 1k-8k tokens, causal: TFLOP/s (4 * N^2/2 * heads * head_dim
+3. Prefill, each layout, one request of 1k-8k tokens, causal: TFLOP/s (4 * N^2/2 * heads * head_dim
    flops) against the matmul rate, and causal SDPA (flash) on contiguous K/V beside it.
 4. The sampler's exponential race (kernels/triton_sampling.py) against the torch ops it
    replaces, at batch 1-256 over Llama 3's and Gemma 3's vocabularies (bench/sampling.py:
@@ -37,13 +38,22 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a plain checkout
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention layout
+class Layout(NamedTuple):
+    """An attention layout: query heads over KV heads of head_dim."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+LAYOUTS = {"llama3-8b": Layout(32, 8, 128), "gemma3-12b": Layout(16, 8, 256)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -93,12 +103,12 @@ def sdpa_gqa_kwargs(device) -> dict:
         return {}
 
 
-def paged_batch(seq_lens: list[int], q_lens: list[int], dtype, block_size: int, gen):
+def paged_batch(seq_lens: list[int], q_lens: list[int], dtype, block_size: int, gen, layout: Layout):
     """Random K/V for each request in scattered blocks; query rows at the end of each."""
     dev = gen.device
     per_req = [math.ceil(s / block_size) for s in seq_lens]
     num_blocks = sum(per_req)
-    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block_size, layout.kv_heads, layout.head_dim)
     k_cache = torch.randn(shape, device=dev, generator=gen).to(dtype)
     v_cache = torch.randn(shape, device=dev, generator=gen).to(dtype)
     perm = torch.randperm(num_blocks, device=dev, generator=gen).to(torch.int32)
@@ -108,7 +118,7 @@ def paged_batch(seq_lens: list[int], q_lens: list[int], dtype, block_size: int, 
         block_tables[i, :n] = perm[start:start + n]
         start += n
     qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev)
-    query = torch.randn(sum(q_lens), HEADS, HEAD_DIM, device=dev, generator=gen).to(dtype)
+    query = torch.randn(sum(q_lens), layout.heads, layout.head_dim, device=dev, generator=gen).to(dtype)
     seq = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
     return query, k_cache, v_cache, block_tables, seq, qsl
 
@@ -119,7 +129,7 @@ def contiguous_kv(k_cache, v_cache, block_tables, seq_lens: list[int]):
     blocks = block_tables[:, : math.ceil(max_len / k_cache.shape[1])].long()
     out = []
     for cache in (k_cache, v_cache):
-        x = cache[blocks].reshape(b, -1, KV_HEADS, HEAD_DIM)[:, :max_len].transpose(1, 2).contiguous()
+        x = cache[blocks].reshape(b, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2).contiguous()
         for i, n in enumerate(seq_lens):
             x[i, :, n:] = 0
         out.append(x)
@@ -131,16 +141,17 @@ def rel_error(out: torch.Tensor, expect: torch.Tensor) -> float:
     return ((out - expect).abs().max() / expect.abs().max()).item()
 
 
-def decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen) -> dict:
-    batch, scale, group = len(seq_lens), HEAD_DIM**-0.5, HEADS // KV_HEADS
-    query, k_cache, v_cache, bt, seq, qsl = paged_batch(seq_lens, [1] * batch, dtype, args.block_size, gen)
+def decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen, layout: Layout) -> dict:
+    heads, kv_heads, head_dim = layout
+    batch, scale, group = len(seq_lens), head_dim**-0.5, heads // kv_heads
+    query, k_cache, v_cache, bt, seq, qsl = paged_batch(seq_lens, [1] * batch, dtype, args.block_size, gen, layout)
     out = torch.empty_like(query)
 
     def triton_decode():
         ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale, out=out)
 
     k, v = contiguous_kv(k_cache, v_cache, bt, seq_lens)
-    q4 = query.view(batch, HEADS, 1, HEAD_DIM)
+    q4 = query.view(batch, heads, 1, head_dim)
     mask = None
     if len(set(seq_lens)) > 1:
         positions = torch.arange(k.shape[2], device=k.device)
@@ -152,13 +163,13 @@ def decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen) -> dict:
         q4[:n].float(), k[:n].float().repeat_interleave(group, 1),
         v[:n].float().repeat_interleave(group, 1),
         attn_mask=None if mask is None else mask[:n], scale=scale)
-    err = rel_error(out[:n], expect.view(n, HEADS, HEAD_DIM))
+    err = rel_error(out[:n], expect.view(n, heads, head_dim))
     if not err < 2e-2:
         raise AssertionError(f"decode batch {batch}: relative error {err:.2e} against SDPA")
     del expect
 
     seconds = device_time(triton_decode, args.iters, flush)
-    nbytes = (2 * sum(seq_lens) * KV_HEADS * HEAD_DIM + 2 * query.numel()) * query.element_size()
+    nbytes = (2 * sum(seq_lens) * kv_heads * head_dim + 2 * query.numel()) * query.element_size()
     best = (math.inf, "none")
     if gqa:
         best = min(best, (device_time(lambda: F.scaled_dot_product_attention(
@@ -175,7 +186,7 @@ def decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen) -> dict:
             "sdpa_kind": best[1], "triton_vs_sdpa": seconds / best[0], "rel_err": err}
 
 
-def bench_decode(args, ta, dtype, copy_bw, flush, gqa, gen) -> list[dict]:
+def bench_decode(args, ta, dtype, copy_bw, flush, gqa, gen, name: str) -> list[dict]:
     rows = []
     for batch in args.batches:
         for ctx in args.contexts:
@@ -185,10 +196,10 @@ def bench_decode(args, ta, dtype, copy_bw, flush, gqa, gen) -> list[dict]:
                     g = torch.Generator().manual_seed(batch * ctx)
                     seq_lens = torch.randint(max(ctx // 8, 1), ctx + 1, (batch,), generator=g).tolist()
                 try:
-                    row = decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen)
+                    row = decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen, LAYOUTS[name])
                 except torch.cuda.OutOfMemoryError:
                     row = {"error": "out of memory"}
-                row.update(batch=batch, context=ctx, lengths=lengths)
+                row.update(layout=name, batch=batch, context=ctx, lengths=lengths)
                 rows.append(row)
                 if flush.is_cuda:
                     torch.cuda.empty_cache()
@@ -196,10 +207,11 @@ def bench_decode(args, ta, dtype, copy_bw, flush, gqa, gen) -> list[dict]:
     return rows
 
 
-def bench_prefill(args, ta, dtype, mm_rate, flush, gqa, gen) -> list[dict]:
-    rows, scale, group = [], HEAD_DIM**-0.5, HEADS // KV_HEADS
+def bench_prefill(args, ta, dtype, mm_rate, flush, gqa, gen, name: str) -> list[dict]:
+    heads, kv_heads, head_dim = layout = LAYOUTS[name]
+    rows, scale, group = [], head_dim**-0.5, heads // kv_heads
     for n in args.prefill:
-        query, k_cache, v_cache, bt, seq, qsl = paged_batch([n], [n], dtype, args.block_size, gen)
+        query, k_cache, v_cache, bt, seq, qsl = paged_batch([n], [n], dtype, args.block_size, gen, layout)
         out = torch.empty_like(query)
 
         def triton_prefill():
@@ -217,10 +229,10 @@ def bench_prefill(args, ta, dtype, mm_rate, flush, gqa, gen) -> list[dict]:
         err = rel_error(out, sdpa_prefill()[0].transpose(0, 1))
         if not err < 2e-2:
             raise AssertionError(f"prefill {n}: relative error {err:.2e} against SDPA")
-        flops = 4 * n * n / 2 * HEADS * HEAD_DIM
+        flops = 4 * n * n / 2 * heads * head_dim
         t_triton = device_time(triton_prefill, args.iters, flush)
         t_sdpa = device_time(sdpa_prefill, args.iters, flush)
-        row = {"tokens": n, "triton_us": t_triton * 1e6, "TFLOP_per_s": flops / t_triton / 1e12,
+        row = {"layout": name, "tokens": n, "triton_us": t_triton * 1e6, "TFLOP_per_s": flops / t_triton / 1e12,
                "frac_of_matmul": flops / t_triton / mm_rate, "sdpa_us": t_sdpa * 1e6,
                "sdpa_TFLOP_per_s": flops / t_sdpa / 1e12, "rel_err": err}
         rows.append(row)
@@ -228,9 +240,9 @@ def bench_prefill(args, ta, dtype, mm_rate, flush, gqa, gen) -> list[dict]:
     return rows
 
 
-DECODE_COLUMNS = ("batch", "context", "lengths", "triton_us", "GB_per_s", "frac_of_copy",
+DECODE_COLUMNS = ("layout", "batch", "context", "lengths", "triton_us", "GB_per_s", "frac_of_copy",
                   "sdpa_us", "sdpa_kind", "triton_vs_sdpa")
-PREFILL_COLUMNS = ("tokens", "triton_us", "TFLOP_per_s", "frac_of_matmul", "sdpa_us",
+PREFILL_COLUMNS = ("layout", "tokens", "triton_us", "TFLOP_per_s", "frac_of_matmul", "sdpa_us",
                    "sdpa_TFLOP_per_s")
 
 
@@ -256,6 +268,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=parse_ints, default=[512, 1024, 2048, 4096, 8192])
     ap.add_argument("--prefill", type=parse_ints, default=[1024, 2048, 4096, 8192])
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS),
+                    help=f"attention layouts, of {', '.join(LAYOUTS)}")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true",
                     help="batches 64,256; contexts 512,8192; prefill 1024,8192")
@@ -291,9 +305,9 @@ def main() -> None:
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in env.items()))
     gqa = sdpa_gqa_kwargs(device)
     print_header(DECODE_COLUMNS)
-    decode = bench_decode(args, ta, dtype, copy_bw, flush, gqa, gen)
+    decode = [row for name in args.layouts for row in bench_decode(args, ta, dtype, copy_bw, flush, gqa, gen, name)]
     print_header(PREFILL_COLUMNS)
-    prefill = bench_prefill(args, ta, dtype, mm, flush, gqa, gen)
+    prefill = [row for name in args.layouts for row in bench_prefill(args, ta, dtype, mm, flush, gqa, gen, name)]
     sampling = bench_sampling(device, args.smoke)
     vision = bench_vision(device, args.smoke, args.quick)
     if args.json:

@@ -20,6 +20,7 @@ def test_smoke_runs_every_case_and_writes_json(tmp_path):
                    env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
     result = json.loads(out.read_text())
     assert result["env"]["device"] == "cpu (smoke test)"
-    assert result["decode"] and result["prefill"]
+    assert {r["layout"] for r in result["decode"]} == {r["layout"] for r in result["prefill"]} == {
+        "llama3-8b", "gemma3-12b"}
     assert [(r["rows"], r["vocab"]) for r in result["sampling"]] == [(3, 3000)]
     assert [(r["batch"], r["path"]) for r in result["vision"]["rows"]] == [(2, "default")]
