@@ -186,6 +186,7 @@ class Driver:
         self.kv_elem = self.runner.kv_cache.k_caches[0].element_size()
         self.count = 0
         self.temperature = args.temperature
+        self.work: list[tuple[int, int, bool]] = []  # the last step's
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
         self.count += 1
@@ -205,11 +206,15 @@ class Driver:
         for rid, n in step.num_scheduled_tokens.items():
             req = self.scheduler.get_request(rid)  # schedule() already counted the n tokens
             work.append((req.num_computed_tokens - n, n, req.num_computed_tokens == req.num_tokens))
+        self.work = work  # (tokens cached, tokens computed, samples) per request: cost() of a part
         start = time.perf_counter()
         output = self.runner.step(step)
         elapsed = time.perf_counter() - start
         self.scheduler.update(step, output.result)
-        return step, output.result, elapsed, step_cost(self.cfg, self.elem, work, self.layer_elem, self.kv_elem)
+        return step, output.result, elapsed, self.cost(work)
+
+    def cost(self, work: list[tuple[int, int, bool]]) -> StepCost:
+        return step_cost(self.cfg, self.elem, work, self.layer_elem, self.kv_elem)
 
 
     def pipelined(self, steps: int) -> float:

@@ -16,6 +16,8 @@ against the in-process engine, on a random checkpoint made from a carried tokeni
    `--rounds` interleaved rounds, `2 x concurrency` requests of the serving workload (input
    mean 256, output mean 128): output tokens/s of each, the stack over the engine, TTFT
    and TPOT p50, the worker's mean step and the mean gap between steps.
+4. A mixed step (64 decodes and a 512-token prefill chunk, bench/mixed_step.py) against its
+   own floor and its parts' floors summed.
 The JSON (`--json`) is rewritten after each part, so a run stopped by its time box keeps
 what it measured.
 """
@@ -98,6 +100,18 @@ def roofline(args, model: Path, eager: bool) -> dict:
             for d in result["decodes"]}
 
 
+def mixed_step(args, model: Path) -> dict:
+    """bench/mixed_step.py's numbers: 64 decodes and a 512-token chunk in one step (at batch
+    4 and a 64-token chunk on the CPU)."""
+    out = args.work / "mixed-step.json"
+    gpu = args.device.startswith("cuda")
+    subprocess.run([sys.executable, str(ROOT / "bench/mixed_step.py"), "--model-dir", str(model),
+                    "--device", args.device, "--dtype", args.dtype, "--batch", "64" if gpu else "4",
+                    "--chunk", "512" if gpu else "64", "--rounds", "5" if gpu else "2",
+                    "--kv-cache-gib", str(args.roofline_kv_gib), "--out", str(out)], check=True, cwd=ROOT)
+    return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -146,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"concurrency {c}: stack {row['stack']['output_throughput_median']:.0f} tok/s, engine "
               f"{row['engine']['output_throughput_median']:.0f} tok/s, stack/engine {row['stack_over_engine']:.2f}",
               flush=True)
+    result["mixed_step"] = mixed_step(args, model)  # last: the serving comparison goes first in the time box
+    save()
     return 0
 
 
