@@ -4,8 +4,9 @@ samples what it would have sampled with k finished first: greedy, seeded draws, 
 token met while the step after is in flight (that request computed once more for
 nothing, and given nothing), and requests whose steps cannot launch ahead (a penalty, a
 grammar). Driven by the real BatchScheduler with two steps in flight, on the CPU with the
-persistent batch's device memory kept apart as on a GPU; under the `gpu` marker on CUDA
-with the decode graphs replaying."""
+persistent batch's device memory kept apart as on a GPU, eagerly and with decode steps laid
+out in the graph buffers and replayed (KV cache groups for Gemma 3's sliding layers); under
+the `gpu` marker on CUDA with the decode graphs captured."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from proto.messages import Grammar, NewRequest, SamplingParams
 from runner_helpers import make_runner
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
+from worker_svc.cuda_graphs import capture_sizes
 from worker_svc.input_batch import InputBatch
 
 BLOCK_SIZE = 4
@@ -43,8 +45,7 @@ def generate(runner, reqs: list[NewRequest], launch_ahead: bool):
     the outputs, how many steps launched ahead, and the ids of requests a step launched
     ahead computed after the step before finished them. Every output token is in one
     StepResult and one TokenEvent, and nothing more is."""
-    scheduler = BatchScheduler(SchedulerConfig(max_num_batched_tokens=16), num_blocks=runner.kv_cache.num_blocks,
-                               block_size=BLOCK_SIZE, max_model_len=runner.max_model_len)
+    scheduler = BatchScheduler.for_worker(SchedulerConfig(max_num_batched_tokens=16), runner.describe())
     for req in reqs:
         scheduler.add_request(req)
     outputs, ahead, for_nothing = {}, 0, set()
@@ -97,6 +98,32 @@ def apart(runner):
     return runner
 
 
+def replaying(runner, largest: int = 4):
+    """The runner's decode steps laid out in the graph buffers and replayed as on a GPU
+    (tests/test_cuda_graphs.py's CpuReplay), its device memory apart from the host's."""
+    from test_cuda_graphs import CpuReplay
+
+    runner.inputs = InputBatch(runner.kv_layout.num_groups, BLOCK_SIZE, runner.inputs.width,
+                               runner.model_config.vocab_size, runner.device, graph_capacity=largest,
+                               separate_device_memory=True)
+    runner.graphs = CpuReplay(runner.model, runner.inputs, (runner.kv_cache.k_caches, runner.kv_cache.v_caches),
+                              runner.plan_attention, runner.kv_layout.windows, capture_sizes(largest))
+    runner.graphs.capture(runner.device)
+    return runner
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_launched_ahead_into_the_graph_buffers(family_model_dir, arch):
+    """Pure-decode steps launched ahead take their tokens in flight in the graph buffers
+    (padded to a captured size; sliding layers in a KV cache group of their own for
+    gemma3), and sample what finishing first samples."""
+    reqs = requests(None, penalty=False, grammar=False)
+    finished_first, _, _ = generate(replaying(make_runner(family_model_dir(arch), BLOCK_SIZE, 256)), reqs, False)
+    runner = replaying(make_runner(family_model_dir(arch), BLOCK_SIZE, 256))
+    outputs, ahead, _ = generate(runner, reqs, True)
+    assert outputs == finished_first and ahead >= 6 and runner.graphs.replays >= 6
+
+
 def test_a_step_launched_ahead_samples_what_it_samples_after_the_one_before(tiny_model_dir):
     reference, _, _ = generate(apart(make_runner(tiny_model_dir, BLOCK_SIZE, 128)), requests(None), False)
     stop_token = reference["r3"][4]  # r3 stops at its fifth token, the step after it in flight
@@ -125,8 +152,7 @@ EXCLUDED = {  # what a request may ask that keeps a step holding it from launchi
 @pytest.mark.parametrize("asks", EXCLUDED.values(), ids=EXCLUDED.keys())
 def test_a_request_whose_step_reads_the_host_keeps_it_from_launching_ahead(tiny_model_dir, asks):
     runner = make_runner(tiny_model_dir, BLOCK_SIZE, 128)
-    scheduler = BatchScheduler(SchedulerConfig(max_num_batched_tokens=16), num_blocks=runner.kv_cache.num_blocks,
-                               block_size=BLOCK_SIZE, max_model_len=runner.max_model_len)
+    scheduler = BatchScheduler.for_worker(SchedulerConfig(max_num_batched_tokens=16), runner.describe())
     scheduler.add_request(NewRequest("plain", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0),
                                      "out", time.time()))
     scheduler.add_request(NewRequest("asks", list(range(8, 28)), SamplingParams(max_tokens=8, temperature=0.0,
@@ -143,8 +169,7 @@ def test_a_request_whose_step_reads_the_host_keeps_it_from_launching_ahead(tiny_
 
 def test_images_and_block_moves_keep_a_step_from_launching_ahead(tiny_model_dir):
     runner = make_runner(tiny_model_dir, BLOCK_SIZE, 128)
-    scheduler = BatchScheduler(SchedulerConfig(max_num_batched_tokens=64), num_blocks=runner.kv_cache.num_blocks,
-                               block_size=BLOCK_SIZE, max_model_len=runner.max_model_len)
+    scheduler = BatchScheduler.for_worker(SchedulerConfig(max_num_batched_tokens=64), runner.describe())
     scheduler.add_request(NewRequest("plain", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0),
                                      "out", time.time()))
     first = scheduler.schedule()
