@@ -278,6 +278,8 @@ def main() -> None:
                          "measures nothing")
     ap.add_argument("--json", type=Path, help="also write every row here")
     args = ap.parse_args()
+    if unknown := set(args.layouts) - set(LAYOUTS):
+        ap.error(f"unknown layouts {sorted(unknown)}: of {', '.join(LAYOUTS)}")
     if args.quick:
         args.batches, args.contexts, args.prefill = [64, 256], [512, 8192], [1024, 8192]
     if args.smoke:
@@ -309,10 +311,16 @@ def main() -> None:
     print_header(PREFILL_COLUMNS)
     prefill = [row for name in args.layouts for row in bench_prefill(args, ta, dtype, mm, flush, gqa, gen, name)]
     sampling = bench_sampling(device, args.smoke)
-    vision = bench_vision(device, args.smoke, args.quick)
+    result = {"env": env, "decode": decode, "prefill": prefill, "sampling": sampling}
+    if args.json:  # kept if the vision tower fails below
+        args.json.write_text(json.dumps(result, indent=1))
+    try:
+        result["vision"] = bench_vision(device, args.smoke, args.quick)
+    except (Exception, SystemExit) as exc:  # its own error, reported beside the tables above
+        result["vision"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"vision tower: {result['vision']['error']}")
     if args.json:
-        args.json.write_text(json.dumps({"env": env, "decode": decode, "prefill": prefill,
-                                         "sampling": sampling, "vision": vision}, indent=1))
+        args.json.write_text(json.dumps(result, indent=1))
 
 
 def bench_sampling(device: str, smoke: bool) -> list[dict]:

@@ -5,7 +5,7 @@
 
 `--batch` requests decode at ~`--context` tokens of context; then, `--rounds` times, a new
 request's `--chunk`-token prompt is computed in one step beside them (the step budget is
-raised to hold both). Each such step is timed (ModelRunner.step, as bench/roofline.py
+raised to hold both; a first round, untimed, warms the shapes up). Each such step is timed (ModelRunner.step, as bench/roofline.py
 times it) and set against:
 
 * its own floor: max(FLOPs / matmul rate, bytes / bandwidth) of the decodes and the chunk
@@ -51,29 +51,37 @@ def measure(args, rate: float, bandwidth: float) -> dict:
         if len(step.num_scheduled_tokens) == args.batch and set(step.num_scheduled_tokens.values()) == {1}:
             break
     decode_s, mixed = [], []
-    for _ in range(args.rounds):
+    for i in range(args.rounds + 1):  # the first round warms the mixed shapes up, untimed
         for _ in range(3):
             decode_s.append(driver.step()[2])
         driver.add(random_prompt(driver, args.chunk, gen), max_tokens=1)
         step, _, elapsed, cost = driver.step()
-        if sorted(step.num_scheduled_tokens.values())[-1] != args.chunk:
-            raise SystemExit(f"the chunk did not fit in one step beside the decodes: {dict(step.num_scheduled_tokens)}")
         work = driver.work
-        decodes = driver.cost([w for w in work if w[1] == 1])
-        chunk = driver.cost([w for w in work if w[1] > 1])
-        mixed.append((elapsed, cost.floor(rate, bandwidth),
-                      decodes.floor(rate, bandwidth) + chunk.floor(rate, bandwidth)))
+        decode_part = [w for w in work if w[1] == 1]
+        chunk_part = [w for w in work if w[1] > 1]
+        if len(decode_part) != args.batch or [w[1] for w in chunk_part] != [args.chunk]:
+            raise SystemExit(f"the step is not {args.batch} decodes beside one {args.chunk}-token chunk: "
+                             f"{dict(step.num_scheduled_tokens)}")
+        if i:
+            mixed.append((elapsed, cost.floor(rate, bandwidth),
+                          driver.cost(decode_part).floor(rate, bandwidth) + driver.cost(chunk_part).floor(rate, bandwidth)))
+    decode_s = decode_s[3:]
     driver.runner.forget_all()
     alone = roofline.Driver(args, driver.runner)
     alone_s = []
-    for _ in range(args.rounds):
+    for i in range(args.rounds + 1):  # the first untimed
         alone.add(random_prompt(alone, args.chunk, gen), max_tokens=1)
-        alone_s.append(alone.step()[2])
+        elapsed = alone.step()[2]
+        if [w[1] for w in alone.work] != [args.chunk]:
+            raise SystemExit(f"the chunk alone is not one {args.chunk}-token step: {alone.work}")
+        if i:
+            alone_s.append(elapsed)
     step_s = statistics.median(t for t, _, _ in mixed)
     floor_s = statistics.median(f for _, f, _ in mixed)
     parts_floor_s = statistics.median(p for _, _, p in mixed)
     decode_ms, alone_ms = statistics.median(decode_s) * 1e3, statistics.median(alone_s) * 1e3
     return dict(batch=args.batch, context=args.context, chunk=args.chunk, rounds=args.rounds,
+                decodes_in_step=len(decode_part), chunk_tokens_in_step=sum(w[1] for w in chunk_part),
                 mixed_step_ms=step_s * 1e3, floor_ms=floor_s * 1e3, parts_floor_ms=parts_floor_s * 1e3,
                 over_floor=step_s / floor_s, over_parts_floor=step_s / parts_floor_s,
                 decode_step_ms=decode_ms, chunk_alone_ms=alone_ms,

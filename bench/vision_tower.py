@@ -118,6 +118,8 @@ def bench(device: torch.device, dtype: torch.dtype, smoke: bool, batches: list[i
         pixels = torch.randn(batch, 3, side, side, generator=gen).to(device=device, dtype=dtype)
         with torch.inference_mode():
             reference = encoder(pixels).float()
+            if not reference.isfinite().all():
+                raise SystemExit(f"the default attention path's embeddings at batch {batch} are not finite")
             for path in PATHS if device.type == "cuda" else ("default",):
                 try:
                     with attention_path(path):
@@ -127,7 +129,7 @@ def bench(device: torch.device, dtype: torch.dtype, smoke: bool, batches: list[i
                     rows.append({"batch": batch, "path": path, "unavailable": str(exc).splitlines()[0][:200]})
                     continue
                 error = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
-                if error > 0.05:
+                if not error <= 0.05:  # NaN too
                     raise SystemExit(f"attention path {path} at batch {batch}: embeddings off by {error:.3g} "
                                      "(relative to the largest), against the default path")
                 rows.append({"batch": batch, "path": path, "ms": seconds * 1e3, "images_per_s": batch / seconds,

@@ -102,12 +102,12 @@ def roofline(args, model: Path, eager: bool) -> dict:
 
 def mixed_step(args, model: Path) -> dict:
     """bench/mixed_step.py's numbers: 64 decodes and a 512-token chunk in one step (at batch
-    4 and a 64-token chunk on the CPU)."""
+    4 and a 64-token chunk on the CPU); eager (a mixed step is), so no graphs are captured."""
     out = args.work / "mixed-step.json"
     gpu = args.device.startswith("cuda")
     subprocess.run([sys.executable, str(ROOT / "bench/mixed_step.py"), "--model-dir", str(model),
                     "--device", args.device, "--dtype", args.dtype, "--batch", "64" if gpu else "4",
-                    "--chunk", "512" if gpu else "64", "--rounds", "5" if gpu else "2",
+                    "--chunk", "512" if gpu else "64", "--rounds", "5" if gpu else "2", "--enforce-eager",
                     "--kv-cache-gib", str(args.roofline_kv_gib), "--out", str(out)], check=True, cwd=ROOT)
     return json.loads(out.read_text())
 
