@@ -38,12 +38,15 @@ class RecordingRunner:
 
     vision = None
 
-    def __init__(self, channel: str, fail_launch=(), fail_finish=(), not_ahead=()):
+    def __init__(self, channel: str, fail_launch=(), fail_finish=(), not_ahead=(), broken=()):
         self.channel, self.fail_launch, self.fail_finish = channel, set(fail_launch), set(fail_finish)
         self.not_ahead = set(not_ahead)  # steps that may not launch before the one in flight finishes
+        self.broken = set(broken)  # steps whose can_launch_ahead raises (a bug outside any step's own handling)
         self.calls: list[tuple[str, int]] = []
 
     def can_launch_ahead(self, request) -> bool:
+        if request.step_id in self.broken:
+            raise RuntimeError(f"can_launch_ahead broke on step {request.step_id}")
         return request.step_id not in self.not_ahead
 
     def launch(self, request):
@@ -168,6 +171,18 @@ def test_a_step_launched_ahead_of_one_that_fails_to_finish_fails_too_unheard(ser
     runner.fail_finish.clear()
     restart = worker_pb2.StepRequest(step_id=1)  # a scheduler starting over is not refused
     assert outcome_of(servicer._queue(restart)) == "ok 1"
+
+
+def test_a_bug_outside_a_steps_own_handling_finishes_the_one_in_flight_and_fails_the_rest(service, listener):
+    channel, sub = listener
+    runner = RecordingRunner(channel, broken={2})
+    servicer = service(runner)
+    done = [servicer._queue(step) for step in steps(1, 2, 3)]
+    assert outcome_of(done[0]) == "ok 1"
+    assert outcome_of(done[1]) == "failed: can_launch_ahead broke on step 2"
+    assert outcome_of(done[2]) == "failed: step 3 is planned after step 2, which failed"
+    assert runner.calls == [("launch", 1), ("finish", 1)]
+    assert heard(sub) == ["step1"]
 
 
 def test_a_refused_publish_fails_its_step_instead_of_hanging_it(service, listener, redis_url):

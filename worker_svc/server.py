@@ -215,10 +215,13 @@ class ModelWorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._launch_after(request, outcome, behind)
         except BaseException as exc:  # a bug, or a broken device: no step may wait forever
             log.exception("step %d: the compute thread failed", request.step_id)
+            if behind is not None and not behind.outcome.done():  # still launched only: finish it
+                try:
+                    self._finish(behind)
+                except BaseException:
+                    if not behind.outcome.done():
+                        behind.outcome.set_exception(exc)
             self._failed = request.step_id
-            for step in (behind, self._in_flight):
-                if step is not None and not step.outcome.done():
-                    step.outcome.set_exception(exc)
             self._in_flight = None
             if not outcome.done():
                 outcome.set_exception(exc)
