@@ -27,7 +27,7 @@ def _runner_config(args: argparse.Namespace):
         swap_space_bytes=args.swap_space, max_model_len=args.max_model_len, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=None if args.quantization == "none" else args.quantization,
-        device=args.device, attention_backend=args.attention_backend, seed=args.seed, threads=args.threads,
+        load_format=args.load_format, device=args.device, attention_backend=args.attention_backend, seed=args.seed, threads=args.threads,
         enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         encoder_cache_memory_bytes=args.encoder_cache_memory,
     )
@@ -62,6 +62,7 @@ def run_encoder(args: argparse.Namespace) -> int:
     extra = {"encoder_id": args.encoder_id} if args.encoder_id else {}
     service = EncoderService(EncoderServiceConfig(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
+        load_format=args.load_format,
         threads=args.threads, redis_url=args.redis_url, key_prefix=args.key_prefix, batch=args.batch,
         embeddings_ttl_s=args.embeddings_ttl_s, claim_ttl_s=args.claim_ttl_s, host=args.host,
         metrics_port=args.metrics_port, **extra))

@@ -62,6 +62,10 @@ def add_runner_flags(f: EnvFlags) -> None:
     f.add("--quantization", choices=["none", "int8"], default="none",
           help="int8: the linear layers' weights (not the LM head) in int8, per output channel, "
                "quantized at load; matmuls with int8 dot products (VNNI/AMX-INT8) where torch has them")
+    f.add("--load-format", default="auto", choices=["auto", "dummy"],
+          help="auto: the checkpoint's safetensors files; dummy: random weights of config.json's shapes "
+               "and dtype, made on the device, no weight file read (to run or benchmark a model not "
+               "downloaded: the folder needs config.json and the tokenizer's files)")
     f.add("--device", default="cpu", help="cpu|cuda|cuda:N")
     f.add("--attention-backend", default="auto", help="auto|torch|cpu|triton")
     f.switch("--enforce-eager", help="on a GPU, run every step eagerly: no CUDA graphs for decode steps")
@@ -110,6 +114,8 @@ def add_encoder_flags(f: EnvFlags) -> None:
     f.add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
           help="as the workers' --dtype (resolved the same way): workers use only embeddings "
                "of their own dtype and weights")
+    f.add("--load-format", default="auto", choices=["auto", "dummy"],
+          help="as the workers' --load-format: dummy makes the same random weights as theirs")
     f.add("--device", default="cpu", help="cpu|cuda|cuda:N")
     f.add("--threads", type=int, help="CPU compute threads (default: the CPUs the process may use -- "
           "affinity and cgroup quota)")

@@ -44,6 +44,7 @@ from proto.model_source import resolve_model, served_name
 from worker_svc.cpu_threads import choose_threads
 from worker_svc.media_encoder import MediaEncoder
 from worker_svc.media_source import RedisMediaSource
+from worker_svc.model.dummy_weights import check_config
 from worker_svc.model.loader import resolve_dtype
 from worker_svc.model.registry import load_config, load_vision_config
 from worker_svc.published_embeddings import PublishedEmbeddings
@@ -57,6 +58,7 @@ class EncoderService:
         self.config = config
         self.keys = RedisKeys(config.key_prefix)
         model_dir = resolve_model(config.model)
+        check_config(model_dir, config.load_format)
         vision = load_vision_config(model_dir)
         if vision is None:
             raise ValueError(f"{config.model} has no vision tower: an encoder service has nothing to encode")
@@ -69,7 +71,7 @@ class EncoderService:
         log.info("vision encoder in %s (%s) on %s", str(dtype).removeprefix("torch."), why, device)
         self.client = redis.Redis.from_url(config.redis_url, socket_timeout=10, socket_connect_timeout=10)
         self.media = RedisMediaSource.from_url(config.redis_url, config.key_prefix)
-        self.encoder = MediaEncoder.load(model_dir, vision, dtype, device, self.media)
+        self.encoder = MediaEncoder.load(model_dir, vision, dtype, device, self.media, config.load_format)
         self.published = PublishedEmbeddings.for_encoder(self.client, self.keys, self.encoder)
         self.jobs = EncodeJobStream(self.client, self.keys, config.encoder_id)
         self.recorder = EncoderRecorder()

@@ -20,6 +20,7 @@ class RunnerConfig:
     dtype: str = "auto"  # "auto" = the checkpoint's where native (loader.resolve_dtype); or float32 / bfloat16 / float16
     kv_cache_dtype: str = "auto"  # "auto" = dtype; "bfloat16": bf16 K/V (CPU; kvstore/cache_tensors.py)
     quantization: str | None = None  # "int8": int8 weights, quantized at load (model/int8_linear.py)
+    load_format: str = "auto"  # "dummy": random weights of config.json's shapes, no file read (model/dummy_weights.py)
     device: str = "cpu"
     # CPU compute threads; None: from the CPUs the process may use, adjusted while serving
     # to what other processes leave (worker_svc/cpu_threads.py)

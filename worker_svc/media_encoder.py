@@ -45,11 +45,12 @@ class MediaEncoder:
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: Gemma3VisionConfig, dtype: torch.dtype,
-             device: torch.device, media: MediaSource) -> MediaEncoder:
-        """The checkpoint's encoder in `dtype` on `device` and its preprocessing config."""
+             device: torch.device, media: MediaSource, load_format: str = "auto") -> MediaEncoder:
+        """The checkpoint's encoder in `dtype` on `device` (random weights with `load_format`
+        "dummy") and its preprocessing config."""
         preprocess = ImagePreprocessConfig.from_checkpoint(model_dir)
         refuse_pan_and_scan(preprocess)  # before the weights load
-        return cls(load_vision_encoder(model_dir, cfg, dtype, device), preprocess, media, device)
+        return cls(load_vision_encoder(model_dir, cfg, dtype, device, load_format), preprocess, media, device)
 
     @property
     def embeddings_shape(self) -> tuple[int, int]:

@@ -66,6 +66,7 @@ from worker_svc.logits_processors import uses_edits
 from worker_svc.logprobs import gather_logprobs, prompt_logprob_rows
 from worker_svc.media_encoder import MediaEncoder
 from worker_svc.media_source import MediaSource
+from worker_svc.model.dummy_weights import check_config
 from worker_svc.model.registry import load_config, load_vision_config
 from worker_svc.model.loader import load_model, resolve_dtype
 from worker_svc.published_embeddings import PublishedEmbeddings
@@ -100,6 +101,7 @@ class ModelRunner:
         self.worker_id = worker_id
         self.device = torch.device(config.device)
         self.model_dir = resolve_model(config.model)  # a folder, or a Hub id from the cache
+        check_config(self.model_dir, config.load_format)
         self.model_config = load_config(self.model_dir)
         cfg = self.model_config
         # CPU compute threads (on this thread: the compute thread, whose OpenMP team they are)
@@ -123,13 +125,14 @@ class ModelRunner:
         if self.kv_dtype != self.dtype:
             log.info("KV cache in %s (%s)", str(self.kv_dtype).removeprefix("torch."), why)
         self.model = load_model(self.model_dir, cfg, self.backend, self.max_model_len,
-                                self.dtype, self.device, config.quantization)
+                                self.dtype, self.device, config.quantization, config.load_format)
         # before the KV cache is sized: a GPU's share counts the encoder's weights too
         self.vision_config = load_vision_config(self.model_dir)
         self.vision: ImageEmbedder | None = None
         if self.vision_config is not None and media is not None:
             self.vision = ImageEmbedder.load(self.model_dir, self.vision_config, self.dtype, self.device,
-                                             media, config.encoder_cache_memory_bytes, published)
+                                             media, config.encoder_cache_memory_bytes, published,
+                                             config.load_format)
         # KV cache groups (kvstore/kv_cache_groups.py): a block holds `group_size` layers' K/V
         self.kv_layout = self.model.kv_layout
         slots = self.kv_layout.group_size

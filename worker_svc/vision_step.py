@@ -94,11 +94,12 @@ class ImageEmbedder:
     @classmethod
     def load(cls, model_dir: str | Path, cfg: Gemma3VisionConfig, dtype: torch.dtype,
              device: torch.device, media: MediaSource, cache_bytes: int,
-             published: Callable[[MediaEncoder], PublishedEmbeddings] | None = None) -> ImageEmbedder:
-        """The checkpoint's encoder in `dtype` on `device`, an encoder cache of
-        `cache_bytes`, and (given a way to make it from the encoder: its fingerprint) the
-        published embeddings to read."""
-        encoder = MediaEncoder.load(model_dir, cfg, dtype, device, media)
+             published: Callable[[MediaEncoder], PublishedEmbeddings] | None = None,
+             load_format: str = "auto") -> ImageEmbedder:
+        """The checkpoint's encoder in `dtype` on `device` (random weights with `load_format`
+        "dummy"), an encoder cache of `cache_bytes`, and (given a way to make it from the
+        encoder: its fingerprint) the published embeddings to read."""
+        encoder = MediaEncoder.load(model_dir, cfg, dtype, device, media, load_format)
         embedder = cls(encoder, EncoderCache(cache_bytes), published(encoder) if published else None)
         if embedder.published is not None:  # an encoder service of another dtype or checkpoint is not used
             log.info("vision: encoder cache of %d embeddings; published embeddings read under %s",

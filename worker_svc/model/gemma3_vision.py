@@ -31,6 +31,7 @@ from safetensors import safe_open
 from torch import nn
 
 from worker_svc.model.config import DTYPES, architecture_of
+from worker_svc.model.dummy_weights import check_load_format, fill_dummy
 from worker_svc.model.gemma3 import TEXT_CONFIG_DEFAULTS
 from worker_svc.model.layers import GemmaRMSNorm
 from worker_svc.model.loader import weight_files
@@ -162,10 +163,15 @@ def iter_vision_tensors(model_dir: str | Path):
 
 
 def load_vision_encoder(model_dir: str | Path, cfg: Gemma3VisionConfig, dtype: torch.dtype,
-                        device: torch.device | str) -> Gemma3VisionEncoder:
-    """The encoder of a Gemma3ForConditionalGeneration checkpoint folder, in `dtype` on `device`."""
+                        device: torch.device | str, load_format: str = "auto") -> Gemma3VisionEncoder:
+    """The encoder of a Gemma3ForConditionalGeneration checkpoint folder, in `dtype` on
+    `device`; `load_format` "dummy": random weights, no file read (model/dummy_weights.py)."""
+    check_load_format(load_format)
     with torch.device("meta"):
         encoder = Gemma3VisionEncoder(cfg)
     encoder = encoder.to(dtype).to_empty(device=device)
-    encoder.load_weights(iter_vision_tensors(model_dir))
+    if load_format == "dummy":
+        fill_dummy(encoder)
+    else:
+        encoder.load_weights(iter_vision_tensors(model_dir))
     return encoder.eval()

@@ -24,6 +24,7 @@ from kernels.backend import AttentionBackend
 from kernels.cpu_features import CpuFeatures, cpu_features
 from worker_svc.model.config import DTYPES, DecoderConfig
 from worker_svc.model.decoder import DecoderForCausalLM
+from worker_svc.model.dummy_weights import check_load_format, fill_dummy
 from worker_svc.model.int8_linear import QUANTIZATIONS, quantize_linears
 from worker_svc.model.layers import can_pack_linears, pack_linears
 
@@ -68,7 +69,8 @@ def weight_files(model_dir: str | Path) -> list[Path]:
         return [model_dir / "model.safetensors"]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir} (--load-format dummy runs "
+                                f"without them: random weights of config.json's shapes)")
     return files
 
 
@@ -88,15 +90,20 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 def load_model(model_dir: str | Path, cfg: DecoderConfig, backend: AttentionBackend,
                max_positions: int, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None) -> DecoderForCausalLM:
+               quantization: str | None = None, load_format: str = "auto") -> DecoderForCausalLM:
     """The model in `dtype` on `device`; with quantization "int8" its linear layers but the
-    LM head hold int8 weights (worker_svc/model/int8_linear.py)."""
+    LM head hold int8 weights (worker_svc/model/int8_linear.py). `load_format` "dummy":
+    random weights made on the device, no file read (worker_svc/model/dummy_weights.py)."""
+    check_load_format(load_format)
     with torch.device("meta"):
         model = DecoderForCausalLM(cfg, backend, max_positions, dtype, device)
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each parameter its own memory: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.load_weights(iter_safetensors(model_dir))
+    if load_format == "dummy":
+        fill_dummy(model)
+    else:
+        model.load_weights(iter_safetensors(model_dir))
     if quantization == "int8":
         quantize_linears(model, torch.device(device))
     elif quantization is not None:
