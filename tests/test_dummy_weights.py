@@ -2,10 +2,12 @@
 weight file serves (random weights of the config's shapes and dtype, made on the device);
 without the flag its missing weights, and with it a missing config.json, are errors that
 name the flag. Text (the tiny llama) and vision (the tiny gemma3-vision: decoder and
-encoder, the encoder service's path too)."""
+encoder, the encoder service's path too). A model too large for the device's memory is
+refused before any of it is made (worker_svc/model/weight_memory.py)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from worker_svc.media_encoder import MediaEncoder
 from worker_svc.model.dummy_weights import DUMMY_RANGE
 from worker_svc.model.loader import resolve_dtype
 from worker_svc.model.registry import load_config, load_vision_config
+from worker_svc.model.weight_memory import check_fits, free_bytes, weights_bytes
 from worker_svc.model_runner import ModelRunner
 
 
@@ -85,3 +88,19 @@ def test_the_flag(command):
     if command != "encoder":
         assert _runner_config(args).load_format == "dummy"
     assert build_parser().parse_args([command, "--model", "m"]).load_format == "auto"
+
+
+def test_a_model_too_large_for_the_memory_is_refused_with_the_numbers(tiny_model_dir, tmp_path):
+    folder = config_only(tiny_model_dir, tmp_path / "huge")
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 100_000_000  # 3 layers x 3 x 64 x 1e8 fp32 weights: ~215 GiB
+    (folder / "config.json").write_text(json.dumps(config))
+    assert free_bytes(torch.device("cpu")) > 0  # this host's MemAvailable, read
+    with pytest.raises(MemoryError, match=r"the decoder's weights need 2\d\d\.\d\d GiB in float32 on cpu, which has "
+                                          r"\d+\.\d\d GiB free"):
+        make_runner(folder, load_format="dummy")
+    layer = torch.nn.Linear(4, 8, device="meta")
+    assert weights_bytes(layer, torch.bfloat16) == (32 + 8) * 2
+    check_fits(layer, torch.bfloat16, "cpu", "a layer", free=80)
+    with pytest.raises(MemoryError, match="a layer's weights need 0.00 GiB in bfloat16 on cpu, which has 0.00 GiB free"):
+        check_fits(layer, torch.bfloat16, "cpu", "a layer", free=79)

@@ -32,6 +32,7 @@ from torch import nn
 
 from worker_svc.model.config import DTYPES, architecture_of
 from worker_svc.model.dummy_weights import check_load_format, fill_dummy
+from worker_svc.model.weight_memory import check_fits
 from worker_svc.model.gemma3 import TEXT_CONFIG_DEFAULTS
 from worker_svc.model.layers import GemmaRMSNorm
 from worker_svc.model.loader import weight_files
@@ -169,6 +170,7 @@ def load_vision_encoder(model_dir: str | Path, cfg: Gemma3VisionConfig, dtype: t
     check_load_format(load_format)
     with torch.device("meta"):
         encoder = Gemma3VisionEncoder(cfg)
+    check_fits(encoder, dtype, device, "the vision encoder")
     encoder = encoder.to(dtype).to_empty(device=device)
     if load_format == "dummy":
         fill_dummy(encoder)

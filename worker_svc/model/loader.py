@@ -1,8 +1,9 @@
 """Build a decoder from a Hugging Face checkpoint folder (config.json + safetensors).
 
-The module is built on the meta device (no memory, no random init), materialised empty
+The module is built on the meta device (no memory, no random init), its weights' bytes
+checked against what the device has free (model/weight_memory.py), materialised empty
 on the target device in the target dtype, then every parameter is filled from the
-safetensors files; `load_weights` refuses a checkpoint that leaves anything unfilled.
+safetensors files (or made random: --load-format dummy, model/dummy_weights.py); `load_weights` refuses a checkpoint that leaves anything unfilled.
 On the CPU the linear layers' weights are then packed for oneDNN (layers.PackedLinear).
 
 Which files: those `model.safetensors.index.json` names (sharded checkpoints), else
@@ -27,6 +28,7 @@ from worker_svc.model.decoder import DecoderForCausalLM
 from worker_svc.model.dummy_weights import check_load_format, fill_dummy
 from worker_svc.model.int8_linear import QUANTIZATIONS, quantize_linears
 from worker_svc.model.layers import can_pack_linears, pack_linears
+from worker_svc.model.weight_memory import check_fits
 
 INDEX_FILE = "model.safetensors.index.json"
 log = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ def load_model(model_dir: str | Path, cfg: DecoderConfig, backend: AttentionBack
     check_load_format(load_format)
     with torch.device("meta"):
         model = DecoderForCausalLM(cfg, backend, max_positions, dtype, device)
+    check_fits(model, dtype, device, "the decoder")
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each parameter its own memory: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
