@@ -60,6 +60,7 @@ from worker_svc.model.loader import resolve_dtype  # noqa: E402
 from worker_svc.model_runner import ModelRunner  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # after ROOT: bench/kernels.py must not shadow kernels/
+from kernel_count import count_kernels  # noqa: E402  (bench/kernel_count.py)
 from workloads import KINDS, WorkloadSpec, make_workload  # noqa: E402
 
 
@@ -235,48 +236,6 @@ class Driver:
         return statistics.median(times)
 
 
-def count_kernels(driver: Driver) -> dict:
-    """What one step launches: CUDA kernels from torch.profiler on a GPU; on the CPU, the
-    aten operators that did work (views, reshapes and allocations left out)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    device = driver.runner.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            driver.step()
-            torch.cuda.synchronize(device)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not e.name.lower().startswith(("memcpy", "memset"))]
-        # the device's busy time: what the step would take if the host never made it wait
-        return {"kind": "CUDA kernels", "count": len(kernels),
-                "busy_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3}
-    return {"kind": "aten operators doing work", "count": _count_ops(driver.step)}
-
-
-def _count_ops(fn) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    free = ("view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "split", "split_with_sizes",
-            "slice", "select", "unsqueeze", "squeeze", "detach", "alias", "empty", "empty_like",
-            "empty_strided", "reshape", "permute", "unbind", "chunk", "narrow", "_reshape_alias",
-            "lift_fresh")
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.split(".")[0] not in free:
-                self.count += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count() as counter:
-        fn()
-    return counter.count
-
-
 def decode_roofline(args, rate: float, bandwidth: float, batch: int, runner: ModelRunner) -> dict:
     driver = Driver(args, runner)
     split = args.host_split and runner.device.type == "cpu"  # (on a GPU the forward's time is its launch)
@@ -304,7 +263,7 @@ def decode_roofline(args, rate: float, bandwidth: float, batch: int, runner: Mod
                      host_ms=statistics.median(t - f - s for t, f, s in zip(times, forwards, samplings)) * 1e3)
     pipelined_s = driver.pipelined(args.steps)
     if args.count_kernels:
-        extra["kernels"] = count_kernels(driver)
+        extra["kernels"] = count_kernels(driver.runner.device, driver.step)
     graphs = runner.graphs
     extra["cuda_graphs"] = bool(graphs is not None and graphs.size_for(batch) is not None)
     runner.forget_all()  # the next batch starts on an empty runner
