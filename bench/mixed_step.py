@@ -5,8 +5,8 @@
 
 `--batch` requests decode at ~`--context` tokens of context; then, `--rounds` times, a new
 request's `--chunk`-token prompt is computed in one step beside them (the step budget is
-raised to hold both; a first round, untimed, warms the shapes up). Each such step is timed (ModelRunner.step, as bench/roofline.py
-times it) and set against:
+raised to hold both; a first round, untimed, warms the shapes up). Each such step is
+timed (ModelRunner.step, as bench/roofline.py times it) and set against:
 
 * its own floor: max(FLOPs / matmul rate, bytes / bandwidth) of the decodes and the chunk
   together (bench/roofline.py's cost model: every weight read once for the step);
@@ -63,8 +63,8 @@ def measure(args, rate: float, bandwidth: float) -> dict:
             raise SystemExit(f"the step is not {args.batch} decodes beside one {args.chunk}-token chunk: "
                              f"{dict(step.num_scheduled_tokens)}")
         if i:
-            mixed.append((elapsed, cost.floor(rate, bandwidth),
-                          driver.cost(decode_part).floor(rate, bandwidth) + driver.cost(chunk_part).floor(rate, bandwidth)))
+            parts = driver.cost(decode_part).floor(rate, bandwidth) + driver.cost(chunk_part).floor(rate, bandwidth)
+            mixed.append((elapsed, cost.floor(rate, bandwidth), parts))
     decode_s = decode_s[3:]
     driver.runner.forget_all()
     alone = roofline.Driver(args, driver.runner)

@@ -27,7 +27,8 @@ def _runner_config(args: argparse.Namespace):
         swap_space_bytes=args.swap_space, max_model_len=args.max_model_len, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=None if args.quantization == "none" else args.quantization,
-        load_format=args.load_format, device=args.device, attention_backend=args.attention_backend, seed=args.seed, threads=args.threads,
+        load_format=args.load_format, device=args.device, attention_backend=args.attention_backend,
+        seed=args.seed, threads=args.threads,
         enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         encoder_cache_memory_bytes=args.encoder_cache_memory,
     )

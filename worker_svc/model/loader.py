@@ -3,7 +3,8 @@
 The module is built on the meta device (no memory, no random init), its weights' bytes
 checked against what the device has free (model/weight_memory.py), materialised empty
 on the target device in the target dtype, then every parameter is filled from the
-safetensors files (or made random: --load-format dummy, model/dummy_weights.py); `load_weights` refuses a checkpoint that leaves anything unfilled.
+safetensors files (or made random: --load-format dummy, model/dummy_weights.py);
+`load_weights` refuses a checkpoint that leaves anything unfilled.
 On the CPU the linear layers' weights are then packed for oneDNN (layers.PackedLinear).
 
 Which files: those `model.safetensors.index.json` names (sharded checkpoints), else
