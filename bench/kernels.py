@@ -34,9 +34,7 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,6 +42,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a plain checkout
+
+from device_timing import copy_bandwidth, device_time, matmul_rate  # noqa: E402  (bench/device_timing.py)
 
 class Layout(NamedTuple):
     """An attention layout: query heads over KV heads of head_dim."""
@@ -55,41 +55,6 @@ class Layout(NamedTuple):
 
 LAYOUTS = {"llama3-8b": Layout(32, 8, 128), "gemma3-12b": Layout(16, 8, 256)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def device_time(fn, iters: int, flush: torch.Tensor) -> float:
-    """Median seconds of `fn()` over `iters` runs, L2 emptied before each (CUDA events;
-    wall clock on the CPU, where this only smoke-tests the script)."""
-    fn()  # warm-up (and Triton compile)
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        if flush.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def copy_bandwidth(flush: torch.Tensor, iters: int, numel: int) -> float:
-    """Bytes/s of a device-to-device copy (2 GiB on a GPU), counting the read and the write."""
-    src = torch.empty(numel, dtype=torch.int16, device=flush.device).random_()
-    dst = torch.empty_like(src)
-    seconds = device_time(lambda: dst.copy_(src), iters, flush)
-    return 2 * src.numel() * src.element_size() / seconds
-
-
-def matmul_rate(dtype: torch.dtype, flush: torch.Tensor, iters: int, n: int) -> float:
-    a = torch.randn(n, n, device=flush.device, dtype=dtype)
-    b = torch.randn(n, n, device=flush.device, dtype=dtype)
-    return 2 * n**3 / device_time(lambda: a @ b, iters, flush)
 
 
 def sdpa_gqa_kwargs(device) -> dict:

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a plain checkout
+sys.path.append(str(Path(__file__).resolve().parent))  # after it: bench/kernels.py must not shadow kernels/
 
+from device_timing import device_time, matmul_rate  # noqa: E402  (bench/device_timing.py)
 from worker_svc.model.gemma3_vision import Gemma3VisionConfig, Gemma3VisionEncoder, read_vision_config  # noqa: E402
 
 # Gemma 3's vision_config (the same for 4B, 12B and 27B), as its config.json gives it
@@ -59,31 +59,6 @@ def flops_per_image(cfg: Gemma3VisionConfig) -> float:
     return patch + t.num_layers * layer + 2 * cfg.mm_tokens_per_image * d * cfg.text_hidden_size
 
 
-def timed(fn, iters: int, device: torch.device) -> float:
-    """Median seconds of fn() over `iters` runs, after one warm-up."""
-    fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def matmul_rate(dtype: torch.dtype, device: torch.device, n: int, iters: int) -> float:
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    return 2 * n**3 / timed(lambda: a @ b, iters, device)
-
-
 def attention_path(name: str):
     """A context manager forcing SDPA onto `name`'s kernel (none for "default")."""
     from contextlib import nullcontext
@@ -106,7 +81,8 @@ def bench(device: torch.device, dtype: torch.dtype, smoke: bool, batches: list[i
         for p in encoder.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     encoder = encoder.to(device=device, dtype=dtype).eval()
-    rate = matmul_rate(dtype, device, 256 if smoke else 8192, iters)
+    no_flush = torch.empty(0, device=device)  # a frame's work dwarfs the L2: nothing to empty
+    rate = matmul_rate(dtype, no_flush, iters, 256 if smoke else 8192)
     flops = flops_per_image(cfg)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "image_size": cfg.image_size,
@@ -124,7 +100,7 @@ def bench(device: torch.device, dtype: torch.dtype, smoke: bool, batches: list[i
                 try:
                     with attention_path(path):
                         out = encoder(pixels).float()
-                        seconds = timed(lambda: encoder(pixels), iters, device)
+                        seconds = device_time(lambda: encoder(pixels), iters, no_flush)
                 except RuntimeError as exc:  # no such kernel for these shapes on this device
                     rows.append({"batch": batch, "path": path, "unavailable": str(exc).splitlines()[0][:200]})
                     continue
