@@ -62,8 +62,9 @@ def test_two_schedulers_share_shards_and_one_takes_over_a_killed_one(tiny_model_
             return run_streams(stack, prompts, fault=fault, max_tokens=max_tokens, temperature=0.8, seed=11)
 
         calm = run(None)
-        stepped = {w for w, s in worker_stats(stack).items() if s.num_steps > 0}
-        assert {leases[w][0] for w in stepped} == {0, 1}, "requests reached both shards"
+        # each worker's stats are written by its scheduler once a second: read until they show the steps
+        _wait(lambda: {leases[w][0] for w, s in worker_stats(stack).items() if s.num_steps > 0} == {0, 1},
+              "requests to reach both shards (their workers' stats showing steps)", timeout=10)
 
         led = _shards_led(stack)
         victim_id = next(s for s, shards in led.items() if shards == [1])
