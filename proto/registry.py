@@ -1,6 +1,6 @@
 """Reading the worker registry: which workers are alive, and their registrations.
 
-A worker registers (worker_svc/server.py, `Registration`) by keeping its msgpack
+A worker registers (worker_svc/registration.py, `Registration`) by keeping its msgpack
 `WorkerRegistration` under `keys.worker(id)` with a TTL its heartbeat refreshes, and its id
 in the set `keys.workers`. An id whose key is gone has expired: the worker died or stalled
 (a heartbeat that resumes adds both back). The scheduler, the gateway and the local

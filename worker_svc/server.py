@@ -4,7 +4,7 @@ It owns the transport only: the gRPC server (Describe / Step / Steps / Health, a
 standard `grpc.health.v1.Health` service: SERVING from registration until SIGTERM),
 publishing each step's TokenEvents to Redis (one PUBLISH per reply channel per step,
 pipelined: worker_svc/event_publisher.py), the registration heartbeat that lets
-schedulers discover it, the media store the runner reads images from (the same Redis:
+schedulers discover it (worker_svc/registration.py), the media store the runner reads images from (the same Redis:
 worker_svc/media_source.py), and /metrics (each step's duration, requests and tokens; for
 a vision model also the images encoded, encoder-cache hits and encoding time:
 proto/metrics.py) when a metrics port is given. All compute is ModelRunner's.
@@ -39,14 +39,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-import msgspec
 import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import worker_pb2, worker_pb2_grpc
 from proto.grpc_options import GRPC_OPTIONS
 from proto.keys import RedisKeys
-from proto.messages import TokenEvent, WorkerRegistration, stream_encoder
+from proto.messages import TokenEvent, WorkerRegistration
 from proto.metrics import EncoderRecorder, StepCollector, StepRecorder, serve_metrics
 from proto.outage_log import OutageLog
 from worker_svc.compute_thread import ComputeThread
@@ -55,6 +54,7 @@ from worker_svc.event_publisher import EventPublisher
 from worker_svc.media_source import RedisMediaSource
 from worker_svc.published_embeddings import PublishedEmbeddings
 from worker_svc.model_runner import LaunchedStep, ModelRunner, StepConsistencyError
+from worker_svc.registration import Registration, drain
 from worker_svc.step_gap import StepGap
 
 log = logging.getLogger("pagedserve.worker")
@@ -342,53 +342,6 @@ class ModelWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._publish_outage.ok()
 
 
-class Registration:
-    """Keeps `keys.worker(id)` alive with a TTL while the worker lives; removes it on stop."""
-
-    def __init__(self, client: redis.Redis, keys: RedisKeys, reg: WorkerRegistration,
-                 interval_s: float, ttl_s: float):
-        self._client, self._keys, self._reg = client, keys, reg
-        self._interval_s, self._ttl_ms = interval_s, int(ttl_s * 1000)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-
-    def start(self) -> None:
-        self._beat()
-        self._thread.start()
-
-    def drain(self) -> None:
-        """From now on say `draining` (at once, and in every beat)."""
-        self._reg = msgspec.structs.replace(self._reg, draining=True)
-        try:
-            self._beat()
-        except redis.RedisError as exc:
-            log.warning("could not announce the drain: %s", exc)
-
-    def _beat(self) -> None:
-        # Both, every beat: a scheduler SREMs an id whose key expired (a stalled worker),
-        # so a heartbeat that resumes must put the id back as well as the key.
-        pipe = self._client.pipeline(transaction=True)
-        pipe.set(self._keys.worker(self._reg.worker_id), stream_encoder.encode(self._reg), px=self._ttl_ms)
-        pipe.sadd(self._keys.workers, self._reg.worker_id)
-        pipe.execute()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self._beat()
-            except redis.RedisError as exc:  # Redis may come back; the TTL covers the gap
-                log.warning("heartbeat failed: %s", exc)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        try:
-            self._client.delete(self._keys.worker(self._reg.worker_id))
-            self._client.srem(self._keys.workers, self._reg.worker_id)
-        except redis.RedisError:
-            pass
-
-
 def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
           stop: threading.Event | None = None) -> None:
     """Load the model, start gRPC, register; run until SIGTERM/SIGINT (or `stop` is set)."""
@@ -435,7 +388,7 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
         servicer.retry_unsent()
     log.info("worker %s stopping", reg.worker_id)
     _set_health(probes, health_pb2.HealthCheckResponse.NOT_SERVING)
-    _drain(registration, compute, runner, config.drain_timeout_s)
+    drain(registration, compute, runner, config.drain_timeout_s)
     registration.stop()  # first, so schedulers stop routing here and re-route what it held
     server.stop(grace=2).wait()
     servicer.close()
@@ -443,21 +396,6 @@ def serve(config: WorkerServiceConfig, ready: threading.Event | None = None,
         metrics.close()
     media.close()
     client.close()
-
-
-def _drain(registration: Registration, compute: ComputeThread, runner: ModelRunner, timeout_s: float) -> None:
-    """Registered as draining, wait (up to `timeout_s`) until no request is still generating
-    here; what is left when time is up is handed over once the worker deregisters."""
-    if timeout_s <= 0:
-        return
-    registration.drain()
-    deadline = time.monotonic() + timeout_s
-    while (left := compute.call(lambda: runner.num_unfinished)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if left:
-        log.warning("drain timeout: handing %d running request(s) over to other workers", left)
-    else:
-        log.info("drained: every request here finished")
 
 
 def _set_health(probes: health.HealthServicer, status: int) -> None:
