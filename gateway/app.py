@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -80,13 +80,14 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
         app.state.backend = backend
         loader: MediaLoader | None = None
         publishing: asyncio.Task | None = None
+        stop_publishing = asyncio.Event()
         app.state.peer_metrics = None
         try:
             if file_settings is not None and isinstance(backend, RedisBackend):
                 keys = RedisKeys(config.key_prefix)
                 # other gateways of the stack sum this one's metrics into theirs, and it theirs
                 app.state.peer_metrics = PeerGatewayMetrics(backend.redis, keys, backend.gateway_id)
-                publishing = asyncio.create_task(_publish_metrics(app.state.peer_metrics, metrics),
+                publishing = asyncio.create_task(_publish_metrics(app.state.peer_metrics, metrics, stop_publishing),
                                                  name="gateway-metrics-publish")
                 if image_tokens is not None:
                     loader = MediaLoader.from_config(
@@ -100,8 +101,11 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
             yield
         finally:
             if publishing is not None:
+                # Stopped by the event, the cancel only cuts its sleep short: redis-py swallows
+                # a cancellation that lands in a pipeline's execute, and a task that outlives
+                # the app keeps publishing (and hangs whoever later cancels and awaits it).
+                stop_publishing.set()
                 publishing.cancel()
-                # bounded: redis-py may swallow a cancellation that lands mid-read (backend.stop)
                 await asyncio.wait({publishing}, timeout=2)
                 try:
                     await app.state.peer_metrics.withdraw()
@@ -293,11 +297,11 @@ def create_app(config: GatewayConfig, backend_factory: Callable[[], RedisBackend
     return app
 
 
-async def _publish_metrics(peers: PeerGatewayMetrics, metrics: GatewayMetrics) -> None:
-    """Publish this gateway's own metrics about every second, for the scrapes its peers answer;
-    a failed write is retried at the next tick (logged once per outage)."""
+async def _publish_metrics(peers: PeerGatewayMetrics, metrics: GatewayMetrics, stop: asyncio.Event) -> None:
+    """Publish this gateway's own metrics about every second, for the scrapes its peers answer,
+    until `stop` is set; a failed write is retried at the next tick (logged once per outage)."""
     failing = False
-    while True:
+    while not stop.is_set():
         try:
             await peers.publish(metrics.own_exposition())
             failing = False
@@ -305,7 +309,8 @@ async def _publish_metrics(peers: PeerGatewayMetrics, metrics: GatewayMetrics) -
             if not failing:
                 logger.warning("could not publish this gateway's metrics (retrying each second): %s", exc)
             failing = True
-        await asyncio.sleep(PUBLISH_INTERVAL_S)
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), PUBLISH_INTERVAL_S)
 
 
 _DESCRIPTION = ("OpenAI's API as pagedserve serves it. This document is the contract: a body it calls "

@@ -105,6 +105,8 @@ class RedisBackend(EventQueues):
             await asyncio.wait({self._listener}, timeout=2)
         await self._client.aclose()
         await self._sub_client.aclose()
+        if self._listener is not None:  # a read the cancel missed ends with the connection
+            await asyncio.wait({self._listener}, timeout=2)
 
     async def _listen(self) -> None:
         """Subscribe and route forever; on a lost connection, resubscribe with a backoff.

@@ -93,6 +93,10 @@ async def gateway_client(config: GatewayConfig) -> AsyncIterator[httpx.AsyncClie
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
             client.app = app  # tests reach app.state through it
             yield client
+    # The app's background tasks end with its lifespan: one left running would hang the
+    # test runner's closing (it cancels and awaits every task, and redis-py can swallow that).
+    left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("gateway-") and not t.done()]
+    assert not left, f"the gateway left tasks running after its lifespan: {left}"
 
 
 Script = Callable[[NewRequest], list[list[TokenEvent]]]

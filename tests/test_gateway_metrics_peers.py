@@ -7,13 +7,17 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+import gateway.app
 from gateway.gateway_metrics_peers import PeerGatewayMetrics, sum_expositions
 from gateway.metrics import GatewayMetrics
 from proto.keys import RedisKeys
 from proto.metrics_scrape import parse_samples
+
+from gateway_helpers import gateway_client, make_config
 
 
 def _exposition(requests: dict[str, int], in_flight: int, latencies: list[float]) -> str:
@@ -107,3 +111,14 @@ def test_records_go_through_redis(redis_url):
             await client.aclose()
 
     asyncio.run(run())
+
+
+@pytest.mark.anyio
+async def test_the_publisher_ends_with_the_app(tiny_model_dir, redis_url, monkeypatch):
+    # Publishing back to back, the lifespan's cancel lands inside redis-py's pipeline, which
+    # swallows it: the publisher must stop on its event, or it outlives the app and hangs
+    # the runner that later cancels and awaits it (gateway_client asserts none is left).
+    monkeypatch.setattr(gateway.app, "PUBLISH_INTERVAL_S", 0.0005)
+    for _ in range(4):
+        async with gateway_client(make_config(tiny_model_dir, redis_url)):
+            await asyncio.sleep(0.01)
