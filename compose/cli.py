@@ -5,7 +5,7 @@
     pagedserve scheduler   ...
     pagedserve worker      --model DIR ...
     pagedserve encoder     --model DIR ...                            vision: encode media ahead of questions
-    pagedserve make-model  DIR --preset tiny|small|1b
+    pagedserve make-model  DIR --preset tiny|small|1b|gemma-3-12b-it... [--config-only]
     pagedserve compose-gpu --gpus N|0,1,...                           compose override: a GPU per worker
     pagedserve bench       [cameras] --base-url URL ...              the serving benchmark (or bench/cameras.py)
 

@@ -162,8 +162,14 @@ def run_gateway(args: argparse.Namespace) -> int:
 def run_make_model(args: argparse.Namespace) -> int:
     from worker_svc.make_model import make_model
 
-    path = make_model(Path(args.dir), preset=args.preset, seed=args.seed, arch=args.arch)
-    print(f"wrote {args.preset} {args.arch} checkpoint to {path}")
+    try:
+        path = make_model(Path(args.dir), preset=args.preset, seed=args.seed, arch=args.arch,
+                          config_only=args.config_only)
+    except ValueError as exc:
+        print(f"make-model: {exc}", file=sys.stderr)
+        return 2
+    what = "configuration (no weights)" if args.config_only else "checkpoint"
+    print(f"wrote {args.preset} {args.arch} {what} to {path}")
     return 0
 
 

@@ -202,9 +202,17 @@ def add_bench_flags(f: EnvFlags) -> None:
 
 def add_make_model_flags(f: EnvFlags) -> None:
     f.parser.add_argument("dir")
-    f.add("--preset", default="tiny", choices=["tiny", "small", "1b"])
+    f.add("--preset", default="tiny", choices=MAKE_MODEL_PRESETS,
+          help="tiny/small/1b: random weights of that size; gemma-3-*-it: the release's files, "
+               "with --config-only and --arch gemma3-vision")
     f.add("--arch", default="llama")
     f.add("--seed", type=int, default=0)
+    f.parser.add_argument("--config-only", action="store_true",
+                          help="write everything but the weights (serve it with --load-format dummy)")
+
+
+# worker_svc/model_presets.py's PRESETS, named here so that --help needs no torch
+MAKE_MODEL_PRESETS = ["tiny", "small", "1b", "gemma-3-4b-it", "gemma-3-12b-it", "gemma-3-27b-it"]
 
 
 def add_compose_gpu_flags(f: EnvFlags) -> None:

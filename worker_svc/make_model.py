@@ -32,8 +32,6 @@ median top-1/top-2 gap 0.61, 1st percentile 6e-3, under 1e-3 in 0.15% of steps;
 tests/test_make_model.py keeps an eye on it).
 """
 
-import sysconfig
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,8 +42,11 @@ from worker_svc.make_vision_model import (
     perturb_vision_weights,
     save_gemma3_processor,
 )
+from worker_svc.local_tokenizer import train_tokenizer
+from worker_svc.release_tokenizer import TOKENIZER_SIZE, release_tokenizer
 from worker_svc.model_presets import (
     ARCHS,
+    RELEASES,
     VISION_ARCHS,
     ChatFlavour,
     family_config,
@@ -55,96 +56,76 @@ from worker_svc.model_presets import (
 )
 
 
-def _stdlib_texts(max_chars: int | None) -> Iterator[str]:
-    """Sources of the stdlib in sorted path order; top-level modules only when capped."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    if max_chars is None:
-        files = sorted(f for f in root.rglob("*.py") if "site-packages" not in f.parts)
-    else:
-        files = sorted(root.glob("*.py"))
-    used = 0
-    for path in files:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if max_chars is not None:
-            text = text[: max_chars - used]
-            used += len(text)
-        yield text
-        if max_chars is not None and used >= max_chars:
-            return
-
-
-def train_tokenizer(vocab_size: int, corpus_chars: int | None, chat: ChatFlavour):
-    """Byte-level BPE over stdlib sources, wrapped as a `PreTrainedTokenizerFast` with the
-    family's special tokens (ids 0.. in `chat.specials` order), BOS and chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(chat.specials), show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(_stdlib_texts(corpus_chars), trainer)
-    byte_level = processors.ByteLevel(trim_offsets=False)
-    if chat.bos is not None and chat.bos != chat.pad:  # a BOS that opens every encoded text
-        bos = (chat.bos, chat.specials.index(chat.bos))
-        tok.post_processor = processors.Sequence([
-            byte_level, processors.TemplateProcessing(single=f"{chat.bos} $A", pair=f"{chat.bos} $A $B",
-                                                      special_tokens=[bos])])
-    else:
-        tok.post_processor = byte_level
-    missing = vocab_size - tok.get_vocab_size()
-    if missing > 0:
-        tok.add_special_tokens([f"<|reserved_special_token_{i}|>" for i in range(missing)])
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=chat.bos, eos_token=chat.eos[0], pad_token=chat.pad,
-        unk_token=chat.unk, extra_special_tokens=list(chat.extra), model_max_length=None,
-        **dict(chat.named),
-    )
-    wrapped.chat_template = chat.template
-    return wrapped
-
-
 def make_model(out_dir, preset: str = "tiny", seed: int = 0, arch: str = "llama",
-               tokenizer_dir=None) -> Path:
+               tokenizer_dir=None, config_only: bool = False) -> Path:
     """Write a random `preset` checkpoint of family `arch` (config, safetensors, tokenizer,
     generation config) into `out_dir` and return its path. Same arch + preset + seed → same
     files. Sizes and each family's switches: worker_svc/model_presets.py. `tokenizer_dir`:
     take the tokenizer this function trained earlier for the same arch and preset from
-    that folder instead of training it again (the GPU check carries the `1b` one)."""
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoTokenizer,
-        GenerationConfig,
-    )
+    that folder instead of training it again (the GPU check carries the `1b` one).
+    `config_only`: everything but the weights, for `--load-format dummy`; the Gemma 3
+    releases' presets (`gemma-3-4b-it`, ...) are written that way only, with their published
+    configs and a tokenizer whose special tokens sit at the real ids
+    (worker_svc/release_tokenizer.py)."""
+    from transformers import AutoTokenizer, GenerationConfig
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
     s = shape(arch, preset)
+    release = preset in RELEASES
+    if release and not config_only:
+        raise ValueError(f"preset {preset!r} is the configuration of Google's release: write it with "
+                         "--config-only and serve it with --load-format dummy (or serve the real checkpoint)")
     chat = flavour(arch)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     if tokenizer_dir is None:
-        tokenizer = train_tokenizer(s.vocab_size, s.corpus_chars, chat)
+        tokenizer = (release_tokenizer(chat, s.corpus_chars) if release
+                     else train_tokenizer(s.vocab_size, s.corpus_chars, chat))
     else:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        if len(tokenizer) != s.vocab_size or tokenizer.chat_template != chat.template:
+        size = TOKENIZER_SIZE if release else s.vocab_size
+        if len(tokenizer) != size or tokenizer.chat_template != chat.template:
             raise ValueError(f"{tokenizer_dir}: not the {arch} {preset} tokenizer "
-                             f"({len(tokenizer)} entries, {s.vocab_size} expected)")
+                             f"({len(tokenizer)} entries, {size} expected)")
     special = dict(zip(chat.specials, tokenizer.convert_tokens_to_ids(list(chat.specials))))
     eos_ids = [special[t] for t in chat.eos]
     bos_id = special[chat.bos] if chat.bos else None
     config = _hf_config(arch, preset, s, bos_id=bos_id, eos_ids=eos_ids, pad_id=special[chat.pad])
+    if arch in VISION_ARCHS:
+        config = gemma3_vision_config(config, preset, image_token_ids(tokenizer))
+    if config_only:
+        config.architectures = [ARCHITECTURES[arch]]
+        config.dtype = s.dtype
+        config.save_pretrained(out)
+    else:
+        _save_random_weights(out, config, arch, preset, s, seed)
+    tokenizer.save_pretrained(out)
+    if arch in VISION_ARCHS:
+        save_gemma3_processor(out, tokenizer, preset)
+    sampling = RELEASE_SAMPLING if release else dict(do_sample=False)
+    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, pad_token_id=special[chat.pad],
+                     **sampling).save_pretrained(out)
+    return out
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "gemma3-vision": "Gemma3ForConditionalGeneration"}
+# generation_config.json of the Gemma 3 releases, beside their token ids
+RELEASE_SAMPLING = dict(do_sample=True, top_k=64, top_p=0.95, cache_implementation="hybrid")
+
+
+def _save_random_weights(out: Path, config, arch: str, preset: str, s, seed: int) -> None:
+    """The model of `config` with seeded random weights made to matter, saved in safetensors."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
     # Seeded, all of it (init and the perturbations below): same seed, same weights,
     # whatever the process drew from the global RNG before.
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG alone
         torch.manual_seed(seed)
         if arch in VISION_ARCHS:
-            config = gemma3_vision_config(config, preset, image_token_ids(tokenizer))
             model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -163,12 +144,6 @@ def make_model(out_dir, preset: str = "tiny", seed: int = 0, arch: str = "llama"
     model = model.to(s.dtype)
     model.config.dtype = s.dtype
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    if arch in VISION_ARCHS:
-        save_gemma3_processor(out, tokenizer, preset)
-    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, pad_token_id=special[chat.pad],
-                     do_sample=False).save_pretrained(out)
-    return out
 
 
 def _hf_config(arch: str, preset: str, s, *, bos_id: int | None, eos_ids: list[int], pad_id: int):

@@ -71,6 +71,21 @@ REAL_1B = MappingProxyType({
 })
 
 
+# Google's Gemma 3 releases (`--arch gemma3-vision`, config only: `make-model --config-only`,
+# served with `--load-format dummy`): the text part of each release's published config.json;
+# all three share vocab 262,208, a 1,024-token window on five of every six layers, RoPE
+# bases 10k (sliding) and 1M linearly scaled by 8 (global), no soft-caps, and the vision
+# tower `SIGLIP_SO400M`.
+RELEASES = MappingProxyType({
+    "gemma-3-4b-it": dict(num_hidden_layers=34, hidden_size=2560, intermediate_size=10240, num_attention_heads=8,
+                          num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256),
+    "gemma-3-12b-it": dict(num_hidden_layers=48, hidden_size=3840, intermediate_size=15360, num_attention_heads=16,
+                           num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256),
+    "gemma-3-27b-it": dict(num_hidden_layers=62, hidden_size=5376, intermediate_size=21504, num_attention_heads=32,
+                           num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168),
+})
+
+
 @dataclass(frozen=True)
 class VisionShape:
     """The SigLIP vision tower and projector of a `gemma3-vision` preset."""
@@ -90,22 +105,37 @@ VISION_SHAPES = MappingProxyType({
     "small": VisionShape(hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
                          num_attention_heads=6, image_size=224, patch_size=14, mm_tokens_per_image=64),
 })
+# The releases' tower: SigLIP So400m at 896 px (64x64 patches of 14 pixels pooled 4x4 to 256
+# soft tokens an image), with its vision_config's published values.
+SIGLIP_SO400M = VisionShape(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                            image_size=896, patch_size=14, mm_tokens_per_image=256)
+
+
+PRESETS = (*SHAPES, "1b", *RELEASES)
 
 
 def vision_shape(preset: str) -> VisionShape:
+    if preset in RELEASES:
+        return SIGLIP_SO400M
     if preset not in VISION_SHAPES:
         raise ValueError(f"preset {preset!r} has no vision tower; gemma3-vision comes in "
-                         f"{sorted(VISION_SHAPES)}")
+                         f"{[*VISION_SHAPES, *RELEASES]}")
     return VISION_SHAPES[preset]
 
 
 def shape(arch: str, preset: str) -> Shape:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
     if arch in VISION_ARCHS:
         vision_shape(preset)  # refuses the presets without one (`1b`)
+    if preset in RELEASES:
+        if arch not in VISION_ARCHS:
+            raise ValueError(f"preset {preset!r} is a Gemma 3 release: its arch is gemma3-vision, not {arch!r}")
+        dims = {k: v for k, v in RELEASES[preset].items() if k not in ("head_dim", "query_pre_attn_scalar")}
+        return Shape(**dims, vocab_size=262208, max_position_embeddings=131072, dtype=torch.bfloat16,
+                     corpus_chars=2_000_000)
     if preset == "1b":
         return Shape(**REAL_1B[arch], dtype=torch.bfloat16, corpus_chars=None)
-    if preset not in SHAPES:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted([*SHAPES, '1b'])}")
     return SHAPES[preset]
 
 
@@ -129,13 +159,15 @@ def family_config(arch: str, preset: str, s: Shape) -> dict:
         return dict(tie_word_embeddings=False, rms_norm_eps=1e-5, sliding_window=48 if tiny else 4096,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if arch in ("gemma3", "gemma3-vision"):
-        head_dim = 32 if tiny else 64 if preset == "small" else 256
+        release = RELEASES.get(preset, {})
+        head_dim = 32 if tiny else 64 if preset == "small" else release.get("head_dim", 256)
         layer_types = (["sliding_attention", "sliding_attention", "full_attention"] if tiny else
                        ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                         for i in range(s.num_hidden_layers)])
         return dict(tie_word_embeddings=True, rms_norm_eps=1e-6, head_dim=head_dim,
-                    query_pre_attn_scalar=24 if tiny else head_dim, layer_types=layer_types,
-                    sliding_window=48 if tiny else 512, final_logit_softcapping=30.0 if tiny else None,
+                    query_pre_attn_scalar=24 if tiny else release.get("query_pre_attn_scalar", head_dim),
+                    layer_types=layer_types, sliding_window=48 if tiny else 1024 if release else 512,
+                    final_logit_softcapping=30.0 if tiny else None,
                     hidden_activation="gelu_pytorch_tanh",
                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                      "full_attention": {"rope_type": "linear", "factor": 4.0 if tiny else 8.0,
