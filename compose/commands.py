@@ -74,17 +74,24 @@ def run_encoder(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_scheduler(args: argparse.Namespace) -> int:
-    from scheduler_svc.service import SchedulerService
+def scheduler_service_config(args: argparse.Namespace):
+    """`pagedserve scheduler`'s flags as its SchedulerServiceConfig."""
     from scheduler_svc.service_config import SchedulerServiceConfig
 
     extra = {"consumer_name": args.consumer_name} if args.consumer_name else {}
-    config = SchedulerServiceConfig(batching=_batching_config(args), redis_url=args.redis_url,
-                                    key_prefix=args.key_prefix, metrics_host=args.metrics_host,
-                                    metrics_port=args.metrics_port,
-                                    async_scheduling=args.async_scheduling,
-                                    max_waiting_requests=args.max_waiting_requests,
-                                    stats_interval_s=args.stats_interval, shards=args.shards, **extra)
+    return SchedulerServiceConfig(batching=_batching_config(args), redis_url=args.redis_url,
+                                  key_prefix=args.key_prefix, metrics_host=args.metrics_host,
+                                  metrics_port=args.metrics_port,
+                                  async_scheduling=args.async_scheduling,
+                                  max_waiting_requests=args.max_waiting_requests,
+                                  stats_interval_s=args.stats_interval, shards=args.shards,
+                                  step_timeout_s=args.step_timeout, **extra)
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    from scheduler_svc.service import SchedulerService
+
+    config = scheduler_service_config(args)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -145,6 +145,9 @@ def add_scheduler_flags(f: EnvFlags) -> None:
     f.add("--max-waiting-requests", type=int, default=1024,
           help="requests waiting for a step at most; beyond it the gateway answers 429 with "
                "Retry-After (0 = no bound)")
+    f.add("--step-timeout", type=float, default=120.0,
+          help="seconds a worker has for one step before it counts as dead (retired, its requests "
+               "rerouted); raise it for a large model on a CPU, whose first image step takes minutes")
     f.add("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
     f.add("--metrics-port", type=int, default=0,
           help="serve Prometheus /metrics (every worker's accounting) at this port; 0 = off")

@@ -75,3 +75,13 @@ def test_first_definition_wins():
     f.switch("--protect-metrics")
     f.switch("--protect-metrics")
     assert f.parser.parse_args([]).redis_url == "redis://first"
+
+
+def test_the_scheduler_step_timeout_reaches_its_config():
+    from compose.cli import build_parser
+    from compose.commands import scheduler_service_config
+
+    parser = build_parser()
+    assert scheduler_service_config(parser.parse_args(["scheduler"])).step_timeout_s == 120.0
+    args = parser.parse_args(["scheduler", "--step-timeout", "900"])  # a 4B's image step on 2 cores
+    assert scheduler_service_config(args).step_timeout_s == 900.0
