@@ -23,6 +23,13 @@ box inside one overall budget (`--budget-s`, 480 s), carrying on past a step tha
             tokenizer; decode steps' model-bandwidth utilisation and kernels per step, with
             CUDA graphs and with --enforce-eager (bench/roofline.py); the stack against the
             in-process engine at concurrency 256 and 64
+  cameras   bench/gpu/camera_serving.py: gemma-3-12b-it's release config with weights made on
+            the device (--load-format dummy, bf16) served by the stack; the camera workload
+            at 2, 4, 8, 12, 16 cameras, frames by file_id with an encoder service (which
+            encodes them as uploaded) and without one (the worker encodes them), and as
+            text of the same length; questions/s, TTFT p50/p90, images encoded/s, tok/s,
+            the largest K at TTFT p90 <= 1 s, beside the physical limit
+            (bench/camera_limits.py)
   fleet     bench/fleet.py on the machine's 16 cores (no GPU: the model is simulated): one
             scheduler driving 64 workers at 30 ms steps, 256 workers sharded over 8
             schedulers at 100 ms, and the same 256 on one scheduler (FLEET_RUNS), as many
@@ -52,7 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Each step's own limit in seconds, on CUDA; the overall budget caps what is left.
 # In this order: the CUDA path first; the fleet (CPU only) takes what the budget has left.
-LIMITS = {"install": 60, "tests": 140, "vision": 60, "kernels": 75, "serving": 340, "fleet": 270}
+LIMITS = {"install": 60, "tests": 140, "vision": 60, "kernels": 75, "serving": 340, "cameras": 420, "fleet": 270}
 # bench/fleet.py on the machine's CPUs (the model is simulated): name -> flags. One scheduler
 # at a GPU-like 30 ms step; 256 workers at 100 ms steps (what 16 cores can simulate: the
 # simulated workers, gateways and clients cost more CPU per step than the schedulers)
@@ -277,6 +284,19 @@ class Check:
         if code != 0:
             return StepResult("serving", "failed", reason=f"exit {code}", results=results)
         return StepResult("serving", "passed", reason="" if self.cuda else "tiny preset on the CPU", results=results)
+
+
+    def cameras(self, limit: float) -> StepResult:
+        out = self.out / "cameras.json"
+        cmd = [sys.executable, "bench/gpu/camera_serving.py", "--device", self.args.device,
+               "--budget-s", str(max(30.0, limit - 45)), "--work", str(self.work / "cameras"), "--json", str(out)]
+        code = self.run(cmd, limit)
+        results = json.loads(out.read_text()) if out.exists() else {}
+        if code is None:
+            return StepResult("cameras", "timeout", reason=f"ran past {limit:.0f} s", results=results)
+        if code != 0:
+            return StepResult("cameras", "failed", reason=f"exit {code}", results=results)
+        return StepResult("cameras", "passed", reason="" if self.cuda else "tiny preset on the CPU", results=results)
 
 
 def junit_summary(xml: Path) -> dict:
