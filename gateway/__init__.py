@@ -9,9 +9,11 @@
     auth.py          API keys: bearer check on /v1 before routing, constant-time compare
     metrics.py       Prometheus metrics (/metrics)
     preflight.py     body limit, parsing, model / live worker, tokenizing, context check, n fan-out
-    mm_prompt.py     a chat prompt with images / video: media loaded, template, Gemma3Processor's
-                     expansion, each image's soft-token range (NewRequest.mm_inputs)
-    image_tokens.py  a vision checkpoint's image tokens and soft tokens per image (None: text model)
+    mm_prompt.py     a chat prompt with images / video: media loaded, template, pan-and-scan crops,
+                     Gemma3Processor's expansion, each image's (and crop's) soft-token range
+                     (NewRequest.mm_inputs)
+    image_tokens.py  a vision checkpoint's image tokens, soft tokens per image and pan-and-scan
+                     settings (None: text model)
     tokenizer.py     the checkpoint's tokenizer and chat template (or --chat-template's)
     sampling_defaults.py  generation_config.json's sampling defaults (--generation-config)
     detokenizer.py   incremental detokenization (tokenizers' DecodeStream)

@@ -7,6 +7,9 @@ transformers saves (no torch, no worker code):
                             eoi_token_index (transformers' Gemma3Config defaults when absent)
     processor_config.json   image_seq_length: Gemma3Processor's soft tokens per image; it
                             must equal mm_tokens_per_image (what the model's projector makes)
+    the image processor's   its pan-and-scan settings (proto/pan_and_scan.py: the
+    config                  checkpoint's non-null values over Gemma3Processor's defaults;
+                            proto/image_processor_config.py says where it is)
     the tokenizer           each id's token text, which must tokenize back to that one id
 
 `ImageTokens.read(model_dir, tokenizer)` is None for a text checkpoint (every other
@@ -17,7 +20,11 @@ processor): each `<start_of_image>` the chat template renders becomes `expanded`
 
     "\\n\\n<start_of_image>" + mm_tokens_per_image × "<image_soft_token>" + "<end_of_image>\\n\\n"
 
-before the whole text is tokenized.
+before the whole text is tokenized. An image pan-and-scan cuts into k > 0 crops becomes
+`expanded_with_crops(k)` instead (Gemma3Processor.replace_image_token):
+
+    "Here is the original image " + expanded + " and here are some crops to help you see better "
+    + " ".join([expanded] * k)
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from proto.image_processor_config import image_processor_config
+from proto.pan_and_scan import PanAndScan
 
 VISION_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # transformers' Gemma3Config defaults, for a config.json that leaves them out
@@ -42,11 +52,20 @@ class ImageTokens:
     boi_id: int
     soft_id: int
     eoi_id: int
+    pan_and_scan: PanAndScan = PanAndScan()  # the checkpoint's settings (a request may change them)
 
     @property
     def expanded(self) -> str:
         """What one rendered `boi` becomes before tokenizing (Gemma3Processor's rule)."""
         return f"\n\n{self.boi}{self.soft * self.per_image}{self.eoi}\n\n"
+
+    def expanded_with_crops(self, num_crops: int) -> str:
+        """What the rendered `boi` of an image with `num_crops` pan-and-scan crops becomes
+        (`expanded` when it has none): the image's soft tokens, then each crop's."""
+        if not num_crops:
+            return self.expanded
+        return (f"Here is the original image {self.expanded} and here are some crops to help you see better "
+                + " ".join([self.expanded] * num_crops))
 
     @classmethod
     def read(cls, model_dir: str | Path, tokenizer: Any) -> ImageTokens | None:
@@ -73,5 +92,9 @@ class ImageTokens:
             if not isinstance(text, str) or tokenizer.encode(text, add_special_tokens=False) != [ids[name]]:
                 raise ValueError(f"{model_dir}: the tokenizer has no single token for config.json's "
                                  f"{name}_token_index {ids[name]} (found {text!r})")
+        try:
+            pan_and_scan = PanAndScan.from_image_processor(image_processor_config(model_dir))
+        except ValueError as exc:
+            raise ValueError(f"{model_dir}: {exc}") from None
         return cls(per_image=per_image, boi=texts["boi"], soft=texts["image"], eoi=texts["eoi"],
-                   boi_id=ids["boi"], soft_id=ids["image"], eoi_id=ids["eoi"])
+                   boi_id=ids["boi"], soft_id=ids["image"], eoi_id=ids["eoi"], pan_and_scan=pan_and_scan)

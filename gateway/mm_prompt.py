@@ -5,7 +5,7 @@ tokens sit in them (`NewRequest.mm_inputs`). Text-only requests never come here.
     parts = media_parts(body.messages)         # every image_url / video_url / file part, in order
     prompts.check(body, parts)                 # refusals that need no fetching (400)
     prompt = await prompts.build(body, parts, tools)
-    # → MediaPrompt(token_ids, mm_inputs=(MultiModalInput(content_hash, offset, length), ...))
+    # → MediaPrompt(token_ids, mm_inputs=(MultiModalInput(content_hash, offset, length, crop), ...))
 
 `build`, step by step:
 1. The MediaLoader fetches, checks and stores every part (gateway/media/loader.py; each bad
@@ -16,13 +16,22 @@ tokens sit in them (`NewRequest.mm_inputs`). Text-only requests never come here.
    the video's first frame: minutes, then seconds to the hundredth, e.g. "Frame at
    00:01.50:") followed by `{"type": "image"}`. So a video and its frames sent as images,
    each after that same text, make the same prompt.
-3. Each `<start_of_image>` of the rendered text becomes `ImageTokens.expanded` (Gemma3Processor's
-   rule, gateway/image_tokens.py); the text is tokenized as the text path tokenizes it.
-4. Each run of soft tokens is one image, in prompt order: its offset and length, with the
-   content hash of the image (or frame) it stands for. The counts are checked: the number
-   of placeholders rendered, of runs, and of tokens per run must match the images, so text
-   that spells out the model's image tokens cannot make a soft token without an image.
-Only hashes and ranges go on; the pixels stay in Redis (gateway/media/store.py).
+3. Pan-and-scan (proto/pan_and_scan.py), when the checkpoint's image processor or the
+   request's `mm_processor_kwargs` turns it on (the request's over the checkpoint's): each
+   image's crop boxes, from its width and height alone (the stored file's header, a
+   frame's size). A video's frames are images here like any other, cropped the same way
+   (transformers has no Gemma 3 video processor; frames sent as images get the crops too).
+4. Each `<start_of_image>` of the rendered text becomes `ImageTokens.expanded`, or for an
+   image with k crops `ImageTokens.expanded_with_crops(k)` (Gemma3Processor's rules,
+   gateway/image_tokens.py); the text is tokenized as the text path tokenizes it. Before
+   that, a prompt whose soft tokens alone exceed the context (pan-and-scan can ask for
+   many crops) is refused.
+5. Each run of soft tokens is one piece, in prompt order: its offset and length, with the
+   content hash of the image (or frame) it stands for and, for a crop, its box (the image
+   whole first, then its crops). The counts are checked: the number of placeholders
+   rendered, of runs, and of tokens per run must match the pieces, so text that spells out
+   the model's image tokens cannot make a soft token without an image.
+Only hashes, boxes and ranges go on; the pixels stay in Redis (gateway/media/store.py).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from typing import Any
 from gateway.content_parts import FilePart, MediaContentPart
 from gateway.errors import OpenAIError, invalid
 from gateway.image_tokens import ImageTokens
+from gateway.media.loaded import LoadedFrame, LoadedImage
 from gateway.media.loader import LoadedMedia, MediaLoader, MediaPart
 from gateway.media.options import VideoSampling
 from gateway.media.uuids import SHARED_SCOPE
@@ -42,12 +52,13 @@ from gateway.chat_message import ChatMessage
 from gateway.protocol import ChatCompletionRequest
 from gateway.tokenizer import PromptTokenizer
 from proto.messages import MultiModalInput
+from proto.pan_and_scan import PanAndScan
 
 
 @dataclass(frozen=True)
 class MediaPrompt:
     token_ids: list[int]
-    mm_inputs: tuple[MultiModalInput, ...]  # in prompt order, one per image or video frame
+    mm_inputs: tuple[MultiModalInput, ...]  # in prompt order, one per image or video frame (and crop)
 
 
 def media_parts(messages: Sequence[ChatMessage]) -> list[MediaPart]:
@@ -111,15 +122,35 @@ class MediaPrompts:
                           code="invalid_image_tokens")
 
     async def build(self, body: ChatCompletionRequest, parts: Sequence[MediaPart],
-                    tools: list[dict[str, Any]] | None, scope: str = SHARED_SCOPE) -> MediaPrompt:
+                    tools: list[dict[str, Any]] | None, scope: str = SHARED_SCOPE,
+                    max_prompt_tokens: int | None = None) -> MediaPrompt:
         """The prompt of `body`, whose media are `parts` (from `media_parts`); `check` first.
-        `scope`: whose media uuids the parts may name (gateway/media/uuids.py)."""
+        `scope`: whose media uuids the parts may name (gateway/media/uuids.py);
+        `max_prompt_tokens`: the context, which the images' soft tokens alone may not pass."""
         assert self.image_tokens is not None and self.loader is not None, "check() refuses this server"
+        settings = self._pan_and_scan(body)
         loaded = await self.loader.load(parts, self._sampling(body.media_io_kwargs), scope)
-        messages, hashes = _template_messages(body.messages, loaded)
-        token_ids, runs = await asyncio.to_thread(self._tokenize, body, messages, tools, len(hashes))
-        return MediaPrompt(token_ids, tuple(MultiModalInput(content_hash, offset, length)
-                                            for content_hash, (offset, length) in zip(hashes, runs)))
+        messages, images = _template_messages(body.messages, loaded)
+        counts = [settings.count(image.height, image.width) for image in images]  # no box made yet
+        soft = (len(images) + sum(counts)) * self.image_tokens.per_image
+        if max_prompt_tokens is not None and soft > max_prompt_tokens:
+            raise invalid(f"This model's maximum context length is {max_prompt_tokens} tokens. However, the "
+                          f"{len(images)} images take {soft} tokens ({sum(counts)} of them "
+                          f"pan-and-scan crops, {self.image_tokens.per_image} tokens each). Please send fewer "
+                          "or smaller images, or fewer crops (mm_processor_kwargs).", param="messages",
+                          code="context_length_exceeded")
+        crops = [settings.boxes(image.height, image.width) for image in images]
+        token_ids, runs = await asyncio.to_thread(self._tokenize, body, messages, tools, [len(c) for c in crops])
+        pieces = [(image.content_hash, crop) for image, boxes in zip(images, crops) for crop in (None, *boxes)]
+        return MediaPrompt(token_ids, tuple(MultiModalInput(content_hash, offset, length, crop)
+                                            for (content_hash, crop), (offset, length) in zip(pieces, runs)))
+
+    def _pan_and_scan(self, body: ChatCompletionRequest) -> PanAndScan:
+        """This request's pan-and-scan: its mm_processor_kwargs over the checkpoint's settings."""
+        try:
+            return self.image_tokens.pan_and_scan.overridden(body.mm_processor_kwargs)
+        except ValueError as exc:  # the protocol checked them already; a 400 all the same
+            raise invalid(str(exc), param="mm_processor_kwargs", code="invalid_value") from None
 
     def _sampling(self, request: dict[str, Any] | None) -> VideoSampling | None:
         """This request's video sampling: its media_io_kwargs (checked by the protocol) over
@@ -132,10 +163,11 @@ class MediaPrompts:
                              fps=float(video.get("fps", server.fps)))
 
     def _tokenize(self, body: ChatCompletionRequest, messages: list[dict[str, Any]],
-                  tools: list[dict[str, Any]] | None, num_images: int) -> tuple[list[int], list[tuple[int, int]]]:
+                  tools: list[dict[str, Any]] | None, num_crops: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """Render, expand, tokenize (in a thread: CPU-bound); the (offset, length) of each
-        image's soft tokens."""
+        piece's soft tokens (`num_crops`: each image's pan-and-scan crops, in order)."""
         tokens = self.image_tokens
+        num_images = len(num_crops)
         text = self.tokenizer.render_chat(
             messages, tools=tools, add_generation_prompt=bool(body.add_generation_prompt),
             continue_final_message=bool(body.continue_final_message),
@@ -148,22 +180,26 @@ class MediaPrompts:
         if placed > num_images:
             raise _spelled_out(f"the rendered prompt has {placed} image placeholders ('{tokens.boi}') "
                                f"for {num_images} images")
-        token_ids = self.tokenizer.encode_text(text.replace(tokens.boi, tokens.expanded),
-                                               bool(body.add_special_tokens))
+        between = text.split(tokens.boi)  # num_images + 1 texts around the placeholders
+        expanded = between[0] + "".join(tokens.expanded_with_crops(k) + after
+                                        for k, after in zip(num_crops, between[1:]))
+        token_ids = self.tokenizer.encode_text(expanded, bool(body.add_special_tokens))
         runs = list(_runs(token_ids, tokens.soft_id))
-        if len(runs) != num_images or any(length != tokens.per_image for _, length in runs):
+        num_pieces = num_images + sum(num_crops)
+        if len(runs) != num_pieces or any(length != tokens.per_image for _, length in runs):
+            crops = f" and {sum(num_crops)} crops" if any(num_crops) else ""
             raise _spelled_out(f"the prompt holds {sum(n for _, n in runs)} soft tokens ('{tokens.soft}') "
-                               f"for {num_images} images of {tokens.per_image}")
+                               f"for {num_images} images{crops} of {tokens.per_image}")
         return token_ids, runs
 
 
-def _template_messages(messages: Sequence[ChatMessage],
-                       loaded: Sequence[LoadedMedia]) -> tuple[list[dict[str, Any]], list[str]]:
-    """The messages as the chat template takes them, and the content hash of each image the
-    template will place, in order (a video: one per kept frame)."""
+def _template_messages(messages: Sequence[ChatMessage], loaded: Sequence[LoadedMedia]
+                       ) -> tuple[list[dict[str, Any]], list[LoadedImage | LoadedFrame]]:
+    """The messages as the chat template takes them, and each image the template will place
+    (its content hash and size), in order (a video: one per kept frame)."""
     media: Iterator[LoadedMedia] = iter(loaded)
     out: list[dict[str, Any]] = []
-    hashes: list[str] = []
+    images: list[LoadedImage | LoadedFrame] = []
     for message in messages:
         if not message.has_media:
             out.append(message.template_dict())
@@ -176,13 +212,13 @@ def _template_messages(messages: Sequence[ChatMessage],
             item = next(media)
             if item.kind == "image":
                 parts.append({"type": "image"})
-                hashes.append(item.content_hash)
+                images.append(item)
             else:
                 for frame in item.frames:
                     parts += [{"type": "text", "text": frame_label(frame.timestamp_s)}, {"type": "image"}]
-                    hashes.append(frame.content_hash)
+                    images.append(frame)
         out.append(message.template_dict(parts))
-    return out, hashes
+    return out, images
 
 
 def _runs(token_ids: list[int], token_id: int) -> Iterator[tuple[int, int]]:

@@ -162,7 +162,7 @@ class Preflight:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         mm_inputs: tuple[MultiModalInput, ...] = ()
         if parts:
-            prompt = await self.media.build(body, parts, tools, media_scope)
+            prompt = await self.media.build(body, parts, tools, media_scope, max_model_len)
             prompt_ids, mm_inputs = prompt.token_ids, prompt.mm_inputs
         else:
             prompt_ids = await asyncio.to_thread(

@@ -36,6 +36,7 @@ from gateway.request_part import Int, RequestPart, int_in, whole, whole_numbers
 from gateway.schema_rules import (continue_needs_no_generation_prompt, stream_options_need_stream,
                                   top_logprobs_need_logprobs)
 from gateway.structured_output_request import CHOICES, ResponseFormat, StructuredOutputs
+from proto.pan_and_scan import PanAndScan
 
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # OpenAI: top_logprobs <= 20 (chat), logprobs <= 5 (completions)
@@ -265,10 +266,15 @@ _MEDIA_IO_KWARGS = {"anyOf": [{"type": "object", "additionalProperties": False, 
         "num_frames": {"anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}]},
         "fps": {"type": "number"}}}}}, {"type": "null"}],
     "description": "This request's video sampling: {\"video\": {\"num_frames\": N (-1: no limit), \"fps\": F}}."}
-_MM_PROCESSOR_KWARGS = {"anyOf": [{"type": "object", "properties": {"do_pan_and_scan": {"enum": [False, None]}},
-                                   "propertyNames": {"pattern": "^(do_pan_and_scan$|pan_and_scan_)"}},
-                                  {"type": "null"}],
-                        "description": "Only do_pan_and_scan, and only false: pan-and-scan is not supported."}
+_AT_LEAST_1 = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
+_MM_PROCESSOR_KWARGS = {"anyOf": [{"type": "object", "additionalProperties": False, "properties": {
+    "do_pan_and_scan": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+    "pan_and_scan_min_crop_size": _AT_LEAST_1, "pan_and_scan_max_num_crops": _AT_LEAST_1,
+    "pan_and_scan_min_ratio_to_activate": {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "null"}]}}},
+    {"type": "null"}],
+    "description": "Gemma 3's pan-and-scan, as transformers names its settings: do_pan_and_scan (over the "
+                   "checkpoint's; false turns it off), pan_and_scan_min_crop_size, pan_and_scan_max_num_crops, "
+                   "pan_and_scan_min_ratio_to_activate; null leaves a setting as the checkpoint has it."}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -296,7 +302,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: Annotated[str | None, neutral_schema("chat_template")] = None
     # Images and video (vLLM's names): this request's video sampling, over the server's
     # --media-io-kwargs ({"video": {"num_frames": N, "fps": F}}); and the processor's
-    # switches, of which only pan-and-scan exists for Gemma 3, and is not supported.
+    # switches, of which only pan-and-scan's exist for Gemma 3 (proto/pan_and_scan.py).
     media_io_kwargs: Annotated[dict[str, Any] | None, WithJsonSchema(_MEDIA_IO_KWARGS)] = None
     mm_processor_kwargs: Annotated[dict[str, Any] | None, WithJsonSchema(_MM_PROCESSOR_KWARGS)] = None
 
@@ -319,15 +325,10 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("mm_processor_kwargs")
     @classmethod
     def _mm_processor_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        for key, setting in (value or {}).items():
-            if key == "do_pan_and_scan":
-                if setting is not None and setting is not False:
-                    raise ValueError("pan-and-scan ('do_pan_and_scan') is not supported: each image is "
-                                     "resized whole to the vision tower's size (vLLM's default); leave "
-                                     "it out or set it to false")
-            elif not key.startswith("pan_and_scan_"):  # pan-and-scan's own sizes: moot while it is off
-                raise ValueError(f"'{key}' is not supported: the only processor switch is "
-                                 "'do_pan_and_scan', and it must be false")
+        """Pan-and-scan's settings, each checked (its type and range) before anything is
+        fetched; the checkpoint's settings under them are applied when the prompt is built."""
+        value = whole_numbers(value)  # pan_and_scan_min_crop_size 8.0 is 8
+        PanAndScan().overridden(value)
         return value
 
     @property

@@ -16,6 +16,8 @@ from typing import Literal
 
 import msgspec
 
+from proto.pan_and_scan import CropBox, ImagePiece
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 # SampledToken.token_id (proto/worker.proto) of a request the worker failed without computing
 # it (finish_reason "error": its media could not be had); it may come in any step.
@@ -51,15 +53,28 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class MultiModalInput(msgspec.Struct, frozen=True, array_like=True):
-    """One image (or video frame) of a prompt: its soft tokens are prompt_token_ids[offset :
-    offset + length]; the worker encodes the MediaItem stored under
-    RedisKeys.media(content_hash) and writes its embeddings over them. Those tokens see each
-    other both ways (Gemma 3), so the scheduler never splits them across steps, and the
-    hash is part of the prefix-cache key of every block they touch."""
+    """One image (or video frame) of a prompt, or one of its pan-and-scan crops: its soft
+    tokens are prompt_token_ids[offset : offset + length]; the worker encodes the MediaItem
+    stored under RedisKeys.media(content_hash) -- whole, or the `crop` box of it -- and
+    writes its embeddings over them. Those tokens see each other both ways (Gemma 3), so the
+    scheduler never splits them across steps, and `embedding_key` is part of the
+    prefix-cache key of every block they touch. An image with k crops is 1 + k of these, in
+    prompt order: the image whole, then its crops (proto/pan_and_scan.py)."""
 
     content_hash: str  # sha256 hex of the stored media
     offset: int
     length: int
+    crop: CropBox | None = None  # a pan-and-scan crop of the image; None: the whole image
+
+    @property
+    def piece(self) -> ImagePiece:
+        return ImagePiece(self.content_hash, self.crop)
+
+    @property
+    def embedding_key(self) -> str:
+        """What its embeddings are known by (encoder caches, published embeddings, encoding
+        claims, prefix-cache keys): the content hash, and a crop's box."""
+        return self.piece.key
 
 
 class NewRequest(msgspec.Struct, frozen=True, tag="new"):

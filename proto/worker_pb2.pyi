@@ -80,14 +80,28 @@ class NewRequestData(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reply_channel: _Optional[str] = ..., mm_inputs: _Optional[_Iterable[_Union[MultiModalInput, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class MultiModalInput(_message.Message):
-    __slots__ = ("content_hash", "offset", "length")
+    __slots__ = ("content_hash", "offset", "length", "crop")
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CROP_FIELD_NUMBER: _ClassVar[int]
     content_hash: str
     offset: int
     length: int
-    def __init__(self, content_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    crop: CropBox
+    def __init__(self, content_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crop: _Optional[_Union[CropBox, _Mapping]] = ...) -> None: ...
+
+class CropBox(_message.Message):
+    __slots__ = ("top", "left", "height", "width")
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    top: int
+    left: int
+    height: int
+    width: int
+    def __init__(self, top: _Optional[int] = ..., left: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
 
 class CachedRequestData(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_computed_tokens", "replace_block_ids")

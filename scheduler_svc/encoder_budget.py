@@ -14,13 +14,14 @@ can tell, and how many images one step may make its worker encode.
 The mirror replays what the worker's cache (worker_svc/encoder_cache.py) does: every image
 of a step is used there (a hit, published, or encoded and put), most recent last, the least
 recently used out beyond `capacity_items` (WorkerInfo.encoder_cache_items: entries are all
-the same size). It can be wrong -- a worker restarted, an entry failed -- and then costs a
+the same size), by the images' `embedding_key` (the worker's cache key: a pan-and-scan
+crop is an entry of its own). It can be wrong -- a worker restarted, an entry failed -- and then costs a
 budget unit or a routing preference, never a wrong output: the worker still decides what it
 has. The scheduler uses it twice:
 
   budget   `--encoder-budget N` (0: no bound; auto, the default: 2 for a CPU worker, no
            bound on an accelerator): a step makes its worker encode at most N
-           images (or video frames) it does not hold and the encoder service has not
+           images (or video frames, or pan-and-scan crops) it does not hold and the encoder service has not
            published (the worker only reads those), so a burst of new images is spread
            over several steps and the decodes batched beside them keep their pace (vLLM's
            encoder budget, counted in images: a Gemma 3 image is mm_tokens_per_image
@@ -76,7 +77,7 @@ class EncoderCacheMirror:
 
     def held_tokens(self, mm_inputs: Sequence[MultiModalInput], start: int = 0) -> int:
         """Soft tokens of the images at or after prompt position `start` that it holds."""
-        return sum(m.length for m in mm_inputs if m.offset >= start and m.content_hash in self._held)
+        return sum(m.length for m in mm_inputs if m.offset >= start and m.embedding_key in self._held)
 
     def touch(self, hashes: Iterable[str]) -> None:
         if not self.capacity_items:
@@ -95,9 +96,9 @@ class EncoderCacheMirror:
 
 
 def images_in(req: SchedulerRequest, start: int, num_new: int) -> list[str]:
-    """Content hashes of the images starting in the chunk [start, start + num_new)."""
+    """Embedding keys of the images starting in the chunk [start, start + num_new)."""
     end = start + num_new
-    return [m.content_hash for m in req.mm_inputs if start <= m.offset < end]
+    return [m.embedding_key for m in req.mm_inputs if start <= m.offset < end]
 
 
 class StepEncoderBudget:
@@ -116,7 +117,7 @@ class StepEncoderBudget:
                 continue
             if image.offset >= start + num_new:
                 break
-            h = image.content_hash
+            h = image.embedding_key
             if h in self._counted or self._mirror.ready(h):
                 continue
             if self._left <= 0:

@@ -20,6 +20,10 @@ encodes and publishes it, and the encoder skips it when it gets there.
                                   workers of that fingerprint (WorkerInfo.embeddings_fingerprint):
                                   they cost the worker's step no encoding (the encoder budget)
 
+The hashes are the request's images' embedding keys (MultiModalInput.embedding_key): a
+whole image's is its content hash, what the encoders claim and publish; a pan-and-scan
+crop's names its box too, and no encoder ever marks it (the worker encodes crops itself).
+
 A claim whose encoder died runs out with its TTL, so nothing waits for a dead encoder
 longer than that (--claim-ttl-s on the encoder, 10 s); `max_wait_s` bounds it here too.
 A Redis error counts as "nothing claimed": the worker encodes what it lacks.
@@ -59,7 +63,7 @@ class EncodingWait:
         `published_fingerprint`: the workers' embeddings fingerprint when the scheduler
         budgets encoder work (then route gets the published media), else None."""
         ledger.start_transit([request])
-        hashes = [m.content_hash for m in request.mm_inputs]
+        hashes = [m.embedding_key for m in request.mm_inputs]
 
         async def wait_then_route() -> None:
             await self.until_done(hashes)

@@ -1,8 +1,10 @@
 """The images of a request's prompt as the scheduler sees them: ranges of soft tokens.
 
-An image (or a video frame) is a `MultiModalInput(content_hash, offset, length)`
-(proto/messages.py): prompt positions `offset <= p < offset + length` hold its soft tokens,
-whose embeddings the worker replaces by the image's. In Gemma 3 they attend to each other
+An image (or a video frame, or a pan-and-scan crop of either) is a
+`MultiModalInput(content_hash, offset, length, crop)` (proto/messages.py): prompt positions
+`offset <= p < offset + length` hold its soft tokens, whose embeddings the worker replaces
+by the image's. Everything here keys an image by its `embedding_key` (the content hash, and
+a crop's box), never by the hash alone: a crop is not its image. In Gemma 3 they attend to each other
 both ways, so the worker computes one image's K/V in one step, and the scheduler keeps
 every request's `num_computed_tokens` (and so every chunk's start and end) out of an
 image's inside -- `offset < p < offset + length`, `inside` below -- (the planner's rule,
@@ -11,11 +13,12 @@ scheduler_svc/planner.py; checked by BatchScheduler.check_integrity).
 Well-formed (`why_invalid`): each range non-empty and within the prompt, in prompt order,
 no two overlapping. The scheduler refuses a request whose ranges are not.
 
-Prefix caching: block i's extra keys (kvstore/block_hash.py) are `(content_hash, offset)`
+Prefix caching: block i's extra keys (kvstore/block_hash.py) are `(embedding_key, offset)`
 of every image whose range overlaps block i, in order (`block_extra_keys`); a block with no
 image keeps `()`. So a text prefix shared by requests with different images still hits, a
 repeated image behind the same prefix hits, and a different image behind the same
-placeholder tokens never does (every later block chains on the key). The offset is in the
+placeholder tokens never does (every later block chains on the key), nor does another crop
+of the same image (pan-and-scan with other settings). The offset is in the
 key because the placeholder tokens need not show where one image ends and the next starts.
 A hit never ends inside an image (`hit_blocks`): the image is computed again whole.
 """
@@ -71,13 +74,14 @@ def hit_blocks(mm_inputs: MMInputs, num_blocks: int, block_size: int) -> int:
 
 
 def block_extra_keys(mm_inputs: MMInputs, block_size: int) -> dict[int, tuple]:
-    """Block index -> the (content_hash, offset) keys of the images overlapping it, in
+    """Block index -> the (embedding_key, offset) keys of the images overlapping it, in
     order; blocks without an image are absent (their keys are ())."""
-    return span_block_keys(((m.offset, m.offset + m.length, (m.content_hash, m.offset))
+    return span_block_keys(((m.offset, m.offset + m.length, (m.embedding_key, m.offset))
                             for m in mm_inputs), block_size)
 
 
 def to_pb_mm_inputs(mm_inputs: MMInputs) -> list[worker_pb2.MultiModalInput]:
     """msgspec MultiModalInputs (Redis side) -> protobuf ones (NewRequestData.mm_inputs)."""
-    return [worker_pb2.MultiModalInput(content_hash=m.content_hash, offset=m.offset, length=m.length)
+    return [worker_pb2.MultiModalInput(content_hash=m.content_hash, offset=m.offset, length=m.length,
+                                       crop=None if m.crop is None else worker_pb2.CropBox(**m.crop._asdict()))
             for m in mm_inputs]

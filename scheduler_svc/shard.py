@@ -215,10 +215,10 @@ class Shard:
             await self.stream.ack([entry_id])
         else:
             self.ledger.open(message.request_id, entry_id)
-            if message.mm_inputs and await self.encoding.pending([m.content_hash for m in message.mm_inputs]):
+            if message.mm_inputs and await self.encoding.pending([m.embedding_key for m in message.mm_inputs]):
                 self.encoding.route_when_encoded(message, self.ledger, self._route, self._budget_fingerprint)
             else:
-                hashes = [m.content_hash for m in message.mm_inputs]  # published: no encoder budget
+                hashes = [m.embedding_key for m in message.mm_inputs]  # published: no encoder budget
                 await self._route(message, await self.encoding.published(hashes, self._budget_fingerprint()))
 
     async def _abort(self, request_id: str) -> None:

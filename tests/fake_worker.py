@@ -39,6 +39,7 @@ import zlib
 from dataclasses import dataclass
 
 from proto import worker_pb2
+from proto.pan_and_scan import embedding_key
 
 
 @dataclass
@@ -52,7 +53,7 @@ class _WorkerRequest:
     finished_in: int = 0  # the step that finished it
     first_read: list[int] | None = None  # the first position the step's queries read, per group
     swapped: list | None = None  # while swapped out: each group's held blocks' slot entries
-    mm_inputs: tuple[tuple[str, int, int], ...] = ()  # (content_hash, offset, length) per image
+    mm_inputs: tuple[tuple[str, int, int], ...] = ()  # (embedding key, offset, length) per image
 
 
 class FakeWorker:
@@ -118,7 +119,9 @@ class FakeWorker:
             self.requests.pop(request_id, None)
         for new in step.new_requests:
             assert new.request_id not in self.requests, f"{new.request_id} sent in full twice"
-            mm_inputs = tuple((m.content_hash, m.offset, m.length) for m in new.mm_inputs)
+            mm_inputs = tuple((embedding_key(m.content_hash, (m.crop.top, m.crop.left, m.crop.height, m.crop.width)
+                                             if m.HasField("crop") else None), m.offset, m.length)
+                              for m in new.mm_inputs)  # a crop's K/V is not its image's
             for _, offset, length in mm_inputs:
                 assert 0 <= offset and offset + length <= new.num_prompt_tokens, (
                     f"{new.request_id}: image [{offset}, {offset + length}) outside its prompt")

@@ -9,7 +9,12 @@ scheduler → gRPC → worker) on the tiny `gemma3-vision` checkpoint, fp32, aga
 - a repeated image is a prefix-cache hit and answers the same; a different image behind the
   same placeholder tokens is not;
 - a streamed answer; a short video equal to its sampled frames sent as images with the same
-  "Frame at MM:SS.ss:" texts; the Responses API's input_image.
+  "Frame at MM:SS.ss:" texts; the Responses API's input_image;
+- pan-and-scan (`mm_processor_kwargs`) against the processor with do_pan_and_scan: a
+  square image (no crops), 2:1, 1:3 and 10:1 ones (the most crops) and all four at once,
+  then one image cut into other crops behind partly the same tokens, and sent without
+  pan-and-scan -- prompt ids, greedy tokens and their logprobs (the tiny model's greedy
+  tokens alone hardly depend on a crop's pixels).
 """
 
 from __future__ import annotations
@@ -69,9 +74,11 @@ def chat_case(seed: int, num_images: int, words: int) -> tuple[list[dict], list[
     return [{"role": "user", "content": api}], [{"role": "user", "content": hf}], images
 
 
-def hf_greedy(hf, processor, messages: list[dict], images: list[Image.Image], max_tokens: int) -> list[int]:
+def hf_greedy(hf, processor, messages: list[dict], images: list[Image.Image], max_tokens: int,
+              **processor_kwargs) -> list[int]:
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt")
+    inputs = processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt",
+                       **processor_kwargs)
     assert "token_type_ids" in inputs  # transformers' bidirectional image mask is on
     with torch.no_grad():
         out = hf.generate(**inputs, do_sample=False, max_new_tokens=max_tokens)
@@ -187,3 +194,82 @@ def test_responses_input_image(vision):
                                               {"type": "image_url", "image_url": {"url": data_url(data, mime)}}]}])
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+PAS_SIZES = {"square": (40, 40), "2:1 wide": (96, 48), "1:3 tall": (30, 90), "max crops": (200, 20)}
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8}  # the tower sees 56 px
+
+
+def pas_case(names: list[str], words: int = 4) -> tuple[list[dict], list[dict], list[Image.Image]]:
+    """chat_case's shape for the images `names` (PAS_SIZES), PNG files."""
+    api, hf, images = [], [], []
+    for i, name in enumerate(names):
+        data = file_bytes(picture(300 + list(PAS_SIZES).index(name), *PAS_SIZES[name]), "PNG")
+        api += [{"type": "text", "text": f"picture {i}"},
+                {"type": "image_url", "image_url": {"url": data_url(data, "image/png")}}]
+        hf += [{"type": "text", "text": f"picture {i}"}, {"type": "image"}]
+        images.append(Image.open(io.BytesIO(data)))
+    tail = " ".join(["what", "is", "there"][:words])
+    api.append({"type": "text", "text": tail})
+    hf.append({"type": "text", "text": tail})
+    return [{"role": "user", "content": api}], [{"role": "user", "content": hf}], images
+
+
+def test_pan_and_scan_equals_transformers(vision):
+    stack, hf, processor = vision
+    cases = [[name] for name in PAS_SIZES] + [list(PAS_SIZES)]
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300) as c:
+            return await asyncio.gather(*(
+                c.chat.completions.create(model=stack.served_model_name, messages=pas_case(names)[0], max_tokens=10,
+                                          temperature=0, logprobs=True,
+                                          extra_body={"return_token_ids": True, "mm_processor_kwargs": PAN_AND_SCAN})
+                for names in cases))
+
+    for names, answer in zip(cases, asyncio.run(all_of_them())):
+        _, messages, images = pas_case(names)
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        inputs = processor(text=text, images=images, add_special_tokens=False, **PAN_AND_SCAN)
+        assert answer.prompt_token_ids == list(inputs["input_ids"][0]), names
+        expected, expected_logprobs = hf_logprobs(hf, processor, messages, images, 10, **PAN_AND_SCAN)
+        assert answer.choices[0].token_ids == expected, names
+        logprobs = [t.logprob for t in answer.choices[0].logprobs.content]
+        assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 2e-4, names
+    # the 10:1 image cut into 4 crops, then into 6 of other boxes (the second prompt's first
+    # 85 tokens are the first's), then whole: each equals transformers, logprobs too (the tiny
+    # model's greedy tokens hardly depend on a crop's pixels). That a prefix-cache hit never
+    # reaches another crop's K/V is the scheduler's test (test_scheduler_images.py): here the
+    # small pool and the sliding window's blocks decide how far a hit goes.
+    api, messages, images = pas_case(["max crops"], words=3)
+    six = {**PAN_AND_SCAN, "pan_and_scan_max_num_crops": 6}
+    for kwargs in (PAN_AND_SCAN, six, {"do_pan_and_scan": False}):
+        ids, logprobs = chat_logprobs(stack, api, 6, mm_processor_kwargs=kwargs)
+        expected, expected_logprobs = hf_logprobs(hf, processor, messages, images, 6, **kwargs)
+        assert ids == expected, kwargs
+        assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 2e-4, kwargs
+    (stats,) = wait_until_idle(stack).values()
+    assert stats.integrity_error is None and stats.num_free_blocks == stats.num_blocks
+
+
+def hf_logprobs(hf, processor, messages: list[dict], images: list[Image.Image], max_tokens: int,
+                **processor_kwargs) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and each one's logprob."""
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=text, images=images, add_special_tokens=False, return_tensors="pt", **processor_kwargs)
+    with torch.no_grad():
+        out = hf.generate(**inputs, do_sample=False, max_new_tokens=max_tokens, output_logits=True,
+                          return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return tokens, [step[0].float().log_softmax(-1)[t].item() for step, t in zip(out.logits, tokens)]
+
+
+def chat_logprobs(stack, messages: list[dict], max_tokens: int, **kwargs) -> tuple[list[int], list[float]]:
+    async def one():
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300) as c:
+            resp = await c.chat.completions.create(model=stack.served_model_name, messages=messages,
+                                                   max_tokens=max_tokens, temperature=0, logprobs=True,
+                                                   extra_body={"return_token_ids": True, **kwargs})
+            choice = resp.choices[0]
+            return choice.token_ids, [t.logprob for t in choice.logprobs.content]
+    return asyncio.run(one())

@@ -57,8 +57,9 @@ def service(vision_dir, redis_url, keys):
 
 
 class Counted:
-    """A MediaEncoder whose encode() counts the media it encodes and may hold, once
-    entered, until `go` is set (an encoder caught mid-encoding)."""
+    """A MediaEncoder whose encode_pieces() (what encode() and the worker's steps call) counts
+    the media it encodes and may hold, once entered, until `go` is set (an encoder caught
+    mid-encoding)."""
 
     def __init__(self, encoder: MediaEncoder, hold: bool = False):
         self.inner = encoder
@@ -66,14 +67,14 @@ class Counted:
         self.entered, self.go = threading.Event(), threading.Event()
         if not hold:
             self.go.set()
-        self._encode = encoder.encode
-        encoder.encode = self.encode  # the instance's own attribute: the service calls it
+        self._encode = encoder.encode_pieces
+        encoder.encode_pieces = self.encode_pieces  # the instance's own attribute: the service calls it
 
-    def encode(self, hashes):
+    def encode_pieces(self, pieces):
         self.entered.set()
         self.go.wait(30)
-        self.encoded.extend(hashes)
-        return self._encode(hashes)
+        self.encoded.extend(p.key for p in pieces)
+        return self._encode(pieces)
 
 
 def stored_frame(client: redis.Redis, keys: RedisKeys, seed: int) -> str:

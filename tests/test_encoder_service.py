@@ -3,11 +3,14 @@ checkpoint: embeddings records (fp32, bf16, refused shapes), the claims (QUEUED 
 taken by one encoder, released), the gateway's announcements (only while an encoder is
 registered), the scheduler's wait for media being encoded, and EncoderService rounds -- what
 it publishes is what a worker would encode, a worker then encodes nothing, a dead encoder's
-jobs are taken over after the claim TTL, bad media are given up -- and its /metrics."""
+jobs are taken over after the claim TTL, bad media are given up, a pan-and-scan checkpoint's
+whole images published and their crops left to the worker -- and its /metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import threading
 import time
 import uuid
@@ -26,13 +29,17 @@ from encoder_svc.jobs import EncodeJobStream
 from encoder_svc.service import EncoderService
 from gateway.media.encode_jobs import EncodeJobs
 from gateway.media.store import content_hash
+from proto import worker_pb2
 from proto.encoder_messages import QUEUED, EncodeJob, EncoderRegistration, job_encoder
 from proto.keys import STREAM_FIELD, RedisKeys
-from proto.messages import MediaItem
+from proto.messages import MediaItem, MultiModalInput
+from proto.pan_and_scan import CropBox, ImagePiece
 from scheduler_svc.encoding_wait import EncodingWait
+from scheduler_svc.image_ranges import to_pb_mm_inputs
 from worker_svc.published_embeddings import PublishedEmbeddings, from_record, to_record
 from worker_svc.vision_step import ImageEmbedder
 from worker_svc.encoder_cache import EncoderCache
+from worker_svc.request_state import RequestState
 
 
 @pytest.fixture
@@ -294,3 +301,40 @@ def test_announcements_during_the_first_registry_read_share_its_answer(redis_url
             await aclient.aclose()
 
     assert asyncio.run(main()) == [True] * 8
+
+
+def test_pan_and_scan_whole_images_from_the_service_crops_encoded_by_the_worker(vision_dir, redis_url, keys, client,
+                                                                              tmp_path):
+    """A checkpoint whose image processor turns pan-and-scan on: the service loads it and
+    publishes whole images under their hashes (the gateway announces media, not crops); a
+    worker takes a request's whole image from there and encodes its crops itself, each
+    under its own key, never published as the image."""
+    checkpoint = tmp_path / "pan-and-scan"
+    shutil.copytree(vision_dir, checkpoint)
+    processor = json.loads((checkpoint / "processor_config.json").read_text())
+    processor["image_processor"].update(do_pan_and_scan=True, pan_and_scan_min_crop_size=8)
+    (checkpoint / "processor_config.json").write_text(json.dumps(processor))
+    service = make_service(checkpoint, redis_url, keys)
+    service.jobs.create_group()
+    (digest,) = store(client, keys, MediaItem("encoded", 96, 48, file_bytes(picture(9, 96, 48), "PNG"), "image/png"))
+    announce(client, keys, [digest])
+    assert service.run_once() == 1 and service.published.exists([digest]) == {digest}
+
+    boxes = service.encoder.preprocess.pan_and_scan.boxes(48, 96)
+    assert boxes == [CropBox(0, 0, 48, 48), CropBox(0, 48, 48, 48)]
+    image_token, n = service.encoder.cfg.image_token_id, service.encoder.cfg.mm_tokens_per_image
+    tokens = [2] + ([image_token] * n + [3]) * 3
+    pieces = [MultiModalInput(digest, 1 + i * (n + 1), n, crop) for i, crop in enumerate((None, *boxes))]
+    state = RequestState(worker_pb2.NewRequestData(request_id="r", token_ids=tokens, num_prompt_tokens=len(tokens),
+                                                   mm_inputs=to_pb_mm_inputs(pieces)))
+    embedder = ImageEmbedder(service.encoder, EncoderCache(2**20), service.published)
+    assert embedder.check(state) is None
+    images = embedder.prepare([(state, len(tokens))])
+    assert not images.failed
+    assert (images.stats.published_hits, images.stats.items_encoded, images.stats.queries) == (1, 2, 3)
+    direct, _ = service.encoder.encode_pieces([m.piece for m in pieces])
+    assert all(torch.equal(images.embeddings[m.embedding_key], direct[m.embedding_key]) for m in pieces)
+    assert torch.equal(images.embeddings[digest], service.published.fetch([digest])[digest])
+    assert not torch.equal(direct[digest], direct[ImagePiece(digest, boxes[0]).key])
+    assert service.published.exists([m.embedding_key for m in pieces]) == {digest}  # crops stay the worker's
+    service.client.close()

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import redis
+from PIL import Image
 
 from gateway.app import create_app
 from gateway_helpers import MODEL, gateway_client, make_config, register_worker
-from gateway_image_helpers import IMAGES, MAX_MODEL_LEN, MP4, config, image_part, refused  # noqa: F401  (config: a fixture)
+from gateway_image_helpers import IMAGES, MAX_MODEL_LEN, MP4, config, encoded, image_part, refused  # noqa: F401  (config: a fixture)
 from media_helpers import data_url
 
 pytestmark = pytest.mark.anyio
@@ -23,6 +24,7 @@ def user(*parts: dict) -> dict:
     return {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look"}, *parts]}]}
 
 
+STRIP = encoded(Image.new("RGB", (1000, 1), (9, 9, 9)))  # 1000 one-pixel crops at most
 VIDEO = {"type": "video_url", "video_url": {"url": data_url(MP4, "video/mp4")}}
 URL0 = "messages[0].content[1].image_url.url"
 
@@ -56,8 +58,25 @@ URL0 = "messages[0].content[1].image_url.url"
      "invalid_value", ["only 'user' turns may carry image_url or video_url parts", "is 'system'"], "messages[0]"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [VIDEO]}]},
      "invalid_value", ["this one is 'assistant'"], "messages[1]"),
-    ({**user(image_part(0)), "mm_processor_kwargs": {"do_pan_and_scan": True}},
-     "invalid_value", ["pan-and-scan", "not supported"], "mm_processor_kwargs"),
+    ({**user(image_part(0)), "mm_processor_kwargs": {"do_pan_and_scan": 1}},
+     "invalid_value", ["'do_pan_and_scan' must be true or false, not 1"], "mm_processor_kwargs"),
+    ({**user(image_part(0)), "mm_processor_kwargs": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 0}},
+     "invalid_value", ["'pan_and_scan_min_crop_size' must be an integer of at least 1, not 0"], "mm_processor_kwargs"),
+    ({**user(image_part(0)), "mm_processor_kwargs": {"pan_and_scan_max_num_crops": 2.5}},
+     "invalid_value", ["'pan_and_scan_max_num_crops' must be an integer of at least 1, not 2.5"], "mm_processor_kwargs"),
+    ({**user(image_part(0)), "mm_processor_kwargs": {"pan_and_scan_min_ratio_to_activate": -1}},
+     "invalid_value", ["'pan_and_scan_min_ratio_to_activate' must be a finite number above 0, not -1"], "mm_processor_kwargs"),
+    ({**user(image_part(0)), "mm_processor_kwargs": {"pan_and_scan_min_ratio_to_activate": 10**400}},  # no float holds it
+     "invalid_value", ["'pan_and_scan_min_ratio_to_activate' must be a finite number above 0"], "mm_processor_kwargs"),
+    ({**user(image_part(0)), "mm_processor_kwargs": {"do_pan_and_scan": True, "pan_and_scan_crops": 3}},
+     "invalid_value", ["'pan_and_scan_crops' is not a processor setting", "'pan_and_scan_max_num_crops'"],
+     "mm_processor_kwargs"),
+    ({**user(image_part(0)), "mm_processor_kwargs": {"num_crops": 3}},
+     "invalid_value", ["'num_crops' is not a processor setting"], "mm_processor_kwargs"),
+    ({**user({"type": "image_url", "image_url": {"url": data_url(STRIP)}}),
+      "mm_processor_kwargs": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 1,
+                              "pan_and_scan_max_num_crops": 1000}},
+     "context_length_exceeded", ["maximum context length is 512", "1000 of them pan-and-scan crops"], "messages"),
     ({**user(VIDEO), "media_io_kwargs": {"video": {"num_frames": 0}}},
      "invalid_value", ["num_frames must be a positive number"], "media_io_kwargs"),
     ({**user(image_part(0)), "truncate_prompt_tokens": 5},
@@ -69,7 +88,9 @@ URL0 = "messages[0].content[1].image_url.url"
     ({"messages": [{"role": "user", "content": "a <image_soft_token> without an image"}]},
      "invalid_image_tokens", ["image soft token"], "messages"),
 ], ids=["bad base64", "not an image", "truncated image", "local file", "bad video", "9 images", "2 videos",
-        "no url", "no data nor uuid", "no video nor uuid", "unknown uuid", "bad detail", "audio part", "system image", "assistant video", "pan and scan",
+        "no url", "no data nor uuid", "no video nor uuid", "unknown uuid", "bad detail", "audio part", "system image", "assistant video",
+        "pan and scan not a bool", "min crop 0", "max crops not whole", "ratio negative", "ratio past any float", "unknown pan_and_scan_ key",
+        "unknown key", "too many crops",
         "bad sampling", "truncation", "typed start_of_image", "typed soft token", "soft token in text"])
 async def test_bad_chat_input_is_refused_before_queueing(config, body, code, words, param):
     await refused(config, "/v1/chat/completions", body, code, *words, param=param)

@@ -121,7 +121,8 @@ def test_chat_template_renders_and_the_processor_expands_images(vision_dir, proc
     # pan-and-scan: the crops' own soft tokens, and the text around them
     crops = processor(text=text, images=pictures, add_special_tokens=False, return_tensors="pt",
                       do_pan_and_scan=True, pan_and_scan_min_crop_size=10)
-    cfg = replace(ImagePreprocessConfig.from_checkpoint(vision_dir), pan_and_scan_min_crop_size=10)
+    cfg = ImagePreprocessConfig.from_checkpoint(vision_dir)
+    cfg = replace(cfg, pan_and_scan=replace(cfg.pan_and_scan, min_crop_size=10))
     pixels = [preprocess_image(p, cfg, do_pan_and_scan=True) for p in pictures]
     assert torch.equal(torch.cat(pixels), crops["pixel_values"])
     num_crops = [len(p) - 1 for p in pixels]

@@ -13,8 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from worker_svc.image_preprocess import ImagePreprocessConfig, pan_and_scan_boxes, preprocess_image
-from worker_svc.make_model import train_tokenizer
+from proto.pan_and_scan import CropBox, PanAndScan
+from worker_svc.image_preprocess import ImagePreprocessConfig, preprocess_image, preprocess_piece, rgb_array
+from worker_svc.local_tokenizer import train_tokenizer
 from worker_svc.make_vision_model import save_gemma3_processor
 from worker_svc.model_presets import flavour
 
@@ -98,7 +99,7 @@ def reference(processor, images: list[Image.Image], **kwargs) -> torch.Tensor:
 def test_pixel_values_equal_the_processors(layout, processor_dirs, processors):
     cfg = ImagePreprocessConfig.from_checkpoint(processor_dirs[layout])
     side = {"tiny": 56, "small": 224, "google": 896}[layout]
-    assert (cfg.height, cfg.width, cfg.do_pan_and_scan, cfg.do_convert_rgb) == (side, side, False, True)
+    assert (cfg.height, cfg.width, cfg.pan_and_scan.enabled, cfg.do_convert_rgb) == (side, side, False, True)
     images = sample_images()
     if layout == "google":  # 896 x 896 outputs: a few kinds are enough
         images = {k: images[k] for k in ("jpeg", "rgba", "palette_transparent", "large")}
@@ -120,8 +121,8 @@ def test_rgb_conversion_composites_transparency_over_white():
 
 @pytest.mark.parametrize("min_crop", [10, 40])
 def test_pan_and_scan_equals_the_processors(min_crop, processor_dirs, processors):
-    cfg = replace(ImagePreprocessConfig.from_checkpoint(processor_dirs["tiny"]),
-                  pan_and_scan_min_crop_size=min_crop)
+    cfg = ImagePreprocessConfig.from_checkpoint(processor_dirs["tiny"])
+    cfg = replace(cfg, pan_and_scan=replace(cfg.pan_and_scan, min_crop_size=min_crop))
     images = sample_images(1)
     for name, image in images.items():
         got = preprocess_image(image, cfg, do_pan_and_scan=True)
@@ -135,25 +136,45 @@ def test_pan_and_scan_equals_the_processors(min_crop, processor_dirs, processors
         assert counts == (4, 3, 2, 0, 0)
     else:
         assert {name for name, k in crops.items() if k} == {"jpeg", "large"}
-    on = replace(cfg, do_pan_and_scan=True)  # from the config; a request may turn it off
+    on = replace(cfg, pan_and_scan=replace(cfg.pan_and_scan, enabled=True))  # from the config; a request may turn it off
     with_crops = preprocess_image(images["large"], cfg, do_pan_and_scan=True)
     assert len(with_crops) == 3 and torch.equal(preprocess_image(images["large"], on), with_crops)
     assert len(preprocess_image(images["large"], on, do_pan_and_scan=False)) == 1
+    # piece by piece, as a worker encodes them: the image whole, then each crop box
+    for name, image in images.items():
+        boxes = on.pan_and_scan.boxes(image.height, image.width)
+        rgb = rgb_array(image, on)  # converted once
+        pieces = torch.stack([preprocess_piece(rgb, on, crop) for crop in (None, *boxes)])
+        assert torch.equal(pieces, preprocess_image(image, on)), name
+
+
+def test_a_crop_box_outside_the_image_is_refused():
+    cfg = ImagePreprocessConfig.from_dict({"size": {"height": 4, "width": 4}})
+    image = Image.new("RGB", (30, 10))
+    assert preprocess_piece(rgb_array(image, cfg), cfg, CropBox(0, 20, 10, 15)).shape == (3, 4, 4)  # past the edge: cut short
+    for box in (CropBox(10, 0, 5, 5), CropBox(0, 30, 5, 5), CropBox(0, 0, 0, 5), CropBox(-1, 0, 5, 5)):
+        with pytest.raises(ValueError, match=r"crop box .* is not inside the 30x10 image"):
+            preprocess_piece(rgb_array(image, cfg), cfg, box)
 
 
 def test_pan_and_scan_boxes():
-    cfg = ImagePreprocessConfig.from_dict({})
-    assert pan_and_scan_boxes(1000, 1100, cfg) == []  # ratio 1.1 < 1.2
-    assert pan_and_scan_boxes(600, 1300, cfg) == [(0, 0, 600, 650), (0, 650, 600, 650)]
-    assert pan_and_scan_boxes(1001, 300, cfg) == [(0, 0, 334, 300), (334, 0, 334, 300), (668, 0, 334, 300)]
-    assert pan_and_scan_boxes(300, 5000, cfg)[-1] == (0, 3750, 300, 1250)  # at most 4 crops
-    assert pan_and_scan_boxes(200, 900, cfg) == []  # crops under 256 pixels
+    cfg = PanAndScan(enabled=True)
+    assert cfg.boxes(1000, 1100) == []  # ratio 1.1 < 1.2
+    assert cfg.boxes(600, 1300) == [(0, 0, 600, 650), (0, 650, 600, 650)]
+    assert cfg.boxes(1001, 300) == [(0, 0, 334, 300), (334, 0, 334, 300), (668, 0, 334, 300)]
+    assert cfg.boxes(300, 5000)[-1] == (0, 3750, 300, 1250)  # at most 4 crops
+    assert cfg.boxes(200, 900) == []  # crops under 256 pixels
+    assert PanAndScan().boxes(600, 1300) == []  # off
 
 
 def test_config_refusals_and_defaults():
     cfg = ImagePreprocessConfig.from_dict(GOOGLE_PREPROCESSOR)
-    assert (cfg.pan_and_scan_min_crop_size, cfg.pan_and_scan_max_num_crops) == (256, 4)
-    assert cfg.pan_and_scan_min_ratio_to_activate == 1.2 and cfg.resample == Image.Resampling.BILINEAR
+    assert cfg.pan_and_scan == PanAndScan(enabled=False, min_crop_size=256, max_num_crops=4, min_ratio_to_activate=1.2)
+    assert cfg.resample == Image.Resampling.BILINEAR
+    on = ImagePreprocessConfig.from_dict({**GOOGLE_PREPROCESSOR, "do_pan_and_scan": True, "pan_and_scan_max_num_crops": 2})
+    assert on.pan_and_scan == PanAndScan(enabled=True, max_num_crops=2)
+    with pytest.raises(ValueError, match="'pan_and_scan_min_crop_size' must be an integer of at least 1, not 0"):
+        ImagePreprocessConfig.from_dict({"pan_and_scan_min_crop_size": 0})
     with pytest.raises(ValueError, match="only Gemma 3's"):
         ImagePreprocessConfig.from_dict({"image_processor_type": "SiglipImageProcessor"})
     with pytest.raises(ValueError, match="only a fixed"):

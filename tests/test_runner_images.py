@@ -4,7 +4,8 @@ token_type_ids, so transformers applies its bidirectional image mask): greedy to
 `generate()`, and every sampled token's and prompt token's logprobs equal its logits
 (the tiny model soon repeats one token, so the logprobs are what tells runs apart). Also:
 continuous batching with chunked prefill, a prompt past the 48-token sliding window and a
-preemption; a video frame (rgb8) equal to the same pixels as a PNG; spans that matter; a
+preemption; pan-and-scan (an image and its crops, each over its own soft tokens); a video
+frame (rgb8) equal to the same pixels as a PNG; spans that matter; a
 request whose media cannot be had fails alone (the media over Redis and the metrics:
 test_worker_media.py)."""
 
@@ -21,6 +22,7 @@ from runner_helpers import FakeMediaSource, MiniScheduler, make_runner, mm_input
 from proto import worker_pb2
 from proto.messages import NO_TOKEN_ID as NO_TOKEN
 from proto.messages import MediaItem
+from proto.pan_and_scan import PanAndScan
 from worker_svc import input_batch as input_batch_module
 from worker_svc.input_batch import InputBatch
 from worker_svc.media_source import MISSING
@@ -281,14 +283,80 @@ def test_images_a_worker_cannot_take_fail_with_a_reason(vision_dir, processor, t
     assert "takes no images" in errors(text_model, [run])["img"]
 
 
-def test_a_pan_and_scan_checkpoint_is_refused(vision_dir, tmp_path):
+def test_a_pan_and_scan_checkpoint_loads(vision_dir, tmp_path):
+    """Its crops come named from the gateway (mm_inputs' crop boxes): nothing to refuse here."""
     copy = tmp_path / "pan"
     shutil.copytree(vision_dir, copy)
     config = json.loads((copy / "processor_config.json").read_text())
-    config["image_processor"]["do_pan_and_scan"] = True
+    config["image_processor"].update(do_pan_and_scan=True, pan_and_scan_min_crop_size=8)
     (copy / "processor_config.json").write_text(json.dumps(config))
-    make_runner(copy, block_size=8, num_blocks=16)  # text only: no encoder, nothing to refuse
-    with pytest.raises(ValueError, match="do_pan_and_scan on"):
-        make_runner(copy, block_size=8, num_blocks=16, media=FakeMediaSource())
+    runner = make_runner(copy, block_size=8, num_blocks=16, media=FakeMediaSource())
+    assert runner.vision.encoder.preprocess.pan_and_scan == PanAndScan(enabled=True, min_crop_size=8)
 
 
+# ---- pan-and-scan ---------------------------------------------------------------------------
+
+PAN_AND_SCAN = PanAndScan(enabled=True, min_crop_size=8)  # the tiny tower sees 56 px: small crops
+
+
+def pieces_of(ids: list[int], hashes: list[str], images: list, settings: PanAndScan) -> list:
+    """mm_inputs of a prompt whose images are cut by `settings`: each image whole, then its crops."""
+    pieces = [(h, crop) for h, image in zip(hashes, images)
+              for crop in (None, *settings.boxes(image.decoded.height, image.decoded.width))]
+    runs = mm_inputs(ids, IMAGE, [h for h, _ in pieces])
+    for run, (_, crop) in zip(runs, pieces):
+        if crop is not None:
+            run.crop.CopyFrom(worker_pb2.CropBox(**crop._asdict()))
+    return runs
+
+
+def test_pan_and_scan_equals_generate(vision_dir, hf_vlm, processor):
+    """A square image (no crops), a 2:1 one (2 crops), a 1:3 one (3) and a 10:1 one (4, the
+    most): the processor's pixel batch and prompt with do_pan_and_scan, each piece's
+    embeddings over its own soft tokens; the same images without pan-and-scan after it take
+    the whole images' embeddings from the cache (the same key) and none of the crops'."""
+    media = FakeMediaSource()
+    images = [stored(picture(70, 40, 40), "PNG"), stored(picture(71, 96, 48), "JPEG"),
+              stored(picture(72, 30, 90, "RGBA"), "PNG"), stored(picture(73, 200, 20), "PNG")]
+    text = prompt_text(processor, 74, len(images))
+    inputs = processor(text=text, images=[s.decoded for s in images], add_special_tokens=False, return_tensors="pt",
+                       do_pan_and_scan=True, pan_and_scan_min_crop_size=8)
+    hashes = [media.put(s.item) for s in images]
+    case = Case(inputs["input_ids"][0].tolist(), dict(inputs), hashes)
+    assert [len(PAN_AND_SCAN.boxes(s.decoded.height, s.decoded.width)) for s in images] == [0, 2, 3, 4]
+    assert len(inputs["pixel_values"]) == 4 + 9
+    plain = make_case(processor, media, text, images)
+    runner = make_runner(vision_dir, block_size=8, num_blocks=96, media=media)
+    sched = MiniScheduler(runner, block_size=8, num_blocks=96, token_budget=512)
+    sched.add("pas", case.ids, 10, pieces_of(case.ids, hashes, images, PAN_AND_SCAN), **LOGPROBS)
+    sched.run()
+    assert_matches(sched, "pas", case, reference(hf_vlm, case, 10))
+    sched.add("plain", plain.ids, 10, mm_inputs(plain.ids, IMAGE, plain.hashes), **LOGPROBS)
+    sched.run()
+    assert_matches(sched, "plain", plain, reference(hf_vlm, plain, 10))
+    first, *rest = [o.vision for o in sched.outputs_seen if o.vision is not None]
+    assert (first.items_encoded, first.cache_hits) == (13, 0)  # each piece once, its image decoded once
+    assert sum(s.items_encoded for s in rest) == 0 and sum(s.cache_hits for s in rest) == 4
+    assert media.fetches[0] == hashes
+
+
+def test_a_crop_box_outside_its_image_fails_that_request_only(vision_dir, processor):
+    media = FakeMediaSource()
+    image = stored(picture(80, 96, 48), "PNG")
+    inputs = processor(text=prompt_text(processor, 81, 1), images=[image.decoded], add_special_tokens=False,
+                       do_pan_and_scan=True, pan_and_scan_min_crop_size=8)
+    ids = list(inputs["input_ids"][0])
+    runs = pieces_of(ids, [media.put(image.item)], [image], PAN_AND_SCAN)
+    runs[2].crop.left = 96  # the second crop's box moved past the image's right edge
+    runner = make_runner(vision_dir, block_size=8, num_blocks=64, media=media)
+    sched = MiniScheduler(runner, block_size=8, num_blocks=64, token_budget=512)
+    sched.add("bad", ids, 4, runs)
+    sched.add("txt", ids[:3], 4)
+    sched.run()
+    assert sched.reqs["txt"]["done"] in ("stop", "length") and sched.reqs["bad"]["done"] == "error"
+    assert sched.errors["bad"].startswith(f"image 2 (content hash {runs[0].content_hash}, crop box (0, 96, 48, 48)): "
+                                          "cannot be preprocessed: ValueError: crop box (0, 96, 48, 48)")
+    runs[2].crop.width = 0
+    sched.add("empty", ids, 4, runs)
+    sched.run()
+    assert "crop box (0, 96, 48, 0) (top, left, height, width) is empty or negative" in sched.errors["empty"]

@@ -8,12 +8,14 @@ image, and mixes each image's content hash into the K/V and the sampled token, s
 serving another image's K/V, or a request re-sent without its images, gives wrong outputs
 (compared with reference_outputs); the harness checks integrity after every step."""
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.block_hash import span_block_keys
 from proto import worker_pb2
 from proto.messages import MultiModalInput, NewRequest, SamplingParams
+from proto.pan_and_scan import CropBox
 from scheduler_harness import Harness, reference_outputs, scheduled
 from scheduler_svc.image_ranges import block_extra_keys, hit_blocks
 from scheduler_svc.routing import pick_worker
@@ -161,6 +163,23 @@ def test_a_repeated_image_hits_and_a_different_one_behind_the_same_tokens_does_n
     again = image_request("c", parts)
     assert h.sched.cached_prefix_tokens(again.prompt_token_ids, again.mm_inputs) == 16
     assert h.sched.cached_prefix_tokens(again.prompt_token_ids) == 8  # without the image: text keys
+
+
+def test_another_crop_of_the_same_image_behind_the_same_tokens_does_not_hit():
+    """Pan-and-scan: the crops of one image cut by other settings sit behind the same tokens
+    (the same count of crops: the same text) but are other pixels; the fake worker mixes each
+    piece's embedding key into its K/V, so a hit on them would give wrong outputs."""
+    def pieces(rid: str, box: CropBox, arrival: float = 0.0) -> NewRequest:
+        req = image_request(rid, [T[:8], ("A", 4), T[:4], ("A", 4), T[:4]], arrival=arrival)
+        whole, crop = req.mm_inputs
+        return msgspec.structs.replace(req, mm_inputs=(whole, msgspec.structs.replace(crop, crop=box)))
+
+    h, same = _run_then(pieces("a", CropBox(0, 0, 20, 50)), pieces("b", CropBox(0, 0, 20, 50), arrival=1))
+    assert same.num_computed_tokens == 20  # the crop hits
+    h, other = _run_then(pieces("a", CropBox(0, 0, 20, 50)), pieces("b", CropBox(0, 0, 20, 34), arrival=1))
+    assert other.num_computed_tokens == 16  # the text and the whole image hit, not the other crop
+    assert [m.HasField("crop") for m in other.mm_inputs] == [False, True]
+    assert other.mm_inputs[1].crop.width == 34
 
 
 def test_a_shared_text_prefix_hits_before_different_images():

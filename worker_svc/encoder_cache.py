@@ -1,5 +1,7 @@
 """EncoderCache: image embeddings by content hash, least recently used out first, bounded in
 bytes -- so an image (or a video frame) that several requests or steps carry is encoded once.
+The key is the piece's embedding key (proto/pan_and_scan.py): a whole image's content hash,
+or for a pan-and-scan crop the hash and its box, so a crop never stands for its image.
 
     get(hash)         -> the embeddings [mm_tokens_per_image, hidden], or None; a hit becomes
                          the most recently used entry

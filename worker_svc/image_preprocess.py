@@ -13,31 +13,33 @@ preprocess_image(image, cfg) -> float32 [1 + k, 3, H, W] (k pan-and-scan crops, 
           x = (x - mean) / std                             per channel, in float32
           channels first
 Each step is the one transformers takes, in its dtype, so the result is bit-identical.
+preprocess_piece(rgb_array(image, cfg), cfg, crop) -> float32 [3, H, W]: one of those pieces
+(crop None: the image), what a worker encodes for one run of soft tokens; the image is
+converted once however many pieces are cut from it.
 A PIL image built from raw RGB bytes (`Image.frombytes("RGB", (w, h), data)`, how video
 frames arrive) is just an RGB image here.
 
 Pan-and-scan (`do_pan_and_scan`, off by default in Gemma 3's configs; a request may ask
-for it) is implemented as transformers does it: an image whose aspect ratio is at least
-`pan_and_scan_min_ratio_to_activate` is also cut along its long side into
-n = clamp(min(floor(ratio + 0.5), floor(long side / min_crop_size)), 2, max_num_crops)
-crops of ceil(side / n) pixels (the last one shorter when it does not divide), unless a
-crop would be shorter than `pan_and_scan_min_crop_size`; the crops follow the image as
-extra images, each with its own soft tokens, and the prompt expands differently
-(worker_svc/make_vision_model.py gives the text).
+for it) is implemented as transformers does it, by the arithmetic the gateway expands the
+prompt with (proto/pan_and_scan.py: which images it cuts, into which boxes, and where its
+settings come from); the crops follow the image as extra images, each with its own soft
+tokens. A worker encodes each piece on its own (`preprocess_piece`: the whole image, or one
+crop box the gateway named); `preprocess_image` makes all of an image's pieces at once.
 """
 
-import json
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-# Gemma3Processor's defaults for the values Google's preprocessor_config.json leaves null
-PROCESSOR_DEFAULTS = {"do_convert_rgb": True, "do_pan_and_scan": False, "pan_and_scan_min_crop_size": 256,
-                      "pan_and_scan_max_num_crops": 4, "pan_and_scan_min_ratio_to_activate": 1.2}
+from proto.image_processor_config import image_processor_config
+from proto.pan_and_scan import CropBox, PanAndScan
+
+# Gemma3Processor's default for a value Google's preprocessor_config.json leaves null (its
+# pan-and-scan defaults: proto/pan_and_scan.py)
+PROCESSOR_DEFAULTS = {"do_convert_rgb": True}
 # Gemma3ImageProcessorPil's class defaults
 IMAGE_PROCESSOR_DEFAULTS = {"size": {"height": 224, "width": 224}, "resample": Image.Resampling.BILINEAR,
                             "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
@@ -57,10 +59,7 @@ class ImagePreprocessConfig:
     image_mean: tuple[float, float, float]
     image_std: tuple[float, float, float]
     do_convert_rgb: bool
-    do_pan_and_scan: bool
-    pan_and_scan_min_crop_size: int
-    pan_and_scan_max_num_crops: int
-    pan_and_scan_min_ratio_to_activate: float
+    pan_and_scan: PanAndScan  # the checkpoint's; a request's mm_processor_kwargs may change it
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ImagePreprocessConfig":
@@ -80,27 +79,17 @@ class ImagePreprocessConfig:
                    do_resize=c["do_resize"], do_rescale=c["do_rescale"],
                    rescale_factor=c["rescale_factor"], do_normalize=c["do_normalize"],
                    image_mean=_per_channel(c["image_mean"]), image_std=_per_channel(c["image_std"]),
-                   do_convert_rgb=c["do_convert_rgb"], do_pan_and_scan=c["do_pan_and_scan"],
-                   pan_and_scan_min_crop_size=c["pan_and_scan_min_crop_size"],
-                   pan_and_scan_max_num_crops=c["pan_and_scan_max_num_crops"],
-                   pan_and_scan_min_ratio_to_activate=c["pan_and_scan_min_ratio_to_activate"])
+                   do_convert_rgb=c["do_convert_rgb"], pan_and_scan=PanAndScan.from_image_processor(raw))
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> "ImagePreprocessConfig":
         """The image processor's config of a checkpoint folder, found where transformers 5
-        looks first: processor_config.json's "image_processor" (what it saves), else
-        preprocessor_config.json (Google's releases, transformers 4)."""
-        model_dir = Path(model_dir)
-        processor = model_dir / "processor_config.json"
-        if processor.exists():
-            nested = json.loads(processor.read_text()).get("image_processor")
-            if nested is not None:
-                return cls.from_dict(nested)
-        legacy = model_dir / "preprocessor_config.json"
-        if not legacy.exists():
+        looks first (proto/image_processor_config.py)."""
+        raw = image_processor_config(model_dir)
+        if raw is None:
             raise FileNotFoundError(f"{model_dir} has no image processor config (processor_config.json "
                                     "with an image_processor, or preprocessor_config.json)")
-        return cls.from_dict(json.loads(legacy.read_text()))
+        return cls.from_dict(raw)
 
 
 def _per_channel(value) -> tuple[float, float, float]:
@@ -117,23 +106,6 @@ def to_rgb(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
-
-
-def pan_and_scan_boxes(height: int, width: int,
-                       cfg: ImagePreprocessConfig) -> list[tuple[int, int, int, int]]:
-    """(top, left, crop height, crop width) of each crop pan-and-scan cuts from an image of
-    that size, row-major; [] when it leaves the image whole. Crops may reach past the
-    image's edge, where they are cut short (the slice of an array)."""
-    long, short = max(width, height), min(width, height)
-    if long / short < cfg.pan_and_scan_min_ratio_to_activate:
-        return []
-    n = min(int(math.floor(long / short + 0.5)), int(math.floor(long / cfg.pan_and_scan_min_crop_size)))
-    n = min(cfg.pan_and_scan_max_num_crops, max(2, n))
-    crops_w, crops_h = (n, 1) if width >= height else (1, n)
-    crop_w, crop_h = int(math.ceil(width / crops_w)), int(math.ceil(height / crops_h))
-    if min(crop_w, crop_h) < cfg.pan_and_scan_min_crop_size:
-        return []
-    return [(crop_h * i, crop_w * j, crop_h, crop_w) for i in range(crops_h) for j in range(crops_w)]
 
 
 def _to_pixels(rgb: np.ndarray, cfg: ImagePreprocessConfig) -> np.ndarray:
@@ -154,17 +126,35 @@ def _to_pixels(rgb: np.ndarray, cfg: ImagePreprocessConfig) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def preprocess_image(image: Image.Image, cfg: ImagePreprocessConfig,
-                     do_pan_and_scan: bool | None = None) -> torch.Tensor:
-    """pixel_values float32 [1 + k, 3, H, W]: the image, then its k pan-and-scan crops
-    (`do_pan_and_scan`: the request's choice, None for the config's)."""
+def rgb_array(image: Image.Image, cfg: ImagePreprocessConfig) -> np.ndarray:
+    """uint8 [h, w, 3] of `image`, converted as the config says: once per image, however many
+    pieces are cut from it. ValueError for a mode the config cannot use."""
     if cfg.do_convert_rgb:
         image = to_rgb(image)
     elif image.mode != "RGB":
         raise ValueError(f"a {image.mode} image with do_convert_rgb off: only RGB images can be used")
-    rgb = np.asarray(image)
-    pieces = [rgb]
-    if cfg.do_pan_and_scan if do_pan_and_scan is None else do_pan_and_scan:
+    return np.asarray(image)
+
+
+def preprocess_image(image: Image.Image, cfg: ImagePreprocessConfig,
+                     do_pan_and_scan: bool | None = None) -> torch.Tensor:
+    """pixel_values float32 [1 + k, 3, H, W]: the image, then its k pan-and-scan crops
+    (`do_pan_and_scan`: the request's choice, None for the config's)."""
+    rgb = rgb_array(image, cfg)
+    settings = cfg.pan_and_scan if do_pan_and_scan is None else replace(cfg.pan_and_scan, enabled=do_pan_and_scan)
+    height, width = rgb.shape[:2]
+    return torch.stack([preprocess_piece(rgb, cfg, crop) for crop in (None, *settings.boxes(height, width))])
+
+
+def preprocess_piece(rgb: np.ndarray, cfg: ImagePreprocessConfig, crop: CropBox | None = None) -> torch.Tensor:
+    """pixel_values float32 [3, H, W] of one piece of an image (`rgb`: its `rgb_array`): the
+    whole image (`crop` None) or the crop at that box (cut short at the image's edge, as
+    transformers' slice). ValueError for a box that starts outside the image or is empty."""
+    if crop is not None:
+        top, left, h, w = crop
         height, width = rgb.shape[:2]
-        pieces += [rgb[t:t + h, l:l + w] for t, l, h, w in pan_and_scan_boxes(height, width, cfg)]
-    return torch.from_numpy(np.stack([_to_pixels(p, cfg) for p in pieces]))
+        if h < 1 or w < 1 or not (0 <= top < height and 0 <= left < width):
+            raise ValueError(f"crop box {tuple(crop)} (top, left, height, width) is not inside the "
+                             f"{width}x{height} image")
+        rgb = rgb[top:top + h, left:left + w]
+    return torch.from_numpy(_to_pixels(rgb, cfg))

@@ -12,6 +12,11 @@ encodes, every worker reads them before encoding anything itself.
                                             it is now the worker's to encode (taken), nobody's
                                             (free), another party's (held) or published
 
+The "hash" of a medium here is its embedding key (proto/pan_and_scan.py): the content hash
+of a whole image -- the only kind the encoder service encodes and the gateway announces --
+or, for a pan-and-scan crop a worker encodes, the hash and the crop's box, which no encoder
+ever claims (so a worker finds it free and encodes it itself).
+
 Keyed by the fingerprint, a worker only takes embeddings its own encoder would have
 computed: the same vision config, the same weights (the values of its first and last
 parameters and of the projector are hashed) and the same dtype; another checkpoint's or dtype's are

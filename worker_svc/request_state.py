@@ -3,6 +3,7 @@
 from collections.abc import Collection
 
 from proto import worker_pb2
+from proto.pan_and_scan import CropBox, ImagePiece
 from worker_svc.model.image_placement import PlaceholderRange
 from worker_svc.logits_processors import uses_edits
 from worker_svc.stop import StopRule
@@ -28,12 +29,13 @@ class RequestState:
     a sampled token is in flight (`ahead`); num_prompt_tokens <= len(token_ids);
     once finish_reason is set the request never samples again (it waits for the scheduler
     to list it in finished_request_ids). Image i's soft tokens are
-    token_ids[image_ranges[i].offset : offset + length], its media stored under
-    image_hashes[i] (NewRequestData.mm_inputs, in prompt order; both empty for text)."""
+    token_ids[image_ranges[i].offset : offset + length], showing image_pieces[i] (a stored
+    medium, whole or a pan-and-scan crop of it) whose embeddings are known by image_keys[i]
+    (NewRequestData.mm_inputs, in prompt order; all empty for text)."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "row",
                  "num_computed_tokens", "sampling", "reply_channel",
-                 "finish_reason", "grammar", "image_ranges", "image_hashes", "images_end", "failure",
+                 "finish_reason", "grammar", "image_ranges", "image_pieces", "image_keys", "images_end", "failure",
                  "num_cached_tokens", "edits", "prompt_logprobs", "stop", "ahead")
 
     def __init__(self, new: worker_pb2.NewRequestData, row: int = 0,
@@ -64,7 +66,10 @@ class RequestState:
         # The images of the prompt (the scheduler re-sends them with every NewRequestData).
         self.image_ranges: tuple[PlaceholderRange, ...] = tuple(
             PlaceholderRange(offset=m.offset, length=m.length) for m in new.mm_inputs)
-        self.image_hashes: tuple[str, ...] = tuple(m.content_hash for m in new.mm_inputs)
+        self.image_pieces: tuple[ImagePiece, ...] = tuple(
+            ImagePiece(m.content_hash, CropBox(m.crop.top, m.crop.left, m.crop.height, m.crop.width)
+                       if m.HasField("crop") else None) for m in new.mm_inputs)
+        self.image_keys: tuple[str, ...] = tuple(p.key for p in self.image_pieces)
         # the position after the last image's soft tokens (0 for text): a chunk from at or
         # past it holds no image
         self.images_end: int = max((r.offset + r.length for r in self.image_ranges), default=0)

@@ -6,8 +6,9 @@ and their placement over the decoder's input embeddings (Gemma 3; docs/architect
     embedder = ImageEmbedder.load(model_dir, vision_cfg, dtype, device, media, cache_bytes, published)
     embedder.check(state)                -> why the request's images cannot run here, or None
     images = embedder.prepare(scheduled) (before the flat batch is built)
-        1. the images whose soft tokens fall in the scheduled chunks, by content hash,
-           each once however many requests of the step carry it
+        1. the images whose soft tokens fall in the scheduled chunks, by embedding key
+           (the content hash; for a pan-and-scan crop, the hash and the crop's box:
+           proto/pan_and_scan.py), each once however many requests of the step carry it
         2. those in the encoder cache (worker_svc/encoder_cache.py) are hits
         3. then those the encoder service published (worker_svc/published_embeddings.py,
            one MGET; kept in the cache too) are hits
@@ -18,13 +19,16 @@ and their placement over the decoder's input embeddings (Gemma 3; docs/architect
            taken over and published after, so the encoder skips them; those an encoder
            (or another worker) is encoding now are waited for (HELD_WAIT_S at most) and
            fetched when published: a medium is encoded once across the fleet
-        -> StepImages: embeddings by hash, the requests that cannot run (an image missing
+        -> StepImages: embeddings by key, the requests that cannot run (an image missing
            or undecodable: they fail alone, with its reason), and the step's counts
     h = model.embed(batch.input_ids)
     place_step_images(h, batch.images, images.embeddings)   h's soft-token rows = the images'
     logits = model(..., inputs_embeds=h)
 
 A step without image soft tokens never comes here (the runner checks `image_ranges`).
+Crops are encoded here, never by the encoder service (it encodes whole images, as the
+gateway stores them); a whole image's embeddings are the same with or without pan-and-scan
+and are found under its content hash either way.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import Path
 import redis
 import torch
 
+from proto.pan_and_scan import ImagePiece
 from worker_svc.encoder_cache import EncoderCache
 from worker_svc.media_encoder import MediaEncoder
 from worker_svc.media_source import MediaSource
@@ -72,7 +77,7 @@ class VisionStepStats:
 
 @dataclass(frozen=True)
 class StepImages:
-    embeddings: dict[str, torch.Tensor]  # content hash -> [mm_tokens_per_image, hidden], on the device
+    embeddings: dict[str, torch.Tensor]  # embedding key -> [mm_tokens_per_image, hidden], on the device
     failed: list[tuple[RequestState, str]]  # requests that cannot run: an image of theirs could not be had
     stats: VisionStepStats
 
@@ -114,12 +119,15 @@ class ImageEmbedder:
 
     def check(self, state: RequestState) -> str | None:
         """Why `state`'s images cannot be served (placeholder ranges that are not the
-        model's: wrong length, out of the prompt, overlapping, not image tokens), or None."""
+        model's: wrong length, out of the prompt, overlapping, not image tokens; an empty
+        crop box), or None."""
         end = 0
-        for i, (r, digest) in enumerate(zip(state.image_ranges, state.image_hashes)):
+        for i, (r, piece) in enumerate(zip(state.image_ranges, state.image_pieces)):
             where = f"image {i} (soft tokens [{r.offset}, {r.offset + r.length}))"
-            if not digest:
+            if not piece.content_hash:
                 return f"{where} has no content hash"
+            if piece.crop is not None and (min(piece.crop) < 0 or min(piece.crop.height, piece.crop.width) < 1):
+                return f"{where}: crop box {tuple(piece.crop)} (top, left, height, width) is empty or negative"
             if r.length != self.cfg.mm_tokens_per_image:
                 return (f"{where}: {r.length} soft tokens, the model's images have "
                         f"{self.cfg.mm_tokens_per_image}")
@@ -135,17 +143,17 @@ class ImageEmbedder:
         """The embeddings of every image whose soft tokens the scheduled chunks hold (call
         before num_computed_tokens moves), and the requests that must fail instead."""
         needs: dict[int, tuple[RequestState, list[int]]] = {}  # id(request) -> (request, its images here)
-        hashes: dict[str, None] = {}  # distinct content hashes, in order of first need
+        pieces: dict[str, ImagePiece] = {}  # distinct embedding keys, in order of first need
         for state, n in scheduled:
             if state.num_computed_tokens < state.images_end:
                 slices = image_slices(state.image_ranges, state.num_computed_tokens, n, 0)
                 images = sorted({s.image for s in slices})
                 if images:
                     needs[id(state)] = (state, images)
-                    hashes.update(dict.fromkeys(state.image_hashes[i] for i in images))
+                    pieces.update((state.image_keys[i], state.image_pieces[i]) for i in images)
         embeddings: dict[str, torch.Tensor] = {}
         missing = []
-        for digest in hashes:
+        for digest in pieces:
             embeds = self.cache.get(digest)
             if embeds is None:
                 missing.append(digest)
@@ -165,7 +173,7 @@ class ImageEmbedder:
         seconds = 0.0
         if missing:
             start = time.perf_counter()
-            ready, encoded, failures = self._get_missing(missing)
+            ready, encoded, failures = self._get_missing(missing, pieces)
             seconds = time.perf_counter() - start
             for digest, embeds in (*ready.items(), *encoded.items()):
                 self.cache.put(digest, embeds)
@@ -174,17 +182,20 @@ class ImageEmbedder:
             published += len(ready)
         failed = []
         for state, images in needs.values():
-            bad = next((i for i in images if state.image_hashes[i] in failures), None)
+            bad = next((i for i in images if state.image_keys[i] in failures), None)
             if bad is not None:
-                digest = state.image_hashes[bad]
-                failed.append((state, f"image {bad} (content hash {digest}): {failures[digest]}"))
+                piece = state.image_pieces[bad]
+                crop = "" if piece.crop is None else f", crop box {tuple(piece.crop)}"
+                failed.append((state, f"image {bad} (content hash {piece.content_hash}{crop}): "
+                                      f"{failures[piece.key]}"))
         return StepImages(embeddings=embeddings, failed=failed,
                           stats=VisionStepStats(items_encoded=len(encoded), cache_hits=hits, seconds=seconds,
-                                                published_hits=published, queries=len(hashes)))
+                                                published_hits=published, queries=len(pieces)))
 
-    def _get_missing(self, missing: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                                         dict[str, str]]:
-        """The embeddings of `missing` (in neither the cache nor published a moment ago):
+    def _get_missing(self, missing: list[str], pieces: dict[str, ImagePiece]
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]:
+        """The embeddings of `missing` (keys of `pieces`, in neither the cache nor published
+        a moment ago):
         (published meanwhile, encoded here, failures). With an encoder service, each is
         claimed first (PublishedEmbeddings.take): those only queued for an encoder (it is
         behind: the scheduler waited as long as it would) are taken over, encoded and
@@ -192,25 +203,26 @@ class ImageEmbedder:
         for, not encoded twice (`_wait_for_held`) -- after this worker has encoded and
         published its own, so two workers each waiting for the other's never stall."""
         if self.published is None:
-            encoded, failures = self.encoder.encode(missing)
+            encoded, failures = self.encoder.encode_pieces([pieces[k] for k in missing])
             return {}, encoded, failures
         claims = self.published.take(missing, self.owner, TAKEN_TTL_S)
         ready = self.published.fetch(claims.published)
         unusable = [h for h in claims.published if h not in ready]
-        encoded, failures = self._encode(claims.taken, claims.free + unusable)
+        encoded, failures = self._encode(claims.taken, claims.free + unusable, pieces)
         if claims.held:
             more, taken, here = self._wait_for_held(claims.held)
             ready.update(more)
-            late, late_failures = self._encode(taken, here)
+            late, late_failures = self._encode(taken, here, pieces)
             encoded.update(late)
             failures.update(late_failures)
         return ready, encoded, failures
 
-    def _encode(self, taken: list[str], own: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def _encode(self, taken: list[str], own: list[str], pieces: dict[str, ImagePiece]
+                ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Encode `taken` (claimed: published after) and `own` (unclaimed) in one batch."""
         if not taken and not own:
             return {}, {}
-        encoded, failures = self.encoder.encode(taken + own)
+        encoded, failures = self.encoder.encode_pieces([pieces[k] for k in taken + own])
         if taken:
             self._publish_taken(taken, encoded)
         return encoded, failures
@@ -253,9 +265,9 @@ class ImageEmbedder:
 
 def place_step_images(inputs_embeds: torch.Tensor, images: Sequence[tuple[RequestState, ImageSlice]],
                       embeddings: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Write each image slice's embeddings (its image's, by content hash) over its rows of
+    """Write each image slice's embeddings (its image's, by embedding key) over its rows of
     `inputs_embeds` [T, hidden] (the flat batch's `images`), in place; returns it."""
     slices = [replace(s, image=k) for k, (_, s) in enumerate(images)]
-    tensors = [embeddings[state.image_hashes[s.image]] for state, s in images]
+    tensors = [embeddings[state.image_keys[s.image]] for state, s in images]
     rows, embeds = splice_rows(slices, tensors, inputs_embeds.device)
     return place_image_embeddings(inputs_embeds, rows, embeds)
