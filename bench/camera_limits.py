@@ -19,9 +19,11 @@ Per question:
 - decode bytes per step: every weight once, plus each running answer's K/V (a sliding
   layer's capped by its window); with K cameras, K answers run together for
   `--answer-tokens` steps a second.
-One second of K cameras needs K x (prefill + fps x SigLIP) / rate + answer_tokens x
-(weights + K x K/V) / bandwidth seconds of the device; the largest K for which that is at
-most 1 is the limit. The defaults are the H200's measured rates (../shared/GPU-NOTES.md:
+One second of K cameras needs K x (prefill + fps x SigLIP + the answer's FLOPs) / rate
+seconds of compute and answer_tokens x (weights + K x K/V) / bandwidth seconds of memory
+reads; the limit is the largest K for which both fit in one second (a roofline: the two
+overlap, as the scheduler runs decodes beside prefill chunks in one step). Also reported:
+the K if they did not overlap at all (the sum of the two within one second). The defaults are the H200's measured rates (../shared/GPU-NOTES.md:
 bf16 matmul ~790 TFLOP/s, device copy ~4.27 TB/s); quote a measured run against them.
 """
 
@@ -71,17 +73,22 @@ def limits(cfg: DecoderConfig, vision, args) -> dict:
     resident = weights + vision_params(vision) * elem
     kv_per_answer = kv_tokens(cfg, prompt + args.answer_tokens // 2) * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     rate, bandwidth = args.tflops * 1e12, args.tbps * 1e12
-    per_camera = (prefill + args.fps * frame) / rate + args.answer_tokens * kv_per_answer / bandwidth
-    fixed = args.answer_tokens * weights / bandwidth
-    cameras = math.floor((1 - fixed) / per_camera) if fixed < 1 else 0
+    decode_flops = args.answer_tokens * linears.flops / prompt  # 2 x every weight a token
+    compute = (prefill + args.fps * frame + decode_flops) / rate  # device seconds a camera-second
+    fixed = args.answer_tokens * weights / bandwidth  # the weights, read by every decode step
+    per_answer = args.answer_tokens * kv_per_answer / bandwidth
+    # the roofline: FLOPs and bytes overlap (the planner puts decodes beside prefill chunks)
+    by_bytes = (1 - fixed) / per_answer if fixed < 1 else 0.0
+    cameras = math.floor(min(1 / compute, by_bytes))
+    serial = math.floor((1 - fixed) / (compute + per_answer)) if fixed < 1 else 0  # nothing overlapped
     return {"prompt_tokens": prompt, "prefill_TFLOP_per_question": prefill / 1e12,
             "prefill_ms_per_question": prefill / rate * 1e3, "siglip_TFLOP_per_frame": frame / 1e12,
             "siglip_ms_per_frame": frame / rate * 1e3, "weights_GB": resident / 1e9,
             "kv_GB_per_answer": kv_per_answer / 1e9,
             "decode_step_ms_at_limit": (weights + cameras * kv_per_answer) / bandwidth * 1e3,
-            "device_ms_per_camera_second": per_camera * 1e3, "decode_weights_ms_per_second": fixed * 1e3,
-            "cameras_per_device": cameras, "questions_per_second": cameras,
-            "ttft_floor_ms": (prefill + frame) / rate * 1e3}
+            "compute_ms_per_camera_second": compute * 1e3, "decode_weights_ms_per_second": fixed * 1e3,
+            "cameras_per_device": cameras, "bound": "compute" if 1 / compute <= by_bytes else "memory",
+            "cameras_not_overlapped": serial, "ttft_floor_ms": (prefill + frame) / rate * 1e3}
 
 
 def vision_params(vision) -> int:
@@ -104,9 +111,10 @@ def print_table(name: str, args, r: dict) -> None:
             ("weights (decoder + tower)", f"{r['weights_GB']:.1f} GB"),
             ("K/V one answer reads a step", f"{r['kv_GB_per_answer']:.2f} GB"),
             ("decode: the weights, every step", f"{r['decode_weights_ms_per_second']:.0f} ms of each second"),
-            ("one camera-second", f"{r['device_ms_per_camera_second']:.0f} ms of the device"),
+            ("one camera-second's FLOPs (prefill, frames, answer)", f"{r['compute_ms_per_camera_second']:.0f} ms of the device"),
             ("TTFT floor (prefill + one new frame)", f"{r['ttft_floor_ms']:.0f} ms"),
-            ("**cameras (= questions/s) per device**", f"**{r['cameras_per_device']}**"),
+            ("**cameras (= questions/s) per device**", f"**{r['cameras_per_device']}** ({r['bound']}-bound)"),
+            ("the same if decode's reads did not overlap the prefills", f"{r['cameras_not_overlapped']}"),
             ("decode step at that many", f"{r['decode_step_ms_at_limit']:.1f} ms")]
     for label, value in rows:
         print(f"| {label} | {value} |")

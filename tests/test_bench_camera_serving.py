@@ -23,5 +23,7 @@ def test_the_cameras_step_runs_every_mode_on_the_cpu(tmp_path):
     assert r["runs"]["encoder"][0]["encoded_by_encoders"] > 0  # the encoder service encodes the uploads
     assert r["runs"]["worker"][0]["encoded_by_workers"] > 0  # without one, the worker does
     assert r["runs"]["text"][0]["encoded_images_per_s"] == 0
-    assert r["largest_k_within_limit"] == {"encoder": 1, "text": 1, "worker": 1}
+    for mode, (row,) in r["runs"].items():  # kept: nothing failed or skipped, TTFT p90 within 1 s
+        kept = not row["questions_skipped"] and row["ttft_p90_s"] <= 1.0
+        assert r["largest_k_within_limit"][mode] == (1 if kept else 0), mode
     assert r["physical_limit"]["cameras_per_device"] > 0
