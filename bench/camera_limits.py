@@ -49,11 +49,15 @@ TOKENS_AROUND_A_FRAME = 12
 
 
 def attended_keys(cfg: DecoderConfig, context: int, new: int) -> int:
-    """Keys attended by `new` query tokens after `context`, summed over the layers."""
+    """Keys attended by `new` query tokens after `context`, summed over the layers: the
+    query at position p sees min(p + 1, window) keys, so a layer's sum over k = context + 1
+    .. context + new of min(k, window) is the k up to the window plus the window for the rest."""
+    lo, hi = context + 1, context + new
     total = 0
     for window in cfg.sliding_windows:
-        for p in range(context, context + new):  # the query at position p sees p + 1 keys
-            total += min(p + 1, window) if window else p + 1
+        top = hi if window is None else min(hi, window)
+        below = (lo + top) * (top - lo + 1) // 2 if top >= lo else 0
+        total += below + (0 if window is None else max(0, hi - max(lo - 1, window)) * window)
     return total
 
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 import msgspec
 
-from proto.pan_and_scan import CropBox, ImagePiece
+from proto.pan_and_scan import CropBox, ImagePiece, embedding_key
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 # SampledToken.token_id (proto/worker.proto) of a request the worker failed without computing
@@ -74,7 +74,7 @@ class MultiModalInput(msgspec.Struct, frozen=True, array_like=True):
     def embedding_key(self) -> str:
         """What its embeddings are known by (encoder caches, published embeddings, encoding
         claims, prefix-cache keys): the content hash, and a crop's box."""
-        return self.piece.key
+        return embedding_key(self.content_hash, self.crop)
 
 
 class NewRequest(msgspec.Struct, frozen=True, tag="new"):

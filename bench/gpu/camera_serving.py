@@ -49,6 +49,7 @@ from compose.launcher import Stack, StackConfig, free_port  # noqa: E402
 # each stack's modes (encoder services: modes), ours -> bench/cameras_compare.py's contender
 STACKS = {1: {"encoder": "encoder", "text": "text"}, 0: {"worker": "encoder"}}
 START_S = 20  # a run's warm-up, settle and metric scrapes beyond its --duration
+FPS, FRAMES, ANSWER_TOKENS = 2.0, 8, 16  # the workload: frames a camera-second, a question's, an answer's
 
 
 def make_release(args) -> Path:
@@ -71,8 +72,8 @@ def stack_config(args, model: Path, encoders: int) -> StackConfig:
 
 
 def run_one(args, stack: Stack, contender: str, k: int) -> dict:
-    workload = argparse.Namespace(cameras=k, fps=2.0, ask_every=1.0, frames=8, duration=args.duration,
-                                  width=640, height=480, max_tokens=16)
+    workload = argparse.Namespace(cameras=k, fps=FPS, ask_every=1.0, frames=FRAMES, duration=args.duration,
+                                  width=640, height=480, max_tokens=ANSWER_TOKENS)
     ns = bench_args(workload, contender, stack.base_url, stack.served_model_name,
                     list(stack.metrics_urls.values()))
     r = uvloop.run(cameras.run(ns))
@@ -146,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result, indent=1))
 
     model = make_release(args)
-    limit_args = argparse.Namespace(frames=8, fps=2.0, text_tokens=30, answer_tokens=16, tflops=args.tflops,
-                                    tbps=args.tbps)
+    limit_args = argparse.Namespace(frames=FRAMES, fps=FPS, text_tokens=30, answer_tokens=ANSWER_TOKENS,
+                                    tflops=args.tflops, tbps=args.tbps)
     from worker_svc.model.registry import load_config, load_vision_config
 
     result["physical_limit"] = camera_limits.limits(load_config(model), load_vision_config(model), limit_args)
