@@ -44,7 +44,8 @@ def _batching_config(args: argparse.Namespace):
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from worker_svc.server import WorkerServiceConfig, serve
+    from worker_svc.server import serve
+    from worker_svc.service_config import WorkerServiceConfig
 
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     serve(WorkerServiceConfig(runner=_runner_config(args), host=args.host, port=args.port,

@@ -18,6 +18,7 @@ from proto.messages import NewRequest, SamplingParams, registration_decoder
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from worker_svc import server
+from worker_svc.service_config import WorkerServiceConfig
 from worker_svc.compute_thread import ComputeThread
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
@@ -109,7 +110,7 @@ def test_engine_loads_and_steps_on_one_thread(tiny_model_dir, runner_threads):
 
 
 def test_worker_loads_and_steps_on_one_thread(tiny_model_dir, redis_url, runner_threads):
-    config = server.WorkerServiceConfig(runner=RunnerConfig(model=str(tiny_model_dir), num_blocks=32),
+    config = WorkerServiceConfig(runner=RunnerConfig(model=str(tiny_model_dir), num_blocks=32),
                                         port=0, redis_url=redis_url, key_prefix="compute-thread-test")
     ready, stop = threading.Event(), threading.Event()
     serving = threading.Thread(target=server.serve, args=(config, ready, stop), daemon=True)

@@ -23,6 +23,7 @@ from proto.keys import RedisKeys
 from proto.messages import MediaItem, events_decoder, registration_decoder
 from proto.metrics import EncoderRecorder, StepCollector, StepRecorder
 from worker_svc import server
+from worker_svc.service_config import WorkerServiceConfig
 from worker_svc.config import RunnerConfig
 from worker_svc.media_source import MISSING, MediaUnavailableError, RedisMediaSource
 from worker_svc.model.registry import load_config
@@ -78,7 +79,7 @@ def test_the_worker_service_reads_media_from_its_redis(vision_dir, processor, re
     an image request is served, one whose media expired fails alone, /metrics counts."""
     metrics_port = free_port()
     prefix = f"images-{uuid.uuid4().hex[:8]}"
-    config = server.WorkerServiceConfig(runner=RunnerConfig(model=str(vision_dir), num_blocks=256),
+    config = WorkerServiceConfig(runner=RunnerConfig(model=str(vision_dir), num_blocks=256),
                                         port=0, redis_url=redis_url, key_prefix=prefix,
                                         metrics_port=metrics_port)
     client = redis.Redis.from_url(redis_url)

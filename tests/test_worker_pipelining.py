@@ -23,6 +23,7 @@ from proto.messages import NewRequest, SamplingParams, events_decoder, registrat
 from scheduler_svc.batching import BatchScheduler
 from scheduler_svc.config import SchedulerConfig
 from worker_svc import server
+from worker_svc.service_config import WorkerServiceConfig
 from worker_svc.config import RunnerConfig
 from worker_svc.model_runner import ModelRunner
 
@@ -32,7 +33,7 @@ def worker(model_dir, redis_url, batching: SchedulerConfig = SchedulerConfig(max
            launch_ahead: bool | None = None):
     """A worker service on a thread; yields (stub, a scheduler for it, the redis client)."""
     prefix = f"pipelining-{uuid.uuid4().hex[:8]}"
-    config = server.WorkerServiceConfig(runner=RunnerConfig(model=str(model_dir), num_blocks=64),
+    config = WorkerServiceConfig(runner=RunnerConfig(model=str(model_dir), num_blocks=64),
                                         port=0, redis_url=redis_url, key_prefix=prefix,
                                         launch_ahead=launch_ahead, drain_timeout_s=0)
     ready, stop = threading.Event(), threading.Event()

@@ -33,10 +33,9 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import redis
@@ -49,12 +48,12 @@ from proto.messages import TokenEvent, WorkerRegistration
 from proto.metrics import EncoderRecorder, StepCollector, StepRecorder, serve_metrics
 from proto.outage_log import OutageLog
 from worker_svc.compute_thread import ComputeThread
-from worker_svc.config import RunnerConfig
 from worker_svc.event_publisher import EventPublisher
 from worker_svc.media_source import RedisMediaSource
 from worker_svc.published_embeddings import PublishedEmbeddings
 from worker_svc.model_runner import LaunchedStep, ModelRunner, StepConsistencyError
 from worker_svc.registration import Registration, drain
+from worker_svc.service_config import WorkerServiceConfig
 from worker_svc.step_gap import StepGap
 
 log = logging.getLogger("pagedserve.worker")
@@ -70,27 +69,6 @@ class StepOrderError(Exception):
 
 class StaleSchedulerError(Exception):
     """A step from a scheduler whose lease another scheduler has taken since."""
-
-
-@dataclass(frozen=True)
-class WorkerServiceConfig:
-    runner: RunnerConfig
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 picks a free port
-    advertise_host: str | None = None  # the address schedulers dial; default: host
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "pagedserve"
-    worker_id: str = field(default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}")
-    heartbeat_interval_s: float = 1.0
-    registration_ttl_s: float = 5.0  # the registration expires this long after a death
-    metrics_port: int = 0  # /metrics on host:metrics_port; 0 = none
-    # SIGTERM: registered as draining (no new requests) while running ones finish, for at
-    # most this long; then deregistered, and schedulers move what is left elsewhere.
-    drain_timeout_s: float = 30.0
-    # Launch a step planned ahead before finishing the one in flight (ModelWorkerServicer._run).
-    # None: on an accelerator. On the CPU a launch is the whole step, so finishing the one
-    # before later only delays its result; tests turn it on there to check the bookkeeping.
-    launch_ahead: bool | None = None
 
 
 @dataclass(frozen=True)
