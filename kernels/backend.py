@@ -2,7 +2,8 @@
 
 Every backend offers the same four calls (signatures as in kernels/torch_attention.py):
 `plan(block_tables, seq_lens, query_start_loc, block_size, sliding_window, workspace, *,
-bidir_spans=None)` once per step and window, `paged_attention(..., plan=plan)` and
+bidir_spans=None, host=None)` once per step and window (`host`: the lengths as the host
+already holds them, kernels/host_layout.py), `paged_attention(..., plan=plan)` and
 `write_kv(...)` per layer, `copy_blocks(...)` for copy-on-write; `new_workspace()` makes the
 scratch memory a worker keeps for its life. `bidir_spans` (int32 [num_tokens, 2] on the
 query's device: each row's bidirectional block [s, e), [0, 0] for none; Gemma 3's images,

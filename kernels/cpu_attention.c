@@ -150,8 +150,8 @@ static inline struct block_walk walk_block(const int32_t *table, int64_t b, int6
     };
 }
 
-/* Work item w: request reqs[w / splits], kv heads [h0, h0 + heads) with heads =
-   num_kv_heads / splits. */
+/* Work item w: request reqs[w / splits] (w / splits without reqs), kv heads
+   [h0, h0 + heads) with heads = num_kv_heads / splits. */
 int paged_attention(const struct paged_attention_args *args) {
     const void *query = args->query, *k_cache = args->k_cache, *v_cache = args->v_cache;
     void *out = args->out;
@@ -195,7 +195,7 @@ int paged_attention(const struct paged_attention_args *args) {
         if (!give_up) {
             #pragma omp for schedule(dynamic, 1)
             for (int64_t w = 0; w < num_reqs * splits; w++) {
-                const int64_t r = reqs[w / splits], h0 = (w % splits) * heads;
+                const int64_t r = reqs ? reqs[w / splits] : w / splits, h0 = (w % splits) * heads;
                 const int64_t q0 = query_start_loc[r], q_len = query_start_loc[r + 1] - q0;
                 const int64_t seq_len = seq_lens[r], ctx0 = seq_len - q_len;
                 const int64_t per_row = heads * group, nv = q_len * per_row;

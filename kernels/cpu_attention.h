@@ -16,7 +16,8 @@ struct paged_attention_args {
     int64_t table_stride;
     const int32_t *seq_lens;        /* [num requests]: tokens in context, this step's included */
     const int32_t *query_start_loc; /* [num requests + 1]: first query row of each request */
-    const int32_t *reqs;            /* [num_reqs]: the requests this call computes */
+    const int32_t *reqs;            /* [num_reqs]: the requests this call computes;
+                                       NULL: requests 0 .. num_reqs - 1 */
     const int32_t *bidir_spans;     /* [tokens, 2]: query row t sees keys [s, e) too, its
                                        position p in s <= p < e <= seq_len, or s == e (none);
                                        NULL: no spans (plain causal) */

@@ -68,6 +68,7 @@ import numpy as np
 import torch
 
 from kernels import torch_attention
+from kernels.host_layout import HostLayout
 from kernels.cpu_features import cpu_features
 
 SHORT_MAX_Q_LEN = 8  # requests with at most this many query rows run in the C kernel
@@ -234,7 +235,7 @@ class CpuKernels:
             raise ValueError(f"the plan is for blocks of {plan.block_size}, the cache has {block_size}")
         if plan.num_rows > num_tokens:
             raise ValueError(f"the plan's requests have {plan.num_rows} query rows, query {num_tokens}")
-        if plan.short_reqs.numel() and not 0 <= plan.min_block_id <= plan.max_block_id < num_blocks:
+        if plan.num_short and not 0 <= plan.min_block_id <= plan.max_block_id < num_blocks:
             # the C code trusts every id it reads: an id outside the cache is a crash, not an error
             raise ValueError(f"block tables name blocks {plan.min_block_id}..{plan.max_block_id}; "
                              f"the cache has {num_blocks}")
@@ -242,7 +243,7 @@ class CpuKernels:
             raise ValueError("query rows must be contiguous [heads, head_dim] on the CPU")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out),
                         ("block_tables", plan.block_tables), ("seq_lens", plan.seq_lens),
-                        ("query_start_loc", plan.query_start_loc), ("short_reqs", plan.short_reqs)):
+                        ("query_start_loc", plan.query_start_loc)):
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"{name} must be a contiguous CPU tensor")
         spans = plan.bidir_spans
@@ -255,13 +256,14 @@ class CpuKernels:
         # contiguous run); split by kv head when there are too few requests to keep every
         # thread busy. (torch.get_num_threads() also sets this thread's OpenMP thread count
         # to torch's, which the kernel's parallel region then uses.)
-        splits = work_splits(plan.short_reqs.numel(), num_kv_heads, torch.get_num_threads())
+        splits = work_splits(plan.num_short, num_kv_heads, torch.get_num_threads())
         args = KernelArgs(
             query=query.data_ptr(), out=out.data_ptr(), k_cache=k_cache.data_ptr(),
             v_cache=v_cache.data_ptr(), block_tables=plan.block_tables.data_ptr(),
             table_stride=plan.block_tables.shape[1], seq_lens=plan.seq_lens.data_ptr(),
-            query_start_loc=plan.query_start_loc.data_ptr(), reqs=plan.short_reqs.data_ptr(),
-            bidir_spans=0 if spans is None else spans.data_ptr(), num_reqs=plan.short_reqs.numel(),
+            query_start_loc=plan.query_start_loc.data_ptr(),
+            reqs=0 if plan.short_reqs is None else plan.short_reqs.data_ptr(),
+            bidir_spans=0 if spans is None else spans.data_ptr(), num_reqs=plan.num_short,
             q_row_stride=query.stride(0), num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
             window=sliding_window or 0, soft_cap=soft_cap or 0.0, max_q_len=plan.max_q_len,
@@ -280,11 +282,14 @@ class CpuPlan:
     block_tables: torch.Tensor  # int32 [R, max_blocks]
     seq_lens: torch.Tensor  # int32 [R]
     query_start_loc: torch.Tensor  # int32 [R + 1]
-    short_reqs: torch.Tensor  # int32 [n]: requests with 1 <= q_len <= SHORT_MAX_Q_LEN
+    # int32 [num_short]: the requests with 1 <= q_len <= SHORT_MAX_Q_LEN; None: every
+    # request (a decode-only step), in order
+    short_reqs: torch.Tensor | None
+    num_short: int
     max_q_len: int  # the largest q_len among them
     max_scores: int  # the largest q_len x keys scored (context, cut by the window) among them
     block_size: int
-    min_block_id: int  # the smallest and largest block ids their contexts use
+    min_block_id: int  # bounds on the block ids their contexts use (_block_id_range)
     max_block_id: int
     num_rows: int  # query rows of the whole batch
     long: torch_attention.AttentionPlan | None  # the other requests, for the torch path; None: none
@@ -297,30 +302,33 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
                    sliding_window: int | None = None,
                    workspace: torch_attention.GatherWorkspace | None = None, *,
-                   bidir_spans: torch.Tensor | None = None) -> CpuPlan:
+                   bidir_spans: torch.Tensor | None = None, host: HostLayout | None = None) -> CpuPlan:
     """Split the batch: short requests for the C kernel (with the bounds it needs, checked
     here once per step: ValueError for a block table too narrow for its context), the rest
     planned by the torch backend. `bidir_spans` (int32 [num_tokens, 2], kernels/reference.py)
-    is checked here (ValueError), and handed on to each path only where it changes a row."""
+    is checked here (ValueError), and handed on to each path only where it changes a row.
+    `host`: the lengths as the host holds them (kernels/host_layout.py), read in place of
+    the tensors."""
     reaching = None if bidir_spans is None else torch_attention.bidir_span_requests(
         bidir_spans, seq_lens, query_start_loc)
-    starts = query_start_loc.cpu().numpy()
-    lens = seq_lens.cpu().numpy().astype(np.int64)
-    num_rows = int(starts[-1])
+    starts = query_start_loc.cpu().numpy() if host is None else host.query_start_loc
+    num_reqs, num_rows = len(starts) - 1, int(starts[-1])
     min_id = max_id = max_q_len = max_scores = 0
-    if num_rows == len(lens):  # one query row each (decodes): every request is short
-        short, long = torch.arange(len(lens), dtype=torch.int32), []
-        if len(lens):
-            longest = int(lens.max())
-            min_id, max_id = _block_id_range(block_tables.cpu().numpy(), -(-longest // block_size))
+    if num_rows == num_reqs:  # one query row each (decodes): every request is short
+        short, num_short, long = None, num_reqs, []
+        if num_reqs:
+            longest = int(seq_lens.max()) if host is None else host.max_seq_len
+            min_id, max_id = _block_id_range(block_tables, -(-longest // block_size), host)
             max_q_len, max_scores = 1, longest if sliding_window is None else min(longest, sliding_window)
     else:
+        lens = (seq_lens.cpu().numpy() if host is None else host.seq_lens).astype(np.int64)
         q_lens = np.diff(starts)
         short_rows = np.flatnonzero((q_lens >= 1) & (q_lens <= SHORT_MAX_Q_LEN))
-        short, long = torch.from_numpy(short_rows.astype(np.int32)), np.flatnonzero(q_lens > SHORT_MAX_Q_LEN).tolist()
+        short, num_short = torch.from_numpy(short_rows.astype(np.int32)), short_rows.size
+        long = np.flatnonzero(q_lens > SHORT_MAX_Q_LEN).tolist()
         if short_rows.size:
             needed = -(-lens[short_rows] // block_size)
-            min_id, max_id = _block_id_range(block_tables.cpu().numpy()[short_rows], int(needed.max()))
+            min_id, max_id = _block_id_range(block_tables, int(needed.max()), host, short_rows)
             short_q = q_lens[short_rows]
             keys = lens[short_rows] if sliding_window is None else np.minimum(lens[short_rows],
                                                                              sliding_window + short_q - 1)
@@ -328,25 +336,35 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
 
     return CpuPlan(
         block_tables=_int32(block_tables), seq_lens=_int32(seq_lens), query_start_loc=_int32(query_start_loc),
-        short_reqs=short,
+        short_reqs=short, num_short=num_short,
         max_q_len=max_q_len, max_scores=max_scores,
         block_size=block_size, min_block_id=min_id, max_block_id=max_id, num_rows=num_rows,
         long=torch_attention.plan_attention(
             block_tables, seq_lens, query_start_loc, block_size, sliding_window, workspace, only=long,
-            bidir_spans=bidir_spans if reaching and any(reaching[i] for i in long) else None) if long else None,
+            bidir_spans=bidir_spans if reaching and any(reaching[i] for i in long) else None,
+            host=host) if long else None,
         bidir_spans=(bidir_spans[:num_rows].to(torch.int32).contiguous()
-                     if reaching and any(reaching[i] for i in short.tolist()) else None),
+                     if reaching and any(reaching[i] for i in _short_list(short, num_short)) else None),
     )
 
 
-def _block_id_range(tables, widest: int) -> tuple[int, int]:
-    """The smallest and largest block ids in the first `widest` columns of `tables` (numpy
-    [R, W]): every entry the short requests' rows may read. A row's entries past its own
-    context are block ids too (tables are padded with real ids or 0), so checking them
-    all holds. ValueError for a table narrower than `widest`."""
+def _short_list(short: torch.Tensor | None, count: int) -> list[int] | range:
+    return range(count) if short is None else short.tolist()
+
+
+def _block_id_range(tables: torch.Tensor, widest: int, host: HostLayout | None,
+                    rows: np.ndarray | None = None) -> tuple[int, int]:
+    """Bounds on the block ids in the first `widest` columns of `tables` ([R, W]; `rows` of
+    it, or all): every entry the short requests' rows may read (a row's entries past its
+    own context are block ids too: tables are padded with real ids or 0). From the host's
+    bound where it has one (its ids were checked as they were written), else the smallest
+    and largest entry. ValueError for a table narrower than `widest`."""
     if widest > tables.shape[1]:
         raise ValueError(f"a context needs {widest} blocks; the block tables have {tables.shape[1]} columns")
-    used = tables[:, :widest]
+    if host is not None and host.block_ids_below is not None:
+        return 0, host.block_ids_below - 1
+    used = tables.cpu().numpy()
+    used = (used if rows is None else used[rows])[:, :widest]
     return (int(used.min()), int(used.max())) if used.size else (0, 0)
 
 
@@ -374,7 +392,7 @@ def paged_attention(kernels: CpuKernels, query: torch.Tensor, k_cache: torch.Ten
         raise ValueError(f"the cpu backend supports {sorted(map(str, _DTYPES))}, not query "
                          f"{query.dtype} / cache {k_cache.dtype} (the worker picks the torch backend "
                          "for other dtypes)")
-    if plan.short_reqs.numel():
+    if plan.num_short:
         # Rows may be spaced apart (a view of the fused q/k projection): no copy needed.
         rows_ok = query.stride(2) == 1 and query.stride(1) == query.shape[2]
         kernels.short_attention(query if rows_ok else query.contiguous(), k_cache, v_cache, plan,

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.host_layout import HostLayout
+
 
 class GatherWorkspace:
     """Scratch K/V buffers for the gathers, grown on demand and reused by every layer of
@@ -143,15 +145,17 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    sliding_window: int | None = None,
                    workspace: GatherWorkspace | None = None,
                    only: list[int] | None = None, *,
-                   bidir_spans: torch.Tensor | None = None) -> AttentionPlan:
+                   bidir_spans: torch.Tensor | None = None, host: HostLayout | None = None) -> AttentionPlan:
     """Split the batch into decodes (vectorised) and prefill chunks (looped); precompute
     their gather indices and masks. Pass a long-lived `workspace` to reuse its buffers
     across steps (default: a fresh one, shared by this step's layers). `only`: plan just
     these requests (another kernel computes the rest). `bidir_spans`: int32 [num_tokens, 2],
-    each query row's bidirectional block (kernels/reference.py), checked here (ValueError)."""
+    each query row's bidirectional block (kernels/reference.py), checked here (ValueError).
+    `host`: the lengths as the host holds them (kernels/host_layout.py), read in place of
+    the tensors (on a GPU: no synchronisation)."""
     device = block_tables.device
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+    starts = (query_start_loc if host is None else host.query_start_loc).tolist()
+    lens = (seq_lens if host is None else host.seq_lens).tolist()
     reaching = None if bidir_spans is None else bidir_span_requests(bidir_spans, seq_lens,
                                                                    query_start_loc)
     decodes, prefills = [], []

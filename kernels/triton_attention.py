@@ -52,6 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_layout import HostLayout
+
 if "input_precision" not in inspect.signature(tl.dot).parameters:  # Triton < 3.0
     raise ImportError(f"triton {triton.__version__} is too old for these kernels "
                       "(tl.dot needs input_precision: Triton >= 3.0)")
@@ -200,9 +202,9 @@ class TritonPlan:
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
                    sliding_window: int | None = None, workspace: TritonWorkspace | None = None, *,
-                   bidir_spans: torch.Tensor | None = None) -> TritonPlan | None:
+                   bidir_spans: torch.Tensor | None = None, host: HostLayout | None = None) -> TritonPlan | None:
     """Nothing to plan without spans (None): the kernel reads the metadata tensors on the
-    device. With spans: them, as the kernel reads them (no host sync; their shape is
+    device (`host`, the lengths on the host, is not needed). With spans: them, as the kernel reads them (no host sync; their shape is
     checked, ValueError, their values are the caller's to get right)."""
     if bidir_spans is None:
         return None

@@ -1,13 +1,16 @@
 """The cpu backend's C kernel (kernels/cpu_attention.py) against the plain-torch reference:
 fresh random inputs per case, mixed batches, outputs poisoned with NaN before each call."""
 
+import dataclasses
 import platform
 
+import numpy as np
 import pytest
 import torch
 
 from kernels import cpu_attention, torch_attention
 from kernels.backend import get_attention_backend
+from kernels.host_layout import HostLayout
 from kernels.reference import paged_attention_reference
 from tests.test_kernels import FP32, MIXES, make_case
 
@@ -175,6 +178,45 @@ def test_plan_is_reusable_across_layers_and_thread_counts(kernels):
             torch.testing.assert_close(out, ref, **FP32)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", ["decode_only", "threshold", "many_decodes"])
+@pytest.mark.parametrize("window", [None, 24])
+def test_a_plan_from_the_host_layout_is_the_plan_from_the_tensors(kernels, name, window):
+    """The persistent batch hands the plan the lengths it already holds
+    (kernels/host_layout.py): the same plan (a decode-only step's short requests are every
+    request: no index list, NULL for the kernel), the same output."""
+    query, k_cache, v_cache, bt, seq_lens, qsl = make_case(5, CASES[name], block_size=16)
+    host = HostLayout(seq_lens.numpy().astype(np.int32), qsl.numpy().astype(np.int32), int(seq_lens.max()))
+    from_tensors = cpu_attention.plan_attention(bt, seq_lens, qsl, 16, window)
+    from_host = cpu_attention.plan_attention(bt, seq_lens, qsl, 16, window, host=host)
+    decode_only = name != "threshold"
+    assert (from_host.short_reqs is None) == (from_tensors.short_reqs is None) == decode_only
+    for field in ("num_short", "max_q_len", "max_scores", "min_block_id", "max_block_id", "num_rows"):
+        assert getattr(from_host, field) == getattr(from_tensors, field), field
+    if not decode_only:
+        assert from_host.short_reqs.tolist() == from_tensors.short_reqs.tolist()
+        assert from_host.long.decode_rows.tolist() == from_tensors.long.decode_rows.tolist()
+    ref = paged_attention_reference(query, k_cache, v_cache, bt, seq_lens, qsl, 0.1, sliding_window=window)
+    out = torch.full_like(query, float("nan"))
+    cpu_attention.paged_attention(kernels, query, k_cache, v_cache, bt, seq_lens, qsl, 0.1,
+                                  sliding_window=window, plan=from_host, out=out)
+    torch.testing.assert_close(out, ref, **FP32)
+    # ids checked as they were written: the plan takes the bound, and the kernel holds it
+    # against the cache it reads
+    num_blocks = k_cache.shape[0]
+    bounded = cpu_attention.plan_attention(bt, seq_lens, qsl, 16, window,
+                                           host=dataclasses.replace(host, block_ids_below=num_blocks))
+    assert (bounded.min_block_id, bounded.max_block_id) == (0, num_blocks - 1)
+    out = torch.full_like(query, float("nan"))
+    cpu_attention.paged_attention(kernels, query, k_cache, v_cache, bt, seq_lens, qsl, 0.1,
+                                  sliding_window=window, plan=bounded, out=out)
+    torch.testing.assert_close(out, ref, **FP32)
+    beyond = cpu_attention.plan_attention(bt, seq_lens, qsl, 16, window,
+                                          host=dataclasses.replace(host, block_ids_below=num_blocks + 1))
+    with pytest.raises(ValueError, match="block tables name blocks"):
+        cpu_attention.paged_attention(kernels, query, k_cache, v_cache, bt, seq_lens, qsl, 0.1,
+                                      sliding_window=window, plan=beyond)
 
 
 def test_bad_block_tables_raise_instead_of_reading_out_of_bounds(kernels):

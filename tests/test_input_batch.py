@@ -18,7 +18,14 @@ from worker_svc.sampler import position_seed
 BLOCK, WIDTH, GROUPS, VOCAB = 4, 12, 2, 50
 
 
-def no_plan(*args, bidir_spans=None):
+def no_plan(block_tables, seq_lens, query_start_loc, block_size, window, bidir_spans=None, host=None):
+    """No plan; checks the lengths the batch hands a plan on the host (kernels/host_layout.py)
+    against the tensors (the device's copy, where it is apart)."""
+    assert host.seq_lens.tolist() == seq_lens.tolist()
+    assert host.query_start_loc.tolist() == query_start_loc.tolist()
+    assert host.max_seq_len == max(seq_lens.tolist(), default=1)
+    if host.block_ids_below is not None:
+        assert 0 <= block_tables.min() and block_tables.max() < host.block_ids_below
     return None
 
 
@@ -146,6 +153,24 @@ def test_steps_hold_what_the_requests_hold(separate, seed):
                   for s in states[:model.rnd.randrange(1, len(states) + 1)]]
         model.check(chosen, inputs.prepare(chosen, no_plan, (None, 8)))
     assert inputs.num_rows > 4  # grown past the first allocation
+
+
+def test_block_ids_outside_the_cache_are_refused_as_they_are_set():
+    """Once the cache's size is known, each id is checked as it is written: a step's plan
+    takes the bound instead of scanning the tables (kernels/host_layout.py)."""
+    inputs = InputBatch(GROUPS, BLOCK, WIDTH, VOCAB, torch.device("cpu"), graph_capacity=2)
+    model = Model(inputs, 3)
+    model.add()
+    with pytest.raises(ValueError, match="outside the cache's 7"):
+        inputs.limit_block_ids(7)  # the tables already name blocks up to 499
+    inputs.limit_block_ids(500)
+    state = next(iter(model.states.values()))
+    for bad in (500, -1):
+        with pytest.raises(ValueError, match=f"block id {bad} is outside the KV cache's 500 blocks"):
+            inputs.set_blocks(state.row, [[1], [bad]], replace=False)
+    seen = []
+    inputs.prepare([(state, 1)], lambda *a, host=None, **k: seen.append(host.block_ids_below), (None, 8))
+    assert seen == [500, 500]
 
 
 def test_a_graph_step_after_many_replaced_tables():

@@ -206,7 +206,7 @@ def _state(inputs: InputBatch, tokens: list[int], ranges: list[tuple[int, int]],
 def test_bidir_spans_of_a_step():
     plans = []
 
-    def plan(*args, bidir_spans=None):
+    def plan(*args, bidir_spans=None, host=None):
         plans.append(bidir_spans)
         return None
 

@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from kernels.host_layout import HostLayout
 from worker_svc.batch import AttentionMetadata, FlatBatch, GroupAttention, bidir_spans_of, effective_window, \
     whole_image_slices
 from worker_svc.request_state import RequestState
@@ -147,6 +148,7 @@ class InputBatch:
         self._drawing: set[int] = set()  # rows that draw (not greedy): a step without them stages nothing
         self._free = list(range(rows - 1, DUMMY_ROW, -1))  # row 0 is nobody's
         self._pending: list[np.ndarray] = []  # flat indices of host table entries to ship
+        self._block_limit: int | None = None  # every id set is below it, once known (limit_block_ids)
         self._eager = _Buffers(64, 16, 64, num_groups, device, self._on_gpu)
         # a graph step's diffs: a new block per request and group fits; more (a swapped-in
         # request's whole table) go ahead through the eager buffers
@@ -190,6 +192,14 @@ class InputBatch:
         self._drawing.clear()
         self._free = list(range(self.num_rows - 1, DUMMY_ROW, -1))
 
+    def limit_block_ids(self, num_blocks: int) -> None:
+        """From now on every block id set must name one of the KV cache's `num_blocks`
+        blocks (set_blocks: ValueError otherwise), and the attention plans take that bound
+        (kernels/host_layout.py) instead of reading each step's tables for it."""
+        if self._tables.size and not 0 <= int(self._tables.min()) <= int(self._tables.max()) < num_blocks:
+            raise ValueError(f"the block tables already name blocks outside the cache's {num_blocks}")
+        self._block_limit = num_blocks
+
     def set_blocks(self, row: int, block_ids: Sequence[Sequence[int]], replace: bool) -> None:
         """Each group's `block_ids[g]` appended to the row's table, or, with `replace`, as
         its table (the same count in every group)."""
@@ -202,6 +212,10 @@ class InputBatch:
         if any(len(ids) != count for ids in block_ids):
             raise ValueError(f"KV cache groups got {[len(ids) for ids in block_ids]} block ids: "
                              "every group gets the same count")
+        limit = self._block_limit
+        if limit is not None and count and any(min(ids) < 0 or max(ids) >= limit for ids in block_ids):
+            bad = next(i for ids in block_ids for i in ids if not 0 <= i < limit)
+            raise ValueError(f"block id {bad} is outside the KV cache's {limit} blocks")
         for g, ids in enumerate(block_ids):
             self._tables[g, row, start:end] = ids
         self._num_blocks[row] = end
@@ -351,10 +365,13 @@ class InputBatch:
         query_start_loc = d["query_start_loc"][:total_reqs + 1]
         bidir_spans = bidir_spans_of(images, num_tokens, self.device) if images else None
         max_seq_len = max(ends, default=1)
+        host = HostLayout(h["seq_lens"][:total_reqs], h["query_start_loc"][:total_reqs + 1], max_seq_len,
+                          self._block_limit)
         groups = tuple(
             GroupAttention(slot_mapping=d["slots"][g, :total_tokens], block_tables=tables[g],
                            plan=plan_fn(tables[g], seq_lens, query_start_loc, self.block_size,
-                                        effective_window(window, max_seq_len), bidir_spans=bidir_spans))
+                                        effective_window(window, max_seq_len), bidir_spans=bidir_spans,
+                                        host=host))
             for g, window in enumerate(windows))
         return FlatBatch(
             input_ids=d["input_ids"][:total_tokens],

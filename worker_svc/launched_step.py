@@ -38,10 +38,10 @@ class SampledIds:
 
 @dataclass(slots=True)
 class Produced:
-    """What one request got from a step: a sampled token, and/or prompt logprobs."""
+    """What one request got from a step besides its sampled token (LaunchedStep.ids): the
+    token's logprobs, and/or prompt logprobs. Only the requests that asked have one."""
 
     state: RequestState
-    token_id: int | None = None
     logprobs: Logprobs | None = None
     prompt_logprobs: list[Logprobs] | None = None
     prompt_index: int = 0  # prompt position of prompt_logprobs[0]
@@ -56,7 +56,7 @@ class LaunchedStep:
     result: worker_pb2.StepResult
     events: dict[str, list[TokenEvent]]
     vision: VisionStepStats | None
-    produced: dict[int, Produced]  # id(state) -> what the request got
+    produced: dict[int, Produced]  # id(state) -> what the request got besides its token
     sampled: tuple[RequestState, ...] = ()  # the requests `ids` are for, in order
     ids: SampledIds | None = None
     launch_seconds: float = 0.0

@@ -153,6 +153,7 @@ class ModelRunner:
             cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         self.kv_cache = KVCacheTensors(slots, num_blocks, config.block_size,
                                        cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
+        self.inputs.limit_block_ids(num_blocks)
         log.info("%s; %s", self.kv_layout.describe(),
                  kv_capacity(self.kv_layout, num_blocks, config.block_size, self.max_model_len))
         self.graphs: DecodeGraphs | None = None
@@ -357,30 +358,45 @@ class ModelRunner:
         A request that the step before finished while this one was launched ahead of it
         was computed for nothing: it gets nothing here."""
         start = time.perf_counter()
-        produced, result, events = launched.produced, launched.result, launched.events
-        if launched.ids is not None:
-            for state, token_id in zip(launched.sampled, launched.ids.tolist()):
-                produced[id(state)].token_id = token_id
-        for out in produced.values():
-            state, reason = out.state, None
+        extras, result, events = launched.produced, launched.result, launched.events
+        add = result.sampled.add
+        for state, token_id in zip(launched.sampled, launched.ids.tolist() if launched.ids is not None else ()):
+            out = extras.pop(id(state), None) if extras else None
             if state.finish_reason is not None:
                 continue
-            if out.token_id is not None:
-                reason = self._append(state, out.token_id)
-                result.sampled.add(request_id=state.request_id, token_id=out.token_id,
-                                   finish_reason=reason or "")
-            sampled = [out.token_id] if out.token_id is not None else []
-            index = state.num_output_tokens - len(sampled)
-            events.setdefault(state.reply_channel, []).append(TokenEvent(
-                request_id=state.request_id, index=index,
-                token_ids=sampled, finish_reason=reason,
-                error=(state.grammar.error or None) if reason == "error" else None,
-                logprobs=[out.logprobs] if out.logprobs is not None else None,
-                prompt_logprobs=out.prompt_logprobs or None, prompt_index=out.prompt_index,
-                num_cached_tokens=state.num_cached_tokens if sampled and index == 0 else 0))
+            reason = self._append(state, token_id)
+            if reason:
+                add(request_id=state.request_id, token_id=token_id, finish_reason=reason)
+            else:
+                add(request_id=state.request_id, token_id=token_id)
+            self._event(events, state, [token_id], reason, out)
+        for out in extras.values():  # prompt logprobs of a chunk that samples nothing
+            if out.state.finish_reason is None:
+                self._event(events, out.state, [], None, out)
         # the step's own time: its launch and its finish, not what ran between them
         result.execute_seconds = launched.launch_seconds + time.perf_counter() - start
         return StepOutput(result=result, events=events, vision=launched.vision)
+
+    @staticmethod
+    def _event(events: dict[str, list[TokenEvent]], state: RequestState, sampled: list[int],
+               reason: str | None, out: Produced | None) -> None:
+        """`state`'s TokenEvent of this step: its token (if it sampled one), its finish and
+        what else it got (`out`: logprobs, prompt logprobs)."""
+        index = state.num_output_tokens - len(sampled)
+        channel = events.get(state.reply_channel)
+        if channel is None:
+            channel = events[state.reply_channel] = []
+        if out is None and index and reason is None:  # the common case: a token, no more
+            channel.append(TokenEvent(state.request_id, index, sampled))
+            return
+        channel.append(TokenEvent(
+            request_id=state.request_id, index=index,
+            token_ids=sampled, finish_reason=reason,
+            error=(state.grammar.error or None) if reason == "error" else None,
+            logprobs=[out.logprobs] if out is not None and out.logprobs is not None else None,
+            prompt_logprobs=(out.prompt_logprobs or None) if out is not None else None,
+            prompt_index=out.prompt_index if out is not None else 0,
+            num_cached_tokens=state.num_cached_tokens if sampled and index == 0 else 0))
 
     def _embed_images(self, scheduled: list[tuple[RequestState, int]], failed: list[tuple[RequestState, str]]):
         """The embeddings of the images the scheduled chunks hold (worker_svc/vision_step.py).
@@ -412,8 +428,8 @@ class ModelRunner:
                  image_embeddings: dict[str, torch.Tensor] | None = None):
         """Forward the flat batch (with the images' embeddings by content hash over their
         soft tokens' rows), advance num_computed_tokens, sample, gather logprobs. Returns
-        what each request produced (by id(state); token ids still to come), the requests
-        that sampled, their sampled ids, and the seconds of the forward and of the sampling."""
+        the logprobs the requests that asked got (by id(state)), the requests that sampled,
+        their sampled ids, and the seconds of the forward and of the sampling."""
         prompt_rows, prompt_targets, prompt_ks, prompt_parts = (
             prompt_logprob_rows(scheduled) if self._prompt_logprobs else ((), (), (), ()))
         size = self._graph_size(scheduled) if self.graphs is not None and not prompt_rows else None
@@ -438,7 +454,7 @@ class ModelRunner:
         for state, n in scheduled:
             state.num_computed_tokens += n
         reqs = batch.sampling_requests
-        produced = {id(r): Produced(r) for r in reqs}
+        produced: dict[int, Produced] = {}
         if prompt_rows:
             logprobs = gather_logprobs(logits[len(reqs):], torch.tensor(prompt_targets, device=self.device),
                                        prompt_ks)
@@ -475,11 +491,10 @@ class ModelRunner:
                 if any(r.grammar is not None for r in reqs) else None
             sampling = sampling.with_edits(reqs, vocab_size, self.model_config.eos_token_ids, self.device, allowed)
         token_ids = sample(logits, sampling, self.generator, self.backend.exponential_race)
-        rows = [i for i, r in enumerate(reqs) if r.sampling.HasField("logprobs")]
-        logprobs = gather_logprobs(logits[rows], token_ids[rows],
-                                   [reqs[i].sampling.logprobs for i in rows]) if rows else []
+        rows = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+        logprobs = gather_logprobs(logits[rows], token_ids[rows], [reqs[i].logprobs for i in rows]) if rows else []
         for i, lp in zip(rows, logprobs):
-            produced[id(reqs[i])].logprobs = lp
+            produced.setdefault(id(reqs[i]), Produced(reqs[i])).logprobs = lp
         return token_ids
 
     def _append(self, state: RequestState, token_id: int) -> str | None:

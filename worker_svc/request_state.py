@@ -36,7 +36,7 @@ class RequestState:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "row",
                  "num_computed_tokens", "sampling", "reply_channel",
                  "finish_reason", "grammar", "image_ranges", "image_pieces", "image_keys", "images_end", "failure",
-                 "num_cached_tokens", "edits", "prompt_logprobs", "stop", "ahead")
+                 "num_cached_tokens", "edits", "logprobs", "prompt_logprobs", "stop", "ahead")
 
     def __init__(self, new: worker_pb2.NewRequestData, row: int = 0,
                  eos_token_ids: Collection[int] = ()):
@@ -58,6 +58,8 @@ class RequestState:
         # top-k of the prompt logprobs asked for; None: none
         self.prompt_logprobs: int | None = (new.sampling.prompt_logprobs if new.sampling.HasField("prompt_logprobs")
                                             else None)
+        # top-k of each sampled token's logprobs asked for; None: none
+        self.logprobs: int | None = new.sampling.logprobs if new.sampling.HasField("logprobs") else None
         self.reply_channel: str = new.reply_channel
         # Prompt tokens the scheduler took from the prefix cache when it first admitted the
         # request: published with its first output token (TokenEvent.num_cached_tokens).
