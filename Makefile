@@ -69,7 +69,7 @@ bench: install
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(PY) bench/compare.py $(BENCH_ARGS)
 
-# The GPU check (bench/gpu/check.py; README "On a GPU"). Here, with network: the bundle of
+# The GPU check (bench/gpu/check.py; CONTRIBUTING.md "On a GPU"). Here, with network: the bundle of
 # wheels (for the GPU image's Python), Redis and tokenizers that the lent machine lacks.
 # There, without network: install it and run the GPU tests and benchmarks in one call.
 # DEVICE=cpu runs what a CPU can (the dry run); GPU_PY is the Python to check with.

@@ -17,7 +17,7 @@ Camera k asks at k·T/K + j·T (the cameras staggered) for j = 0, 1, ... while t
 
   uuid mode (default)  the frames as `image_url` parts, each with the uuid `s<seed>-cam<k>-<i>`:
                        a frame not sent yet goes with its data, a frame already sent by its
-                       uuid alone (`"image_url": null`; README: "A camera stream"). A frame
+                       uuid alone (`"image_url": null`; docs/models.md: "A camera stream"). A frame
                        counts as sent once a question holding it has been answered.
   --no-uuid            every frame's data in every question (what other servers need)
   --upload             each camera uploads each frame (`POST /v1/files`, purpose "vision") at

@@ -17,7 +17,8 @@ what it cannot infer and what depends on the server:
 
 So that a body this document calls valid is one the gateway takes, up to the refusals no
 JSON Schema can state (gateway/openapi_responses.py, BEYOND_SCHEMA). A third-party fuzzer
-holds the gateway to it (tests/test_openapi_contract.py, README "The OpenAPI document").
+holds the gateway to it (tests/test_openapi_contract.py; docs/api.md, "The OpenAPI document
+is the contract").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What each route may answer, as /openapi.json publishes it: FastAPI `responses=` entries.
 
 Every failure has OpenAI's error body (`ErrorBody`, gateway/errors.py makes it) under the
-status the gateway uses for it (README "Errors"):
+status the gateway uses for it (docs/api.md "Errors"):
 
     400  malformed JSON, a wrong type or value, a refused parameter; and, for a body the
          document calls valid, only the refusals its 400 lists under `x-beyond-schema`

@@ -17,7 +17,7 @@ messages carry, named once here, and the one renderer of them that every service
     serve_metrics       a /metrics HTTP server for a registry (scheduler, worker)
 
 Names follow vLLM's (`vllm:x` → `pagedserve:x`) where they mean the same; every series is
-labelled `worker` (an encoder service's: `encoder`). README.md ("Metrics") lists them all, with the gateway's own.
+labelled `worker` (an encoder service's: `encoder`). docs/metrics.md ("Metrics") lists them all, with the gateway's own.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Schemathesis hooks for fuzzing the gateway against its own /openapi.json
-(tests/test_openapi_contract.py, README "The OpenAPI document is the contract"):
+(tests/test_openapi_contract.py, docs/api.md "The OpenAPI document is the contract"):
 
     SCHEMATHESIS_HOOKS=tests/openapi_contract_hooks.py schemathesis run \
         http://127.0.0.1:8000/openapi.json --checks all

@@ -11,10 +11,11 @@ invalid refused, bodies it calls valid accepted. The one allowance
 (tests/openapi_contract_hooks.py): a valid body refused with a 400 whose code the route's
 400 lists under `x-beyond-schema`, the rules no JSON Schema can state.
 
-Bounded (RUNS: examples per operation and phase; a fixed seed) to fit CI on a small machine; the
-README says how to run it longer against `make up`. Beside it, checks of the document
-itself that need no stack: what it says for a text model, a model whose template reads
-tools, a gateway with API keys; and that schemathesis can generate every request body of it.
+Bounded (RUNS: examples per operation and phase; a fixed seed) to fit CI on a small machine;
+docs/api.md ("The OpenAPI document is the contract") says how to run it longer against
+`make up`. Beside it, checks of the document itself that need no stack: what it says for a
+text model, a model whose template reads tools, a gateway with API keys; and that
+schemathesis can generate every request body of it.
 """
 
 from __future__ import annotations
