@@ -43,98 +43,40 @@ generates the Python binding from the same text, so the two are compiled against
 other: a kernel that disagrees with its declaration does not build. At load, KernelArgs
 (the Python side's fields) is checked against the struct the module was built with, and
 every call converts each field by its declared C type (a wrong type is a TypeError, never
-a misread argument). Both are compiled once per machine with the system C compiler (`cc`,
-or $CC) into one extension module in a cache folder ($PAGEDSERVE_KERNEL_CACHE, default
-~/.cache/pagedserve) keyed by the source, declaration, flags, interpreter and CPU; it
-links the OpenMP runtime torch already loaded.
+a misread argument). Both are compiled once per machine into one extension module
+(kernels/cpu_kernel_build.py: the system C compiler, a cache folder keyed by the source,
+declaration, flags, interpreter and CPU, the OpenMP runtime torch already loaded).
+
+This module holds the kernel's Python side: its source and declaration, the attention
+kernel built from them (`compile_library`), its arguments (KernelArgs, checked against the
+struct at load), the loaded kernel (CpuKernels), and each step's plan (plan_attention).
 """
 
-import contextlib
-import hashlib
-import importlib.util
-import io
-import os
-import platform
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import cffi
 import numpy as np
 import torch
 
-from kernels import torch_attention
+from kernels import cpu_kernel_build, torch_attention
 from kernels.host_layout import HostLayout
-from kernels.cpu_features import cpu_features
 
 SHORT_MAX_Q_LEN = 8  # requests with at most this many query rows run in the C kernel
 
 _KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE = _KERNEL_DIR / "cpu_attention.c"
 HEADER = _KERNEL_DIR / "cpu_attention.h"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `bf16` flag
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pagedserve")
-
-
-def module_name(source: Path) -> str:
-    """The extension module's name for kernel `source` (its PyInit_ symbol)."""
-    return f"_pagedserve_{source.stem}"
-
-
-def import_library(path: Path, source: Path = SOURCE):
-    """The compiled module at `path` (built from `source`): its `ffi` and `lib`."""
-    spec = importlib.util.spec_from_file_location(module_name(source), path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def compile_library(compiler: str | None = None, source: Path = SOURCE, header: Path = HEADER,
                     extra_flags: tuple[str, ...] = ()) -> Path:
-    """The kernel and its cffi binding as one Python extension module, for this source,
-    declaration, flags, interpreter and CPU: built once (atomically: several workers may
-    start at the same time), then reused. The binding is generated from `header` and
-    compiled with the kernel, so a kernel that disagrees with its declaration fails here.
-    RuntimeError if it cannot be built. (kernels/cpu_sampling.py builds its kernel here
-    too: the module is named after the source, `_pagedserve_<stem>`.)"""
-    compiler = compiler or os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC, or install gcc)")
-    declaration, kernel = header.read_text(), source.read_text()
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    flags = (*_FLAGS, *extra_flags)  # extra_flags: e.g. -mno-avx512f, to test the portable loops
-    key = hashlib.sha256("\0".join([kernel, declaration, compiler, *flags, cffi.__version__, suffix,
-                                    platform.machine(), cpu_features().flags_line]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}{suffix}"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        for path, text in ((header, declaration), (source, kernel)):  # side by side, for the include
-            (Path(tmp) / path.name).write_text(text)
-        binding = Path(tmp) / "binding.c"
-        ffi = cffi.FFI()
-        ffi.cdef(declaration)
-        ffi.set_source(module_name(source), f'#include <stdint.h>\n#include "{header.name}"\n')
-        with contextlib.redirect_stdout(io.StringIO()):  # cffi prints the file's name
-            ffi.emit_c_code(str(binding))
-        built = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *flags, f"-I{sysconfig.get_paths()['include']}", f"-I{tmp}",
-                               str(binding), str(Path(tmp) / source.name), "-o", str(built), "-lm"],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"compiling the cpu kernel {source.name} failed (it needs Python's headers "
-                               f"too: Debian's python3-dev):\n{proc.stderr[-2000:]}")
-        os.replace(built, target)
-    return target
+    """The attention kernel and its binding, built once per machine and cached
+    (kernels/cpu_kernel_build.py `compile_library`): from this source and declaration, or
+    from edited copies or another revision's (the tests, bench/cpu_attention.py).
+    RuntimeError if it cannot be built."""
+    return cpu_kernel_build.compile_library(compiler, source=source, header=header, extra_flags=extra_flags)
 
 
 class KernelArgs(NamedTuple):
@@ -176,7 +118,7 @@ def load_library(path: Path):
     """The compiled module at `path` (its `ffi` and `lib`), after checking that KernelArgs
     has exactly the fields of the struct it was built with, in its order, pointers where
     it has pointers: ValueError otherwise, before the kernel is ever called."""
-    module = import_library(path)
+    module = cpu_kernel_build.import_library(path, SOURCE)
     theirs = [(name, field.type.kind) for name, field
               in module.ffi.typeof("struct paged_attention_args").fields]
     ours = [(name, "pointer" if name in _POINTERS else "primitive") for name in KernelArgs._fields]

@@ -25,7 +25,7 @@ torch's CPU kernel uses its own vectorized log, and the two may differ in the la
 a few entries. A draw can then differ from the torch race's only where two entries' p / E
 tie to the last bit (tests/test_exponential_race.py compares them draw for draw).
 
-Built and loaded as the attention kernel is (kernels/cpu_attention.py's compile_library:
+Built and loaded as the attention kernel is (kernels/cpu_kernel_build.py's compile_library:
 once per machine, cached, the binding generated from kernels/cpu_sampling.h).
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_attention import compile_library, import_library
+from kernels.cpu_kernel_build import compile_library, import_library
 
 _KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE = _KERNEL_DIR / "cpu_sampling.c"

@@ -50,7 +50,9 @@ head j, then key head j and value head j:
         k_cache[slot // bs, slot % bs, j] = rot_k;  v_cache[...] = qkv[t, v head j]  # int64
 
 No wrapper reads a tensor's values on the host: launch parameters come from shapes and
-dtypes alone, so every call can be captured in a CUDA graph.
+dtypes alone, so every call can be captured in a CUDA graph. Each wrapper first checks
+its arguments (kernels/triton_layer_checks.py: the dtypes, shapes and sizes accepted).
+This module holds the kernels, their launch configurations and the four wrappers.
 
 Under Triton's CPU interpreter (tests) two things differ, switched by constexprs: its
 fp32 -> bf16 conversion truncates (Triton 3.9), so `rnd` rounds to bf16 with integer
@@ -63,10 +65,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.triton_layer_checks import SUPPORTED_DTYPES, check_rope, check_rows, check_weight
+
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HIDDEN = 32768  # rms_norm keeps a row in registers
-MAX_HEAD_DIM = 256
 ACT_BLOCK = 1024  # act_mul's columns per program: 8 per thread with 4 warps
 GELU_BETA = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi), torch's kBeta (an fp32 in the kernel)
 GELU_KAPPA = tl.constexpr(0.044715)
@@ -295,27 +296,10 @@ def rope_config(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
                 num_warps=min(8, max(1, group_pad * dim_pad // 256)))
 
 
-def _check_rows(name: str, x: torch.Tensor) -> None:
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name}: dtype {x.dtype} not supported ({SUPPORTED_DTYPES})")
-    if x.dim() < 1 or x.shape[-1] > MAX_HIDDEN:
-        raise ValueError(f"{name}: want [..., N] with N <= {MAX_HIDDEN}, got {tuple(x.shape)}")
-
-
-def _check_weight(name: str, weight: torch.Tensor, x: torch.Tensor, gemma: bool) -> None:
-    """A contiguous [N] weight on x's device; llama-style multiplies it in x's dtype (torch
-    would promote a weight of another dtype), gemma-style takes any float weight."""
-    if weight.shape != x.shape[-1:] or weight.stride(0) != 1 or weight.device != x.device:
-        raise ValueError(f"{name}: want a contiguous [{x.shape[-1]}] weight on {x.device}, got "
-                         f"{tuple(weight.shape)} (strides {weight.stride()}) on {weight.device}")
-    if (not gemma and weight.dtype != x.dtype) or weight.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name}: weight dtype {weight.dtype} with input {x.dtype} (gemma={gemma})")
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
     """RMSNorm of each row of x [..., N] (any row stride): a new contiguous tensor."""
-    _check_rows("x", x)
-    _check_weight("weight", weight, x, gemma)
+    check_rows("x", x)
+    check_weight("weight", weight, x, gemma)
     n = x.shape[-1]
     rows = x.reshape(-1, n)  # a view for row-strided 2-D input
     out = _empty(rows.shape, x)
@@ -331,13 +315,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> 
 def add_rms_norm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  gemma: bool, y_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, new_residual), two new contiguous tensors; y and residual are only read."""
-    _check_rows("y", y)
+    check_rows("y", y)
     if residual.shape != y.shape or residual.dtype != y.dtype or residual.device != y.device:
         raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match y "
                          f"{y.dtype} {tuple(y.shape)} on {y.device}")
-    _check_weight("weight", weight, y, gemma)
+    check_weight("weight", weight, y, gemma)
     if y_weight is not None:
-        _check_weight("y_weight", y_weight, y, gemma)
+        check_weight("y_weight", y_weight, y, gemma)
     n = y.shape[-1]
     y_rows, res_rows = y.reshape(-1, n), residual.reshape(-1, n)
     out, new_residual = _empty(y_rows.shape, y), _empty(y_rows.shape, y)
@@ -371,43 +355,6 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return out
 
 
-def _check_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
-                slot_mapping, q_norm, k_norm, gemma):
-    if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"qkv {tuple(qkv.shape)} is not [T, (H + 2 KV) D] for H={num_heads}, "
-                         f"KV={num_kv_heads}, D={head_dim}")
-    if num_kv_heads < 1 or num_heads % num_kv_heads or head_dim % 2 or head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"H={num_heads} over KV={num_kv_heads} heads of D={head_dim}: want "
-                         f"H a multiple of KV and D even, at most {MAX_HEAD_DIM}")
-    if qkv.dtype not in SUPPORTED_DTYPES or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
-        raise ValueError(f"qkv {qkv.dtype} and tables {cos.dtype}/{sin.dtype}: want one dtype "
-                         f"of {SUPPORTED_DTYPES}")
-    if cos.dim() != 2 or cos.shape[1] != head_dim or sin.shape != cos.shape:
-        raise ValueError(f"cos/sin {tuple(cos.shape)}/{tuple(sin.shape)}: want [max_pos, {head_dim}]")
-    want = (k_cache.shape[0], k_cache.shape[1], num_kv_heads, head_dim)
-    if k_cache.dim() != 4 or tuple(k_cache.shape) != want or v_cache.shape != k_cache.shape \
-            or k_cache.dtype not in SUPPORTED_DTYPES or v_cache.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} "
-                         f"{k_cache.dtype}/{v_cache.dtype}: want [blocks, block_size, "
-                         f"{num_kv_heads}, {head_dim}] in {SUPPORTED_DTYPES}")
-    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if t.shape != qkv.shape[:1] or t.dtype not in (torch.int32, torch.int64) \
-                or (t.shape[0] > 1 and t.stride(0) != 1):
-            raise ValueError(f"{name} must be contiguous int32/int64 [{qkv.shape[0]}], got "
-                             f"{t.dtype} {tuple(t.shape)}")
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm come together")
-    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):  # llama-style: in qkv's dtype
-        if w is not None and (w.shape != (head_dim,) or w.stride(0) != 1
-                              or w.dtype not in SUPPORTED_DTYPES or (not gemma and w.dtype != qkv.dtype)):
-            raise ValueError(f"{name} must be a contiguous [{head_dim}] weight (of qkv's dtype "
-                             f"unless gemma), got {w.dtype} {tuple(w.shape)}")
-    tensors = [t for t in (qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_norm,
-                           k_norm) if t is not None]
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError(f"tensors on several devices: {sorted({str(t.device) for t in tensors})}")
-
-
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel reads the tables' rows itself: the tables and positions as they are."""
@@ -420,8 +367,8 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                   k_norm: torch.Tensor | None = None, eps: float = 0.0, gemma: bool = False) -> torch.Tensor:
     """Rotated (and normed) q, a new contiguous [T, H, D]; rotated k and raw v stored in
     their slots of the caches (cast to the caches' dtype). qkv may have any row stride."""
-    _check_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
-                slot_mapping, q_norm, k_norm, gemma)
+    check_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
+               slot_mapping, q_norm, k_norm, gemma)
     num_tokens = qkv.shape[0]
     q = _empty((num_tokens, num_heads, head_dim), qkv)
     if num_tokens == 0:

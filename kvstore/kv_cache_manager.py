@@ -36,22 +36,16 @@ Swap (`swap_out`, `swap_in`: preemption without recompute, the CPU tables in
 kvstore/swap_pool.py) and copy-on-write (`fork`, `copy_on_write`: parallel sampling) act
 on every group; they return the (src, dst) block pairs the worker copies.
 
-Invariants (checked by `check_integrity`):
-- every block's ref_cnt equals the number of block tables holding it; a block is in one
-  group's tables (and cache) only; free + referenced == num_blocks, and no free block is in
-  a table; the pool's own invariants hold;
-- a request's tables are never empty (a request without blocks has no entry), have equal
-  lengths, hold no block twice, and its chain state covers at most its blocks;
-- holes only in sliding groups, and only before the request's live blocks;
-- a request holds GPU blocks or CPU blocks, never both; every CPU block is held by exactly
-  one swapped request's CPU table or free.
+Invariants: listed, and checked, in kvstore/kv_cache_integrity.py; `check_integrity`
+asserts them. This module holds the manager: the tables, the prefix-cache chains, the
+sliding windows' holes, swap and copy-on-write.
 """
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvstore.block_hash import BlockExtraKeys, BlockKey, HashFn, block_hash_at, hash_block
 from kvstore.block_pool import BlockPool, KVBlock
+from kvstore.kv_cache_integrity import check_block_tables
 from kvstore.prefix_hit import PrefixHit, find_hit
 from kvstore.swap_pool import SwapTables
 
@@ -185,7 +179,7 @@ class KVCacheManager:
         num_full = num_computed_tokens // self.block_size
         if chain is None or chain[1] == CLOSED or num_full <= chain[0]:
             return
-        bs, pool, tables = self.block_size, self.block_pool, self._tables[request_id]
+        bs, tables = self.block_size, self._tables[request_id]
         anchor, others = tables[0], tables[1:]
         keys_of = extra_keys.get if extra_keys else None
         for i in range(chain[0], num_full):
@@ -381,45 +375,10 @@ class KVCacheManager:
         return sum(b.ref_cnt - 1 for b in self.block_pool.blocks if b.ref_cnt > 1)
 
     def check_integrity(self) -> None:
-        """Raise AssertionError with a clear message unless every invariant above holds."""
-        self.block_pool.check_integrity()
-        holders: Counter[int] = Counter()
-        group_of: dict[int, int] = {}
-        for request_id, tables in self._tables.items():
-            assert len(tables) == self.num_groups, f"request {request_id}: {len(tables)} tables"
-            assert tables[0], f"request {request_id} has an empty block table entry"
-            assert len({len(table) for table in tables}) == 1, (
-                f"request {request_id}: tables of different lengths {[len(t) for t in tables]}")
-            for g, (table, window) in enumerate(zip(tables, self.group_windows)):
-                live = _live(table)
-                assert window is not None or len(live) == len(table), (
-                    f"request {request_id}: holes in group {g}'s table without a sliding window")
-                assert all(b is None for b in table[:len(table) - len(live)]), (
-                    f"request {request_id}: a hole after a live block in group {g}")
-                ids = [block.block_id for block in live]
-                assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice: {ids}"
-                for block in live:
-                    assert group_of.setdefault(block.block_id, g) == g, (
-                        f"{block!r} is in group {g}'s and group {group_of[block.block_id]}'s tables")
-                    assert block.block_hash is None or block.group == g, (
-                        f"{block!r} in group {g}'s table is cached in group {block.group}'s")
-                holders.update(ids)
-            chain = self._chains.get(request_id)
-            assert (chain is not None) == self.enable_prefix_caching, (
-                f"request {request_id}: chain state {chain} with caching "
-                f"{'on' if self.enable_prefix_caching else 'off'}")
-            assert chain is None or chain[0] <= len(tables[0]), (
-                f"request {request_id}: {chain[0]} blocks offered to the cache, {len(tables[0])} held")
-        assert self._chains.keys() <= self._tables.keys(), "chain state for a request without blocks"
-        self._swapped.check_integrity()
-        both = [rid for rid in self._tables if rid in self._swapped]
-        assert not both, f"requests holding GPU and CPU blocks: {both}"
-        for block in self.block_pool.blocks:
-            assert block.ref_cnt == holders[block.block_id], (
-                f"{block!r} is held by {holders[block.block_id]} block tables "
-                f"but has ref_cnt {block.ref_cnt}")
-            assert block.ref_cnt == 0 or block not in self.block_pool.free_queue, (
-                f"{block!r} is in a block table and in the free queue")
+        """Raise AssertionError with a clear message unless every invariant holds
+        (kvstore/kv_cache_integrity.py)."""
+        check_block_tables(self.block_pool, self._swapped, self._tables, self._chains, self.group_windows,
+                           self.enable_prefix_caching)
 
 
 def _live(table: Sequence) -> list:

@@ -19,7 +19,7 @@ from proto.messages import TokenEvent, events_decoder
 from worker_svc import server
 from worker_svc.compute_thread import ComputeThread
 from worker_svc.event_publisher import EventPublisher
-from worker_svc.model_runner import StepOutput
+from worker_svc.step_output import StepOutput
 
 DEVICE_S = 0.2  # how long a launched step's ids take to reach the host
 

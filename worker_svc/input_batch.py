@@ -15,7 +15,7 @@ ships them with the step's inputs and scatters them into the device tables with 
 index_put_. On the CPU the two are one memory.
 
 A step (`prepare`): the scheduled (request, tokens) pairs in batch order become, in a
-staging buffer of int32 (pinned host memory on a GPU):
+staging buffer of int32 (pinned host memory on a GPU; worker_svc/staging_buffers.py):
 
     input_ids [T]    the tokens computed now          positions [T]    their positions
     slots [G, T]     where each token's K/V go in each group's blocks (table[p // bs] * bs + p % bs)
@@ -58,71 +58,11 @@ from worker_svc.batch import AttentionMetadata, FlatBatch, GroupAttention, bidir
     whole_image_slices
 from worker_svc.request_state import RequestState
 from worker_svc.sampler import GREEDY_EPS, RowSeeds, SamplingBatch, position_seeds, row_settings
+from worker_svc.staging_buffers import StagingBuffers
 
 DUMMY_ROW = 0
 _NO_DIFFS = np.zeros(0, dtype=np.int64)
 _NO_DIFFS.flags.writeable = False
-# int32 sections of a staging buffer, in order: name -> (length in tokens, in requests)
-# multiples; "slots" has one token-length section per KV cache group.
-_TOKEN_SECTIONS = ("input_ids", "positions")
-_REQUEST_SECTIONS = ("seq_lens", "logits_indices", "row_ids", "temperatures", "greedy", "top_ks",
-                     "top_ps", "min_ps", "seeded", "ahead_dst", "ahead_src")
-_FLOAT_SECTIONS = ("temperatures", "top_ps", "min_ps")
-# int64 sections (two int32 each per request), first in the buffer: 8-byte aligned
-_INT64_SECTIONS = ("seed_bits",)
-
-
-class _Buffers:
-    """A staging buffer of int32 for `tokens` tokens, `requests` requests and `diffs` table
-    diffs, in host memory (pinned where the device is a GPU), and its twin on the device
-    (the same memory unless `separate`); named views of both."""
-
-    def __init__(self, tokens: int, requests: int, diffs: int, groups: int, device: torch.device,
-                 separate: bool):
-        self.tokens, self.requests, self.diffs = tokens, requests, diffs
-        spans: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for name, length in ([(n, 2 * requests) for n in _INT64_SECTIONS]
-                             + [(n, tokens) for n in _TOKEN_SECTIONS] + [("slots", groups * tokens)]
-                             + [("query_start_loc", requests + 1)]
-                             + [(n, requests) for n in _REQUEST_SECTIONS]
-                             + [("diff_index", diffs), ("diff_value", diffs)]):
-            spans[name] = (offset, length)
-            offset += length
-        self.host_tensor = torch.zeros(offset, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.device_tensor = torch.zeros(offset, dtype=torch.int32, device=device) if separate else self.host_tensor
-        host = self.host_tensor.numpy()
-        self.host: dict[str, np.ndarray] = {}
-        self.dev: dict[str, torch.Tensor] = {}
-        for name, (start, length) in spans.items():
-            h, d = host[start:start + length], self.device_tensor[start:start + length]
-            if name in _FLOAT_SECTIONS:
-                h, d = h.view(np.float32), d.view(torch.float32)
-            elif name in _INT64_SECTIONS:
-                h, d = h.view(np.int64), d.view(torch.int64)
-            self.host[name], self.dev[name] = h, d
-        self.host["slots"] = self.host["slots"].reshape(groups, tokens)
-        self.dev["slots"] = self.dev["slots"].view(groups, tokens)
-        self.separate = separate
-        self._copied: torch.cuda.Event | None = None  # the last copy, on a GPU
-
-    def writable(self) -> _Buffers:
-        """The host buffer, once the last copy from it is done (at once but on a GPU)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
-        return self
-
-    def fits(self, tokens: int, requests: int, diffs: int) -> bool:
-        return tokens <= self.tokens and requests <= self.requests and diffs <= self.diffs
-
-    def commit(self) -> None:
-        """The one host-to-device copy of the step (none on the CPU)."""
-        if self.separate:
-            self.device_tensor.copy_(self.host_tensor, non_blocking=True)
-            if self.device_tensor.is_cuda:
-                self._copied = torch.cuda.Event()
-                self._copied.record()
 
 
 class InputBatch:
@@ -149,11 +89,11 @@ class InputBatch:
         self._free = list(range(rows - 1, DUMMY_ROW, -1))  # row 0 is nobody's
         self._pending: list[np.ndarray] = []  # flat indices of host table entries to ship
         self._block_limit: int | None = None  # every id set is below it, once known (limit_block_ids)
-        self._eager = _Buffers(64, 16, 64, num_groups, device, self._on_gpu)
+        self._eager = StagingBuffers(64, 16, 64, num_groups, device, self._on_gpu)
         # a graph step's diffs: a new block per request and group fits; more (a swapped-in
         # request's whole table) go ahead through the eager buffers
-        self._graph = _Buffers(graph_capacity, graph_capacity, 2 * graph_capacity * num_groups, num_groups, device,
-                               self._on_gpu) if graph_capacity else None
+        self._graph = StagingBuffers(graph_capacity, graph_capacity, 2 * graph_capacity * num_groups, num_groups,
+                                     device, self._on_gpu) if graph_capacity else None
         if self._graph is not None:  # each group's step table for graph steps, at a fixed address
             self.graph_tables = torch.zeros(num_groups, graph_capacity, max_blocks_per_req,
                                             dtype=torch.int32, device=device)
@@ -384,15 +324,15 @@ class InputBatch:
             sampling=sampling(d) if sampling is not None else None,
         )
 
-    def _eager_buffers(self, tokens: int, requests: int, diffs: int) -> _Buffers:
+    def _eager_buffers(self, tokens: int, requests: int, diffs: int) -> StagingBuffers:
         """The eager buffers, grown (at least doubled) when they hold less than asked."""
         if not self._eager.fits(tokens, requests, diffs):
             old = self._eager
-            self._eager = _Buffers(max(tokens, old.tokens * 2), max(requests, old.requests * 2),
-                                   max(diffs, old.diffs * 2), self.num_groups, self.device, self._on_gpu)
+            self._eager = StagingBuffers(max(tokens, old.tokens * 2), max(requests, old.requests * 2),
+                                         max(diffs, old.diffs * 2), self.num_groups, self.device, self._on_gpu)
         return self._eager.writable()
 
-    def _apply_diffs(self, buf: _Buffers, diffs: np.ndarray) -> None:
+    def _apply_diffs(self, buf: StagingBuffers, diffs: np.ndarray) -> None:
         """Ship `buf` to the device with the table entries `diffs` (flat indices), and
         scatter those into the device tables."""
         count = len(diffs)

@@ -39,13 +39,17 @@ or undecodable -- fails alone, in the step it is scheduled in, without being com
 error TokenEvent to its reply channel, and a SampledToken with finish_reason "error" and
 token_id NO_TOKEN_ID (there is none; it may come in a step that samples nothing for the
 request). The step and the other requests go on.
+
+This module holds the runner: what it loads (the model, the KV cache and its swap space,
+the decode graphs) and a step's launch (swaps and copies, images, the forward, sampling).
+The requests it holds, and steps 1-2's changes to them, are worker_svc/held_requests.py's;
+step 5, the finished step's tokens and events, is worker_svc/step_output.py's.
 """
 
 import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -54,13 +58,14 @@ from kvstore.cache_tensors import KVCacheTensors, num_blocks_for_memory, resolve
 from kvstore.kv_cache_groups import kv_capacity
 from proto import worker_pb2
 from proto.model_source import resolve_model
-from proto.messages import NO_TOKEN_ID, TokenEvent
+from proto.messages import TokenEvent
 from worker_svc.cuda_graphs import DecodeGraphs, GraphMemoryError, decode_graph_sizes
 from worker_svc.input_batch import InputBatch
 from worker_svc.launched_step import LaunchedStep, Produced, SampledIds
 from worker_svc.config import RunnerConfig
 from worker_svc.cpu_threads import CpuShare, choose_threads
 from worker_svc.grammar import GrammarCompiler
+from worker_svc.held_requests import HeldRequests, StepConsistencyError
 from worker_svc.kv_budget import kv_cache_bytes
 from worker_svc.logits_processors import uses_edits
 from worker_svc.logprobs import gather_logprobs, prompt_logprob_rows
@@ -70,23 +75,13 @@ from worker_svc.model.dummy_weights import check_config
 from worker_svc.model.registry import load_config, load_vision_config
 from worker_svc.model.loader import load_model, resolve_dtype
 from worker_svc.published_embeddings import PublishedEmbeddings
-from worker_svc.request_state import RequestState, split_groups
+from worker_svc.request_state import RequestState
 from worker_svc.sampler import SamplingBatch, sample
-from worker_svc.vision_step import ImageEmbedder, VisionStepStats, place_step_images
+from worker_svc.step_output import StepOutput, fail_request, finish_step
+from worker_svc.vision_step import ImageEmbedder, place_step_images
 
 
 log = logging.getLogger(__name__)
-
-
-class StepConsistencyError(RuntimeError):
-    """The scheduler's view of a request disagrees with the worker's."""
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    result: worker_pb2.StepResult
-    events: dict[str, list[TokenEvent]]  # reply channel → that channel's events this step
-    vision: VisionStepStats | None = None  # what the step's images cost; None: no image in the step
 
 
 class ModelRunner:
@@ -173,10 +168,10 @@ class ModelRunner:
             self.kv_dtype, "cpu") if num_cpu_blocks > 0 else None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        self.requests: dict[str, RequestState] = {}
-        self._prompt_logprobs: set[str] = set()  # the requests held that ask for prompt logprobs
         self._ahead_ids: torch.Tensor | None = None  # the last launched step's sampled ids, on the device
         self.grammars = GrammarCompiler(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
+        # the requests held: their states and rows (worker_svc/held_requests.py)
+        self.held = HeldRequests(cfg.eos_token_ids, self.grammars, self._image_failure)
 
     def _graph_memory(self, sizes: list[int]) -> int:
         """What the decode graphs will hold (DecodeGraphs.profile, on a one-block cache)."""
@@ -189,22 +184,23 @@ class ModelRunner:
                                     self.plan_attention, self.kv_layout.windows, sizes, self.device)
 
     @property
+    def requests(self) -> dict[str, RequestState]:
+        """The requests held, by id."""
+        return self.held.states
+
+    @property
     def num_requests(self) -> int:
-        return len(self.requests)
+        return len(self.held.states)
 
     def forget_all(self) -> int:
         """Drop every request (a new scheduler took over: it sends what it wants run again,
         from its tokens); how many were dropped."""
-        dropped = len(self.requests)
-        self.requests.clear()
-        self._prompt_logprobs.clear()
-        self.inputs.clear()
-        return dropped
+        return self.held.forget_all(self.inputs)
 
     @property
     def num_unfinished(self) -> int:
         """Requests still generating (finished ones wait here only to be forgotten)."""
-        return sum(1 for state in self.requests.values() if state.finish_reason is None)
+        return self.held.num_unfinished
 
     def describe(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
@@ -226,10 +222,7 @@ class ModelRunner:
                 raise StepConsistencyError(f"step {request.step_id}: swap-out without swap space")
             swap_blocks(self.kv_cache, self.cpu_cache,
                         [(p.src, p.dst) for p in request.blocks_to_swap_out])
-        for request_id in request.swapped_out_request_ids:
-            state = self.requests.get(request_id)
-            if state is not None:  # not scheduled until a replace_block_ids brings it back
-                self.inputs.drop_blocks(state.row)
+        self.held.drop_tables(request.swapped_out_request_ids, self.inputs)
 
     def _copy_in(self, request: worker_pb2.StepRequest) -> None:
         if request.blocks_to_swap_in:
@@ -239,42 +232,6 @@ class ModelRunner:
                         [(p.src, p.dst) for p in request.blocks_to_swap_in])
         if request.blocks_to_copy:
             self.kv_cache.copy_blocks([(p.src, p.dst) for p in request.blocks_to_copy])
-
-    def _update_states(self, request: worker_pb2.StepRequest) -> None:
-        groups = self.kv_layout.num_groups
-        for request_id in request.finished_request_ids:
-            self._forget(request_id)
-        for new in request.new_requests:
-            self._forget(new.request_id)  # sent again: its old row goes
-            state = self.requests[new.request_id] = RequestState(new, eos_token_ids=self.model_config.eos_token_ids)
-            state.row = self.inputs.add(new.sampling, split_groups(new.block_ids, groups))
-            if state.prompt_logprobs is not None:
-                self._prompt_logprobs.add(new.request_id)
-            if state.image_ranges:
-                state.failure = self._image_failure(state)
-            if new.sampling.HasField("grammar"):  # replays any outputs (a resumed request)
-                state.grammar = self.grammars.matcher(new.sampling.grammar.kind, new.sampling.grammar.spec,
-                                                      state.token_ids[state.num_prompt_tokens:])
-        for cached in request.cached_requests:
-            state = self.requests.get(cached.request_id)
-            if state is None:
-                raise StepConsistencyError(
-                    f"step {request.step_id}: cached request {cached.request_id!r} is unknown "
-                    f"to this worker (never added, or already forgotten)")
-            if cached.num_computed_tokens != state.num_computed_tokens:
-                raise StepConsistencyError(
-                    f"step {request.step_id}: request {cached.request_id!r} has "
-                    f"num_computed_tokens={state.num_computed_tokens} on the worker, "
-                    f"the scheduler says {cached.num_computed_tokens}")
-            if cached.new_block_ids or cached.replace_block_ids:
-                self.inputs.set_blocks(state.row, split_groups(cached.new_block_ids, groups),
-                                       cached.replace_block_ids)
-
-    def _forget(self, request_id: str) -> None:
-        state = self.requests.pop(request_id, None)
-        if state is not None:
-            self.inputs.remove(state.row)
-            self._prompt_logprobs.discard(request_id)
 
     def _image_failure(self, state: RequestState) -> str | None:
         """Why this worker cannot serve `state`'s images, or None."""
@@ -313,7 +270,7 @@ class ModelRunner:
                     or sampling.HasField("logprobs") or uses_edits(sampling):
                 return False
         for request_id in request.num_scheduled_tokens:
-            state = self.requests.get(request_id)
+            state = self.held.states.get(request_id)
             if state is not None and (state.grammar is not None or state.edits or state.sampling.HasField("logprobs")
                                       or state.num_computed_tokens < state.images_end
                                       or (state.prompt_logprobs is not None
@@ -323,20 +280,9 @@ class ModelRunner:
 
     def _launch(self, request: worker_pb2.StepRequest) -> LaunchedStep:
         self._swap_out(request)
-        self._update_states(request)
+        self.held.update(request, self.inputs)
         self._copy_in(request)
-        scheduled = []
-        failed: list[tuple[RequestState, str]] = []
-        for request_id, n in request.num_scheduled_tokens.items():
-            state = self.requests.get(request_id)
-            if state is None:
-                raise StepConsistencyError(
-                    f"step {request.step_id}: scheduled request {request_id!r} is unknown")
-            if state.finish_reason is None:
-                if state.failure is None:
-                    scheduled.append((state, n))
-                else:
-                    failed.append((state, state.failure))
+        scheduled, failed = self.held.scheduled(request)
         result = worker_pb2.StepResult(step_id=request.step_id)
         events: dict[str, list[TokenEvent]] = {}
         embeddings, vision = None, None
@@ -347,56 +293,17 @@ class ModelRunner:
                     queries=vision.queries, cache_hits=vision.cache_hits, published_hits=vision.published_hits,
                     items_encoded=vision.items_encoded, seconds=vision.seconds))
         for state, message in failed:
-            self._fail(state, message, result, events)
+            fail_request(state, message, result, events)
         if not scheduled:
             return LaunchedStep(request, result, events, vision, {})
         produced, sampled, ids, result.forward_seconds, result.sample_seconds = self._execute(scheduled, embeddings)
         return LaunchedStep(request, result, events, vision, produced, sampled, ids)
 
     def finish(self, launched: LaunchedStep) -> StepOutput:
-        """Step 5: the sampled ids on the host, appended, and the step's result and events.
-        A request that the step before finished while this one was launched ahead of it
-        was computed for nothing: it gets nothing here."""
-        start = time.perf_counter()
-        extras, result, events = launched.produced, launched.result, launched.events
-        add = result.sampled.add
-        for state, token_id in zip(launched.sampled, launched.ids.tolist() if launched.ids is not None else ()):
-            out = extras.pop(id(state), None) if extras else None
-            if state.finish_reason is not None:
-                continue
-            reason = self._append(state, token_id)
-            if reason:
-                add(request_id=state.request_id, token_id=token_id, finish_reason=reason)
-            else:
-                add(request_id=state.request_id, token_id=token_id)
-            self._event(events, state, [token_id], reason, out)
-        for out in extras.values():  # prompt logprobs of a chunk that samples nothing
-            if out.state.finish_reason is None:
-                self._event(events, out.state, [], None, out)
-        # the step's own time: its launch and its finish, not what ran between them
-        result.execute_seconds = launched.launch_seconds + time.perf_counter() - start
-        return StepOutput(result=result, events=events, vision=launched.vision)
-
-    @staticmethod
-    def _event(events: dict[str, list[TokenEvent]], state: RequestState, sampled: list[int],
-               reason: str | None, out: Produced | None) -> None:
-        """`state`'s TokenEvent of this step: its token (if it sampled one), its finish and
-        what else it got (`out`: logprobs, prompt logprobs)."""
-        index = state.num_output_tokens - len(sampled)
-        channel = events.get(state.reply_channel)
-        if channel is None:
-            channel = events[state.reply_channel] = []
-        if out is None and index and reason is None:  # the common case: a token, no more
-            channel.append(TokenEvent(state.request_id, index, sampled))
-            return
-        channel.append(TokenEvent(
-            request_id=state.request_id, index=index,
-            token_ids=sampled, finish_reason=reason,
-            error=(state.grammar.error or None) if reason == "error" else None,
-            logprobs=[out.logprobs] if out is not None and out.logprobs is not None else None,
-            prompt_logprobs=(out.prompt_logprobs or None) if out is not None else None,
-            prompt_index=out.prompt_index if out is not None else 0,
-            num_cached_tokens=state.num_cached_tokens if sampled and index == 0 else 0))
+        """Step 5 (worker_svc/step_output.py): the sampled ids on the host, appended, and
+        the step's result and events. A request that the step before finished while this
+        one was launched ahead of it was computed for nothing: it gets nothing here."""
+        return finish_step(launched, self.max_model_len)
 
     def _embed_images(self, scheduled: list[tuple[RequestState, int]], failed: list[tuple[RequestState, str]]):
         """The embeddings of the images the scheduled chunks hold (worker_svc/vision_step.py).
@@ -412,18 +319,6 @@ class ModelRunner:
             scheduled = [(state, n) for state, n in scheduled if id(state) not in out]
         return scheduled, images.embeddings, images.stats
 
-    @staticmethod
-    def _fail(state: RequestState, message: str, result: worker_pb2.StepResult,
-              events: dict[str, list[TokenEvent]]) -> None:
-        """Finish `state` with "error" in this step, uncomputed: its error event and a
-        SampledToken without a token, so the scheduler finishes it too."""
-        log.warning("request %s failed: %s", state.request_id, message)
-        state.finish_reason = "error"
-        result.sampled.add(request_id=state.request_id, token_id=NO_TOKEN_ID, finish_reason="error")
-        events.setdefault(state.reply_channel, []).append(TokenEvent(
-            request_id=state.request_id, index=state.num_output_tokens, finish_reason="error",
-            error=message))
-
     def _execute(self, scheduled: list[tuple[RequestState, int]],
                  image_embeddings: dict[str, torch.Tensor] | None = None):
         """Forward the flat batch (with the images' embeddings by content hash over their
@@ -431,7 +326,7 @@ class ModelRunner:
         the logprobs the requests that asked got (by id(state)), the requests that sampled,
         their sampled ids, and the seconds of the forward and of the sampling."""
         prompt_rows, prompt_targets, prompt_ks, prompt_parts = (
-            prompt_logprob_rows(scheduled) if self._prompt_logprobs else ((), (), (), ()))
+            prompt_logprob_rows(scheduled) if self.held.prompt_logprobs else ((), (), (), ()))
         size = self._graph_size(scheduled) if self.graphs is not None and not prompt_rows else None
         batch = self.inputs.prepare(scheduled, self.plan_attention, self.kv_layout.windows, pad_to=size,
                                     ahead_ids=self._ahead_ids)
@@ -496,19 +391,3 @@ class ModelRunner:
         for i, lp in zip(rows, logprobs):
             produced.setdefault(id(reqs[i]), Produced(reqs[i])).logprobs = lp
         return token_ids
-
-    def _append(self, state: RequestState, token_id: int) -> str | None:
-        state.token_ids.append(token_id)
-        num_tokens = len(state.token_ids)
-        state.finish_reason = state.stop.reason(num_tokens - state.num_prompt_tokens, token_id, num_tokens,
-                                                self.max_model_len)
-        grammar = state.grammar
-        if grammar is not None:
-            if grammar.error or not grammar.advance(token_id):
-                # The mask allows only what the grammar accepts, so this is a grammar the
-                # worker could not compile (the gateway checks them first) or a library bug.
-                log.error("request %s: grammar failed: %s", state.request_id, grammar.error)
-                state.finish_reason = "error"
-            elif state.finish_reason is None and grammar.done:
-                state.finish_reason = "stop"  # the output is complete: only EOS could follow
-        return state.finish_reason
