@@ -9,14 +9,71 @@ from proto.messages import TokenEvent
 
 # Events a request's queue holds before its reader is deemed gone (GatewayConfig.max_unread_events).
 DEFAULT_MAX_UNREAD = 4096
+# What a RequestQueue's watchdog queues to wake a wait that timed out (never handed out).
+_EXPIRED = TokenEvent("", index=-1)
 
 
 class RequestQueue(asyncio.Queue[TokenEvent]):
-    """The events of one request (all of `request_ids`: its own id first)."""
+    """The events of one request (all of `request_ids`: its own id first), taken in batches
+    by `take`, whose wait for the next event is bounded by a timeout.
+
+    The timeout is watched by one timer per queue that re-arms itself when it fires early
+    (a wait began after it was set), not by a timer made and cancelled per wait: a stream
+    waits once per token, and the timer then costs once per timeout period."""
 
     def __init__(self, request_ids: Sequence[str]):
         super().__init__()
         self.request_ids = tuple(request_ids)
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._waiting: tuple[float, float] | None = None  # the wait in progress: (since, timeout)
+        self._expired = False  # the watchdog queued _EXPIRED
+
+    async def take(self, timeout_s: float) -> list[TokenEvent]:
+        """The next event and every one queued behind it; TimeoutError when none came within
+        `timeout_s` of waiting."""
+        if self.empty():
+            loop = asyncio.get_running_loop()
+            now = loop.time()
+            watchdog = self._watchdog
+            if watchdog is None or watchdog.when() > now + timeout_s:  # none, or due too late
+                if watchdog is not None:
+                    watchdog.cancel()
+                self._watchdog = loop.call_at(now + timeout_s, self._watch)
+            self._waiting = (now, timeout_s)
+            try:
+                events = [await self.get()]
+            finally:
+                self._waiting = None
+        else:
+            events = [self.get_nowait()]
+        while not self.empty():
+            events.append(self.get_nowait())
+        if self._expired:  # the watchdog's mark: a timeout, unless events came with it
+            self._expired = False
+            events = [e for e in events if e is not _EXPIRED]
+            if not events:
+                raise TimeoutError
+        return events
+
+    def stop_watching(self) -> None:
+        """The request is done with its queue: its timer goes."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+    def _watch(self) -> None:
+        """The timer: wake a wait that has run its timeout with _EXPIRED; for a wait that
+        began later, fire again at its end; none waiting: stop until the next wait."""
+        self._watchdog = None
+        if self._waiting is None:
+            return
+        since, timeout_s = self._waiting
+        loop = asyncio.get_running_loop()
+        if loop.time() >= since + timeout_s:
+            self._expired = True
+            self.put_nowait(_EXPIRED)
+        else:
+            self._watchdog = loop.call_at(since + timeout_s, self._watch)
 
 
 class EventQueues:
@@ -50,7 +107,9 @@ class EventQueues:
         """Stop taking events for these ids; whether the backend aborted the request itself
         (here never: its owner aborts what still runs)."""
         for request_id in request_ids:
-            self._queues.pop(request_id, None)
+            queue = self._queues.pop(request_id, None)
+            if queue is not None:
+                queue.stop_watching()
         return False
 
     def deliver(self, events: Iterable[TokenEvent]) -> None:

@@ -18,7 +18,6 @@ catches up in fewer, larger chunks. Failures reach the caller as `OpenAIError`s.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +28,7 @@ from redis.exceptions import RedisError
 from gateway.backend import RedisBackend
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import OpenAIError
+from gateway.event_queues import RequestQueue
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import PromptTokenizer
 from proto.messages import Logprobs, NewRequest, TokenEvent
@@ -176,16 +176,10 @@ class Generation:
                 choice.finished = True
             self._backend.abort_soon(self.request_id, self._shard)
 
-    async def _next_events(self, queue: asyncio.Queue[TokenEvent]) -> list[TokenEvent]:
-        """The next event (waiting for it as `_next_event`) and every one queued behind it."""
-        events = [await self._next_event(queue)]
-        while not queue.empty():
-            events.append(queue.get_nowait())
-        return events
-
-    async def _next_event(self, queue: asyncio.Queue[TokenEvent]) -> TokenEvent:
-        """The next event, within the request timeout; while a choice waits for tokens lost
-        in a gap, within what is left of its grace (then a 503: they are not coming)."""
+    async def _next_events(self, queue: RequestQueue) -> list[TokenEvent]:
+        """The next event and every one queued behind it, within the request timeout; while
+        a choice waits for tokens lost in a gap, within what is left of its grace (then a
+        503: they are not coming)."""
         gaps = [c.gap_since for c in self._choices.values() if c.gap_since is not None]
         left = GAP_GRACE_S - (time.monotonic() - min(gaps)) if gaps else None
         if left is not None and left <= 0:
@@ -193,11 +187,10 @@ class Generation:
                                    f"within {GAP_GRACE_S:g}s; the request was aborted, retry it.",
                               code="aborted")
         try:
-            async with asyncio.timeout(self._timeout_s if left is None else min(left, self._timeout_s)):
-                return await queue.get()
+            return await queue.take(self._timeout_s if left is None else min(left, self._timeout_s))
         except TimeoutError:
             if left is not None and left < self._timeout_s:
-                return await self._next_event(queue)  # raises the 503 above
+                return await self._next_events(queue)  # raises the 503 above
             raise OpenAIError(504, f"No tokens arrived for {self._timeout_s:g}s; the request was "
                                    "aborted.", code="timeout") from None
 
