@@ -202,3 +202,33 @@ def test_bad_steps_are_refused():
         inputs.prepare([(state, 2)], no_plan, (None,), pad_to=2)
     with pytest.raises(ValueError, match="wider than the 12 blocks"):
         inputs.set_blocks(state.row, [list(range(13))], replace=True)
+
+
+def test_a_row_reused_by_another_request_stages_its_own_settings():
+    """The settings staged for the same rows are kept from one step to the next (only the
+    seeds move on); a row freed and taken by a request of other settings is staged anew."""
+    inputs = InputBatch(1, BLOCK, WIDTH, VOCAB, torch.device("cpu"))
+
+    def state(rid, temperature, seed):
+        params = worker_pb2.SamplingParams(temperature=temperature, top_k=3, seed=seed)
+        new = worker_pb2.NewRequestData(request_id=rid, token_ids=[1, 2, 3], num_prompt_tokens=3,
+                                        num_computed_tokens=2, sampling=params)
+        return RequestState(new, row=inputs.add(params, [[1]]))
+
+    a, b = state("a", 0.5, 11), state("b", 0.0, 12)
+    first = inputs.prepare([(a, 1), (b, 1)], no_plan, (None,)).sampling
+    assert first.temperatures.tolist() == [0.5, 1.0] and first.greedy.tolist() == [False, True]
+    bits = first.seeds.bits.tolist()
+    for s in (a, b):  # a token on: the same rows, the next position
+        s.token_ids.append(5)
+        s.num_computed_tokens += 1
+    again = inputs.prepare([(a, 1), (b, 1)], no_plan, (None,)).sampling
+    assert again.temperatures.tolist() == [0.5, 1.0]
+    assert [int(x) & (2**64 - 1) for x in again.seeds.bits.tolist()] == [position_seed(11, 1), position_seed(12, 1)]
+    assert again.seeds.bits.tolist() != bits
+    inputs.remove(b.row)
+    c = state("c", 0.25, 13)
+    assert c.row == b.row  # the same rows as the step before ...
+    third = inputs.prepare([(a, 1), (c, 1)], no_plan, (None,)).sampling
+    assert third.temperatures.tolist() == [0.5, 0.25] and third.greedy.tolist() == [False, False]  # ... staged anew
+    assert [int(x) & (2**64 - 1) for x in third.seeds.bits.tolist()] == [position_seed(11, 1), position_seed(13, 0)]

@@ -3,7 +3,7 @@ one copy to the device per step.
 
 Each request the worker holds owns a *row* (`InputBatch.add`, freed by `remove`) for as
 long as it holds it. A row keeps the request's block table of each KV cache group and its
-sampling settings (temperature, top-k, top-p, min-p, normalised once:
+sampling settings (temperature, top-k, top-p, min-p, normalised once, worker_svc/sampling_rows.py:
 worker_svc/sampler.py `row_settings`). Row 0 is nobody's: its tables are zeros, the rows a
 CUDA graph pads its batch with read it (kvstore/cache_tensors.py: block 0 holds finite
 values), and write to slot -1 (nowhere).
@@ -29,11 +29,12 @@ staging buffer of int32 (pinned host memory on a GPU; worker_svc/staging_buffers
 
 built in one Python pass over the requests (a decoding request's slot from its table row;
 a prefill chunk's slots with numpy), one assignment per section (a numpy call costs more
-than a few requests' Python: docs/benchmarks.md, "The worker's host work per step"); the
-buffer goes to the device in ONE
-non-blocking copy, the diffs are scattered, and each group's step block table is gathered
-from the device tables by `row_ids` (one index_select). Nothing else is built per step:
-the attention metadata, the logits rows and the sampling settings are views of that copy.
+than a few requests' Python: docs/benchmarks.md, "The worker's host work per step"; the
+same rows' sampling settings are left in place from the step before). The buffer goes to
+the device in ONE non-blocking copy, the diffs are scattered, and each group's step block
+table is gathered from the device tables by `row_ids` (one index_select). Nothing else is
+built per step: the attention metadata, the logits rows and the sampling settings are
+views of that copy.
 
 Two buffers exist. The eager one is sized for the step (grown when a step needs more); the
 graph one is fixed at `graph_capacity` requests, so that captured CUDA graphs
@@ -57,7 +58,7 @@ from kernels.host_layout import HostLayout
 from worker_svc.batch import AttentionMetadata, FlatBatch, GroupAttention, bidir_spans_of, effective_window, \
     whole_image_slices
 from worker_svc.request_state import RequestState
-from worker_svc.sampler import GREEDY_EPS, RowSeeds, SamplingBatch, position_seeds, row_settings
+from worker_svc.sampling_rows import SamplingRows
 from worker_svc.staging_buffers import StagingBuffers
 
 DUMMY_ROW = 0
@@ -82,10 +83,7 @@ class InputBatch:
         self._tables = np.zeros((num_groups, rows, max_blocks_per_req), dtype=np.int32)
         self._tables_dev = self._device_tables()
         self._num_blocks = np.zeros(rows, dtype=np.int64)
-        self._settings = np.zeros((rows, 4), dtype=np.float64)  # temperature, top_k, top_p, min_p
-        self._seeds = np.zeros(rows, dtype=np.int64)  # each row's request seed, where it has one
-        self._seeded = np.zeros(rows, dtype=bool)
-        self._drawing: set[int] = set()  # rows that draw (not greedy): a step without them stages nothing
+        self._sampling = SamplingRows(rows, vocab_size)  # each row's sampling settings
         self._free = list(range(rows - 1, DUMMY_ROW, -1))  # row 0 is nobody's
         self._pending: list[np.ndarray] = []  # flat indices of host table entries to ship
         self._block_limit: int | None = None  # every id set is below it, once known (limit_block_ids)
@@ -114,22 +112,18 @@ class InputBatch:
         if not self._free:
             self._grow()
         row = self._free.pop()
-        settings = self._settings[row] = row_settings(params, self.vocab_size)
-        self._seeded[row] = params.HasField("seed")
-        self._seeds[row] = params.seed
-        if settings[0] >= GREEDY_EPS:
-            self._drawing.add(row)
+        self._sampling.set(row, params)
         self.set_blocks(row, block_tables, replace=True)
         return row
 
     def remove(self, row: int) -> None:
         self._num_blocks[row] = 0
-        self._drawing.discard(row)
+        self._sampling.remove(row)
         self._free.append(row)
 
     def clear(self) -> None:
+        self._sampling.clear()
         self._num_blocks[:] = 0
-        self._drawing.clear()
         self._free = list(range(self.num_rows - 1, DUMMY_ROW, -1))
 
     def limit_block_ids(self, num_blocks: int) -> None:
@@ -177,9 +171,7 @@ class InputBatch:
         self._tables_dev = self._device_tables()  # the whole table, so nothing is pending
         self._pending.clear()
         self._num_blocks = np.concatenate([self._num_blocks, np.zeros(old, dtype=np.int64)])
-        self._settings = np.concatenate([self._settings, np.zeros((old, 4))])
-        self._seeds = np.concatenate([self._seeds, np.zeros(old, dtype=np.int64)])
-        self._seeded = np.concatenate([self._seeded, np.zeros(old, dtype=bool)])
+        self._sampling.grow(rows)
         self._free.extend(range(rows - 1, old - 1, -1))
 
     # -- the step --------------------------------------------------------------------------------
@@ -204,7 +196,9 @@ class InputBatch:
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in groups]
         samplers: list[RequestState] = []
-        sample_rows: list[int] = []
+        sample_rows: list[int] = []  # their rows of the batch (logits_indices) ...
+        sampler_rows: list[int] = []  # ... their rows of the persistent batch ...
+        sample_positions: list[int] = []  # ... and the output position each samples
         images = []
         ahead_dst: list[int] = []  # batch positions whose token is in ahead_ids ...
         ahead_src: list[int] = []  # ... at these indices
@@ -250,6 +244,8 @@ class InputBatch:
             if end == known:
                 samplers.append(req)
                 sample_rows.append(token - 1)
+                sampler_rows.append(row)
+                sample_positions.append(known - req.num_prompt_tokens)
         num_tokens = token
         diffs = np.concatenate(self._pending) if self._pending else _NO_DIFFS
         self._pending.clear()
@@ -287,7 +283,7 @@ class InputBatch:
         if ahead_dst:
             h["ahead_dst"][:len(ahead_dst)] = ahead_dst
             h["ahead_src"][:len(ahead_src)] = ahead_src
-        sampling = self._stage_sampling(h, samplers)
+        sampling = self._sampling.stage(buf, sampler_rows, sample_positions)
         self._apply_diffs(buf, diffs)
         d = buf.dev
         if ahead_dst:  # stream-ordered after the copy: the ids never visit the host
@@ -342,48 +338,3 @@ class InputBatch:
         buf.commit()
         if count:
             self._tables_dev.view(-1)[buf.dev["diff_index"][:count]] = buf.dev["diff_value"][:count]
-
-    def _stage_sampling(self, h: dict[str, np.ndarray], samplers: Sequence[RequestState]):
-        """Stage the sampling rows' settings; returns a function of the device views giving
-        the step's SamplingBatch (its per-step edits and seeds are the runner's), or
-        None when no row samples."""
-        count = len(samplers)
-        if not count:
-            return None
-        if not self._drawing or not any(s.row in self._drawing for s in samplers):  # all greedy
-
-            def greedy(d: dict[str, torch.Tensor]) -> SamplingBatch:  # the settings are not read
-                return SamplingBatch(temperatures=d["temperatures"][:count], greedy=d["greedy"][:count],
-                                     top_ks=None, top_ps=None, seeds=None, all_greedy=True)
-            return greedy
-        rows = [s.row for s in samplers]
-        settings = self._settings[rows]
-        temps = settings[:, 0]
-        greedy = temps < GREEDY_EPS
-        h["temperatures"][:count] = np.where(greedy, 1.0, temps)
-        h["greedy"][:count] = greedy
-        h["top_ks"][:count] = settings[:, 1]
-        h["top_ps"][:count] = settings[:, 2]
-        h["min_ps"][:count] = settings[:, 3]
-        drawn = settings[~greedy]
-        use_k = bool((drawn[:, 1] < self.vocab_size).any())
-        use_p = bool((drawn[:, 2] < 1.0).any())
-        use_min_p = bool((drawn[:, 3] > 0.0).any())
-        all_greedy, any_greedy = bool(greedy.all()), bool(greedy.any())
-        seeded = self._seeded[rows]
-        any_seeded = bool(seeded.any())
-        if any_seeded:  # each seeded row's seed for the output position it samples now
-            positions = np.fromiter((len(s.token_ids) + (s.num_computed_tokens == len(s.token_ids))
-                                     - s.num_prompt_tokens for s in samplers),
-                                    dtype=np.int64, count=count)
-            h["seed_bits"][:count] = position_seeds(self._seeds[rows], positions)
-            h["seeded"][:count] = seeded
-
-        def on_device(d: dict[str, torch.Tensor]) -> SamplingBatch:
-            return SamplingBatch(
-                temperatures=d["temperatures"][:count], greedy=d["greedy"][:count],
-                top_ks=d["top_ks"][:count] if use_k else None, top_ps=d["top_ps"][:count] if use_p else None,
-                seeds=RowSeeds(d["seed_bits"][:count], d["seeded"][:count]) if any_seeded else None,
-                all_greedy=all_greedy, any_greedy=any_greedy,
-                min_ps=d["min_ps"][:count] if use_min_p else None)
-        return on_device

@@ -58,6 +58,10 @@ class StagingBuffers:
         self.dev["slots"] = self.dev["slots"].view(groups, tokens)
         self.separate = separate
         self._copied: torch.cuda.Event | None = None  # the last copy, on a GPU
+        # What the sampling settings' sections hold (InputBatch._stage_sampling's key: the
+        # rows, in order, and the version of their settings), and what was derived from
+        # them; None: nothing yet. A step with the same key rewrites only the seeds.
+        self.sampling_staged: tuple | None = None
 
     def writable(self) -> StagingBuffers:
         """The host buffer, once the last copy from it is done (at once but on a GPU)."""
