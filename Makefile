@@ -55,6 +55,7 @@ up: install
 	  $(if $(REDIS_URL),--redis-url $(REDIS_URL),)
 
 test: install docker-compose
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 # The stack built and run in containers (tests/test_compose_stack.py): starts dockerd when

@@ -23,8 +23,9 @@ One second of K cameras needs K x (prefill + fps x SigLIP + the answer's FLOPs) 
 seconds of compute and answer_tokens x (weights + K x K/V) / bandwidth seconds of memory
 reads; the limit is the largest K for which both fit in one second (a roofline: the two
 overlap, as the scheduler runs decodes beside prefill chunks in one step). Also reported:
-the K if they did not overlap at all (the sum of the two within one second). The defaults are the H200's measured rates (../shared/GPU-NOTES.md:
-bf16 matmul ~790 TFLOP/s, device copy ~4.27 TB/s); quote a measured run against them.
+the K if they did not overlap at all (the sum of the two within one second). The defaults are
+the H200's measured rates (../shared/GPU-NOTES.md: bf16 matmul ~790 TFLOP/s, device copy ~4.27
+TB/s); quote a measured run against them.
 """
 
 from __future__ import annotations
@@ -110,12 +111,14 @@ def print_table(name: str, args, r: dict) -> None:
           f"({r['prompt_tokens']} tokens), {args.fps} new frames per camera-second, "
           f"{args.answer_tokens}-token answers; {args.tflops:g} TFLOP/s, {args.tbps:g} TB/s")
     print("| quantity | value |\n|---|---|")
-    rows = [("prefill per question", f"{r['prefill_TFLOP_per_question']:.1f} TFLOP = {r['prefill_ms_per_question']:.0f} ms"),
+    rows = [("prefill per question",
+             f"{r['prefill_TFLOP_per_question']:.1f} TFLOP = {r['prefill_ms_per_question']:.0f} ms"),
             ("SigLIP per frame", f"{r['siglip_TFLOP_per_frame']:.2f} TFLOP = {r['siglip_ms_per_frame']:.1f} ms"),
             ("weights (decoder + tower)", f"{r['weights_GB']:.1f} GB"),
             ("K/V one answer reads a step", f"{r['kv_GB_per_answer']:.2f} GB"),
             ("decode: the weights, every step", f"{r['decode_weights_ms_per_second']:.0f} ms of each second"),
-            ("one camera-second's FLOPs (prefill, frames, answer)", f"{r['compute_ms_per_camera_second']:.0f} ms of the device"),
+            ("one camera-second's FLOPs (prefill, frames, answer)",
+             f"{r['compute_ms_per_camera_second']:.0f} ms of the device"),
             ("TTFT floor (prefill + one new frame)", f"{r['ttft_floor_ms']:.0f} ms"),
             ("**cameras (= questions/s) per device**", f"**{r['cameras_per_device']}** ({r['bound']}-bound)"),
             ("the same if decode's reads did not overlap the prefills", f"{r['cameras_not_overlapped']}"),

@@ -242,7 +242,8 @@ def wait_ready(stack: Stack, timeout: float = 120.0) -> None:
 
 
 def run_round(stack: Stack, asks: list[Ask], inject: Callable[[Stack], None] | None, max_tokens: int,
-              bound_s: float, frames: dict[str, list[bytes]] | None = None, at_once: bool = False) -> dict[str, Outcome]:
+              bound_s: float, frames: dict[str, list[bytes]] | None = None,
+              at_once: bool = False) -> dict[str, Outcome]:
     """The load once; `inject` on a thread once tokens flow in every stream (`at_once`: at once)."""
     async def main():
         async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,

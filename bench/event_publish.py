@@ -9,8 +9,9 @@ token each) to one gateway's reply channel, as the worker does; a separate proce
 subscribes and reads them, as the gateway does. A round times `--steps` publishes of each
 implementation, one after the other (the order alternates between rounds); the figure of
 a round is its median publish (and its mean, which the slow tail pulls up), and the report
-gives the median and spread of those over the rounds. Publishing waits for Redis's replies or not depending on the implementation,
-so the figure is what the compute thread spends before it can return a step's result.
+gives the median and spread of those over the rounds. Publishing waits for Redis's replies or
+not depending on the implementation, so the figure is what the compute thread spends before it
+can return a step's result.
 A redis-server is started on a free loopback port unless --redis-url names one.
 `--spinners N` keeps N processes spinning on the CPU meanwhile, as a machine whose cores
 are busy with the other services would be: Redis, the subscriber and the publisher then

@@ -141,7 +141,7 @@ def decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen, layout: Lay
             q4, k, v, attn_mask=mask, scale=scale, **gqa), args.iters, flush), "gqa"))
     try:  # K/V materialised per query head: 4x the memory, sometimes a faster SDPA kernel
         ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        best = min(best, (device_time(lambda: F.scaled_dot_product_attention(
+        best = min(best, (device_time(lambda ke=ke, ve=ve: F.scaled_dot_product_attention(
             q4, ke, ve, attn_mask=mask, scale=scale), args.iters, flush), "expanded"))
         del ke, ve
     except torch.cuda.OutOfMemoryError:

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=4)
     p.add_argument("--timeout-s", type=float, default=120.0)
     args = p.parse_args(argv)
-    config = StackConfig(model=args.model, port=free_port(), workers=1, run_dir=Path(tempfile.mkdtemp(prefix="overload-")),
+    config = StackConfig(model=args.model, port=free_port(), workers=1,
+                         run_dir=Path(tempfile.mkdtemp(prefix="overload-")),
                          worker_args=("--threads", "1"),
                          scheduler_args=("--max-num-seqs", str(args.max_num_seqs),
                                          "--max-waiting-requests", str(args.max_waiting_requests)))

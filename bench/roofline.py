@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="int8 weights (the floor then counts the quantized layers' weights at 1 byte)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype (the floor counts its bytes)")
-    p.add_argument("--threads", type=int, help="torch threads (default: the worker's choice, worker_svc/cpu_threads.py)")
+    p.add_argument("--threads", type=int,
+                   help="torch threads (default: the worker's choice, worker_svc/cpu_threads.py)")
     p.add_argument("--batch", type=int, nargs="+", default=[64], help="decode batch sizes, one runner for all")
     p.add_argument("--context", type=int, default=320, help="tokens of context per request")
     p.add_argument("--steps", type=int, default=20)

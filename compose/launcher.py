@@ -271,7 +271,8 @@ class Stack:
         """The gateways (uuids) whose metrics record in Redis is fresh: the ones started and running."""
         with self._redis() as client:
             ids = sorted(i.decode() for i in client.smembers(self.keys.gateways))
-            return [i for i, v in zip(ids, client.mget([self.keys.gateway_metrics(i) for i in ids]) if ids else []) if v]
+            values = client.mget([self.keys.gateway_metrics(i) for i in ids]) if ids else []
+            return [i for i, v in zip(ids, values) if v]
 
     def wait_for_workers(self, n: int) -> None:
         self._wait_for(lambda: len(self.live_worker_ids()) >= n, f"{n} worker(s) to register")

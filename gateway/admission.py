@@ -32,4 +32,5 @@ async def admit(backend: RedisBackend) -> None:
         waiting = sum(s.num_waiting for s in driving)
         retry_after = max(1, math.ceil(max(s.interval_s for s in driving)))
         raise OpenAIError(429, f"The server is at capacity ({waiting} requests waiting); retry "
-                               f"after {retry_after} s.", code="too_many_waiting_requests", headers={"Retry-After": str(retry_after)})
+                               f"after {retry_after} s.", code="too_many_waiting_requests",
+                          headers={"Retry-After": str(retry_after)})

@@ -71,7 +71,8 @@ BEYOND_SCHEMA: tuple[tuple[str, str], ...] = (
 # (vision checkpoints only).
 MEDIA_BEYOND_SCHEMA: tuple[tuple[str, str], ...] = tuple((code, "an image or video that cannot be taken") for code in (
     "invalid_media_url", "invalid_media_type", "media_fetch_failed", "media_too_large", "media_domain_not_allowed",
-    "media_url_not_allowed", "local_media_not_allowed", "invalid_image", "image_too_large", "unsupported_image_format", "invalid_video",
+    "media_url_not_allowed", "local_media_not_allowed", "invalid_image", "image_too_large", "unsupported_image_format",
+    "invalid_video",
     "video_too_large", "video_too_long", "too_many_media_items", "invalid_image_tokens",
     "chat_template_dropped_images", "media_not_found", "file_not_found"))
 MEDIA_CODES = tuple(code for code, _ in MEDIA_BEYOND_SCHEMA)

@@ -141,7 +141,7 @@ def _paged_attention_kernel(
             lo = tl.maximum(context + t0 - window + 1, 0) // TILE_N * TILE_N
 
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # `l` above: each row's running sum of P
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
         block_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
         log2e = 1.4426950408889634
@@ -170,13 +170,13 @@ def _paged_attention_kernel(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m - m_safe)
-            l = l * alpha + tl.sum(p, axis=1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_cache_ptr + v_offs[:, None] + dims[None, :] * stride_v_dim,
                         mask=k_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_PAD]
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
             m = m_new
 
-        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offs = ((q_begin + tok).to(tl.int64)[:, None] * stride_o_tok
                   + head[:, None].to(tl.int64) * stride_o_head + dims[None, :] * stride_o_dim)
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty),
@@ -204,8 +204,9 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    sliding_window: int | None = None, workspace: TritonWorkspace | None = None, *,
                    bidir_spans: torch.Tensor | None = None, host: HostLayout | None = None) -> TritonPlan | None:
     """Nothing to plan without spans (None): the kernel reads the metadata tensors on the
-    device (`host`, the lengths on the host, is not needed). With spans: them, as the kernel reads them (no host sync; their shape is
-    checked, ValueError, their values are the caller's to get right)."""
+    device (`host`, the lengths on the host, is not needed). With spans: them, as the kernel reads
+    them (no host sync; their shape is checked, ValueError, their values are the caller's to get
+    right)."""
     if bidir_spans is None:
         return None
     if (bidir_spans.dim() != 2 or bidir_spans.shape[1] != 2

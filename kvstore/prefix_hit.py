@@ -11,8 +11,9 @@ KV cache manager defines it: a hit of m blocks holds for every group.
   recomputed token (position m * block_size) reaches: blocks `first_needed(m)` to m - 1. Its
   table holds holes (None) before them.
 
-`find_hit` is the lookup (KVCacheManager.find_cached_prefix); `hit_length` finds the largest m that every group and the caller's `fit` accept: the
-groups' answers only shrink m, and m = 0 is a hit for everyone, so it ends.
+`find_hit` is the lookup (KVCacheManager.find_cached_prefix); `hit_length` finds the largest m
+that every group and the caller's `fit` accept: the groups' answers only shrink m, and m = 0 is
+a hit for everyone, so it ends.
 """
 
 from collections.abc import Callable, Mapping, Sequence

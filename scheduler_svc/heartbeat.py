@@ -5,8 +5,9 @@ It is the scheduler's health as the rest of the stack sees it: the gateway's rea
 (`/health/ready`) wants a live heartbeat naming at least one worker, and its admission
 reads the waiting count and the bound (`--max-waiting-requests`) from it to answer 429
 before enqueueing. From outside, `redis-cli EXISTS <prefix>:scheduler:<consumer name>` is
-the scheduler's own liveness check (1 = alive), as is its `GET /health` on the metrics port. A Redis error skips a beat, with a
-warning; the TTL covers the gap, and the next beat writes it again.
+the scheduler's own liveness check (1 = alive), as is its `GET /health` on the metrics port.
+A Redis error skips a beat, with a warning; the TTL covers the gap, and the next beat writes
+it again.
 """
 
 from __future__ import annotations

@@ -177,7 +177,8 @@ def images_row_metrics() -> list[tuple[str, str, str]]:
 def worker_requests(container: str) -> int:
     """The worker's own count of requests it holds, from its gRPC Health."""
     code = ("import grpc; from proto import worker_pb2 as m, worker_pb2_grpc as g; "
-            "print(g.WorkerStub(grpc.insecure_channel('127.0.0.1:50051')).Health(m.HealthRequest(), timeout=3).num_requests)")
+            "print(g.WorkerStub(grpc.insecure_channel('127.0.0.1:50051'))"
+            ".Health(m.HealthRequest(), timeout=3).num_requests)")
     return int(docker("exec", container, "python3", "-c", code).strip())
 
 

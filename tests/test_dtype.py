@@ -8,7 +8,7 @@ import pytest
 import torch
 from runner_helpers import make_runner
 
-from kernels.cpu_features import CpuFeatures, cpu_features, parse_cpuinfo
+from kernels.cpu_features import cpu_features, parse_cpuinfo
 from worker_svc.model.loader import resolve_dtype
 from worker_svc.model.registry import load_config
 

@@ -102,5 +102,6 @@ def test_a_model_too_large_for_the_memory_is_refused_with_the_numbers(tiny_model
     layer = torch.nn.Linear(4, 8, device="meta")
     assert weights_bytes(layer, torch.bfloat16) == (32 + 8) * 2
     check_fits(layer, torch.bfloat16, "cpu", "a layer", free=80)
-    with pytest.raises(MemoryError, match="a layer's weights need 0.00 GiB in bfloat16 on cpu, which has 0.00 GiB free"):
+    with pytest.raises(MemoryError,
+                       match="a layer's weights need 0.00 GiB in bfloat16 on cpu, which has 0.00 GiB free"):
         check_fits(layer, torch.bfloat16, "cpu", "a layer", free=79)

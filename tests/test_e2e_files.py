@@ -50,7 +50,8 @@ def test_an_uploaded_frame_answers_as_the_frame_sent_inline(stack):
     inline_ids, inline_text = chat(client, stack, {"type": "image_url", "image_url": {"url": inline_url}})
     uploaded = client.files.create(file=("frame.jpg", frame, "image/jpeg"), purpose="vision")
     assert uploaded.id.startswith("file-") and uploaded.object == "file" and uploaded.bytes == len(frame)
-    assert uploaded.filename == "frame.jpg" and uploaded.purpose == "vision" and uploaded.expires_at > uploaded.created_at
+    assert uploaded.filename == "frame.jpg" and uploaded.purpose == "vision"
+    assert uploaded.expires_at > uploaded.created_at
     (before,) = wait_until_idle(stack).values()
     by_file_ids, by_file_text = chat(client, stack, {"type": "file", "file": {"file_id": uploaded.id}})
     (after,) = wait_until_idle(stack).values()

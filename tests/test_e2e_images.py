@@ -167,7 +167,8 @@ def test_a_video_answers_as_its_frames_sent_as_images(vision):
         {"type": "video_url", "video_url": {"url": data_url(video, "video/mp4")}}]}]
     frames = decode_video(video, sampling=VideoSampling(num_frames=4), max_pixels=2**25, max_frames=9000,
                           param="").frames
-    as_images, hf_content, images = [{"type": "text", "text": "What moves?"}], [{"type": "text", "text": "What moves?"}], []
+    as_images, hf_content = [{"type": "text", "text": "What moves?"}], [{"type": "text", "text": "What moves?"}]
+    images = []
     for f in frames:
         image = Image.frombytes("RGB", (f.width, f.height), f.rgb)
         png = file_bytes(image, "PNG")

@@ -86,7 +86,8 @@ def test_each_service_counts_what_was_served(stack):
     assert metric(gateway, "pagedserve:generation_tokens_total", **model) == completion_tokens
     assert metric(gateway, "pagedserve:prompt_tokens_total", **model) == sum(u.prompt_tokens for _, u in served)
     for reason in ("stop", "length"):
-        assert metric(gateway, "pagedserve:request_success_total", finished_reason=reason, **model) == reasons.count(reason)
+        assert (metric(gateway, "pagedserve:request_success_total", finished_reason=reason, **model)
+                == reasons.count(reason))
     assert metric(gateway, "pagedserve:request_success_total", **model) == choices  # no abort, no error
     for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
         assert metric(gateway, f"pagedserve:{name}_seconds_sum", **model) >= 0
@@ -130,8 +131,8 @@ def check_dashboard(scrapes: dict[str, dict]) -> None:
             expr = target["expr"]
             uses = re.findall(r'(pagedserve:[A-Za-z0-9_:]+)\{job="(\$\w+)"\}', expr)
             assert uses and len(uses) == expr.count("pagedserve:"), f"a metric without a job: {expr}"
-            for metric, variable in uses:
+            for used, variable in uses:
                 job = jobs[variable]
-                assert metric in names[job], f"panel {panel['title']!r}: {job} does not export {metric}"
+                assert used in names[job], f"panel {panel['title']!r}: {job} does not export {used}"
                 checked += 1
     assert checked >= 20

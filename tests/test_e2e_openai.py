@@ -213,7 +213,8 @@ def test_chat_logprobs_with_bytes(client, stack):
     assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace").startswith(full.message.content)
     for entry in content:
         assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
-        assert entry.token == entry.top_logprobs[0].token and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]

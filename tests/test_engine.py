@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 

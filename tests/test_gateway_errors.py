@@ -126,7 +126,8 @@ async def test_out_of_range_new_params(config, path, field, value):
 
 
 @pytest.mark.parametrize("response_format,param", [
-    ({"type": "json_schema"}, "response_format"), ({"type": "json_object", "json_schema": {"name": "x"}}, "response_format"),
+    ({"type": "json_schema"}, "response_format"),
+    ({"type": "json_object", "json_schema": {"name": "x"}}, "response_format"),
     ({"type": "yaml"}, "response_format.type"),
     ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
 ])
@@ -284,7 +285,7 @@ async def test_unexpected_exception_is_a_500_without_trace(live_config):
 
         client.app.state.preflight.admit_completion = boom
         response = await client.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi"})
-    error = assert_error(response, 500, type_="server_error")
+    assert_error(response, 500, type_="server_error")
     assert "secret" not in response.text and "Traceback" not in response.text
 
 

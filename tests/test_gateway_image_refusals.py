@@ -63,11 +63,15 @@ URL0 = "messages[0].content[1].image_url.url"
     ({**user(image_part(0)), "mm_processor_kwargs": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 0}},
      "invalid_value", ["'pan_and_scan_min_crop_size' must be an integer of at least 1, not 0"], "mm_processor_kwargs"),
     ({**user(image_part(0)), "mm_processor_kwargs": {"pan_and_scan_max_num_crops": 2.5}},
-     "invalid_value", ["'pan_and_scan_max_num_crops' must be an integer of at least 1, not 2.5"], "mm_processor_kwargs"),
+     "invalid_value", ["'pan_and_scan_max_num_crops' must be an integer of at least 1, not 2.5"],
+     "mm_processor_kwargs"),
     ({**user(image_part(0)), "mm_processor_kwargs": {"pan_and_scan_min_ratio_to_activate": -1}},
-     "invalid_value", ["'pan_and_scan_min_ratio_to_activate' must be a finite number above 0, not -1"], "mm_processor_kwargs"),
-    ({**user(image_part(0)), "mm_processor_kwargs": {"pan_and_scan_min_ratio_to_activate": 10**400}},  # no float holds it
-     "invalid_value", ["'pan_and_scan_min_ratio_to_activate' must be a finite number above 0"], "mm_processor_kwargs"),
+     "invalid_value", ["'pan_and_scan_min_ratio_to_activate' must be a finite number above 0, not -1"],
+     "mm_processor_kwargs"),
+    # no float holds it
+    ({**user(image_part(0)), "mm_processor_kwargs": {"pan_and_scan_min_ratio_to_activate": 10**400}},
+     "invalid_value", ["'pan_and_scan_min_ratio_to_activate' must be a finite number above 0"],
+     "mm_processor_kwargs"),
     ({**user(image_part(0)), "mm_processor_kwargs": {"do_pan_and_scan": True, "pan_and_scan_crops": 3}},
      "invalid_value", ["'pan_and_scan_crops' is not a processor setting", "'pan_and_scan_max_num_crops'"],
      "mm_processor_kwargs"),
@@ -88,8 +92,10 @@ URL0 = "messages[0].content[1].image_url.url"
     ({"messages": [{"role": "user", "content": "a <image_soft_token> without an image"}]},
      "invalid_image_tokens", ["image soft token"], "messages"),
 ], ids=["bad base64", "not an image", "truncated image", "local file", "bad video", "9 images", "2 videos",
-        "no url", "no data nor uuid", "no video nor uuid", "unknown uuid", "bad detail", "audio part", "system image", "assistant video",
-        "pan and scan not a bool", "min crop 0", "max crops not whole", "ratio negative", "ratio past any float", "unknown pan_and_scan_ key",
+        "no url", "no data nor uuid", "no video nor uuid", "unknown uuid", "bad detail", "audio part", "system image",
+        "assistant video",
+        "pan and scan not a bool", "min crop 0", "max crops not whole", "ratio negative", "ratio past any float",
+        "unknown pan_and_scan_ key",
         "unknown key", "too many crops",
         "bad sampling", "truncation", "typed start_of_image", "typed soft token", "soft token in text"])
 async def test_bad_chat_input_is_refused_before_queueing(config, body, code, words, param):

@@ -111,7 +111,8 @@ async def test_a_video_is_the_prompt_of_its_frames_with_their_timestamps(config,
     make one prompt; transformers' processor makes it too from those texts and frames."""
     sampling = {"video": {"num_frames": 4}}  # this request's, over the server's 32
     video_messages = [{"role": "user", "content": [
-        {"type": "text", "text": "What moves?"}, {"type": "video_url", "video_url": {"url": data_url(MP4, "video/mp4")}},
+        {"type": "text", "text": "What moves?"},
+        {"type": "video_url", "video_url": {"url": data_url(MP4, "video/mp4")}},
         {"type": "text", "text": "Say it briefly."}]}]
     request, _ = await submitted(config, "/v1/chat/completions",
                                  {"messages": video_messages, "media_io_kwargs": sampling})

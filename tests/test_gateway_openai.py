@@ -63,7 +63,8 @@ async def test_sampling_fields_reach_the_scheduler(config):
     assert response.status_code == 200, response.text
     [request] = worker.messages
     s = request.sampling
-    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p, s.top_k) == (0.5, -0.25, 1.3, 0.1, 7)
+    assert ((s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p, s.top_k)
+            == (0.5, -0.25, 1.3, 0.1, 7))
     assert s.logit_bias == {11: -100.0, 12: 2.5} and s.logprobs == 2 and s.prompt_logprobs is None
 
 
@@ -81,7 +82,8 @@ async def test_completion_logprobs_and_echo(config, tokenizer, stream):
         choices = [c["choices"][0] for c in sse_events(response.text)]
         text = "".join(c["text"] for c in choices)
         lps = [c["logprobs"] for c in choices if c["logprobs"]]
-        merged = {k: [x for lp in lps for x in lp[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        merged = {k: [x for lp in lps for x in lp[k]]
+                  for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
     else:
         [choice] = response.json()["choices"]
         text, merged = choice["text"], choice["logprobs"]

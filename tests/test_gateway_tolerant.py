@@ -75,7 +75,8 @@ async def test_batch_fails_as_a_whole(config):
 
     async with FakeWorker(config, script):
         async with gateway_client(config) as client:
-            response = await client.post("/v1/completions", json={"model": MODEL, "prompt": [[8], [9]], "max_tokens": 2})
+            response = await client.post("/v1/completions",
+                                         json={"model": MODEL, "prompt": [[8], [9]], "max_tokens": 2})
     assert response.status_code == 500 and response.json()["error"]["code"] == "generation_error"
 
 

@@ -112,8 +112,10 @@ async def test_forced_calls_send_their_grammar(qwen_dir, redis_url, tokenizer):
     events = sse_events(response.text)
     first = next(c for e in events for c in e["choices"][0]["delta"].get("tool_calls", []))
     assert first["function"]["name"] == "get_weather" and first["type"] == "function"
-    arguments = "".join(c["function"]["arguments"] for e in events for c in e["choices"][0]["delta"].get("tool_calls", []))
-    assert json.loads(arguments) == {"city": "Oslo"} and events[-1]["choices"][0]["finish_reason"] == "stop"  # named: as OpenAI
+    arguments = "".join(c["function"]["arguments"]
+                        for e in events for c in e["choices"][0]["delta"].get("tool_calls", []))
+    assert json.loads(arguments) == {"city": "Oslo"}
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"  # named: as OpenAI
     request = [m for m in worker.messages if isinstance(m, NewRequest)][-1]  # the stream holds both
     assert json.loads(request.sampling.grammar.spec) == WEATHER["function"]["parameters"]
 

@@ -64,8 +64,8 @@ def test_images_through_the_runner_on_cuda_equal_generate(vision_dir, enforce_ea
         files = [file_bytes(picture(len(rid) * 10 + i, w, h, ("RGB", "RGBA", "L")[i % 3]), "PNG")
                  for i, (w, h) in enumerate(sizes)]
         content = [part for f in files for part in ({"type": "text", "text": "look at"}, {"type": "image"})]
-        text = processor.apply_chat_template([{"role": "user", "content": content + [{"type": "text", "text": "now?"}]}],
-                                             tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": content + [{"type": "text", "text": "now?"}]}]
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         images = [Image.open(__import__("io").BytesIO(f)) for f in files]
         inputs = processor(text=text, images=images, add_special_tokens=False, return_tensors="pt").to("cuda")
         with torch.no_grad():

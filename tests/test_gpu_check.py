@@ -105,7 +105,8 @@ def test_junit_summary_counts_and_names_failures(tmp_path):
     xml = tmp_path / "r.xml"
     xml.write_text('<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
                    '<testcase classname="tests.test_x" name="test_a"/>'
-                   '<testcase classname="tests.test_x" name="test_b"><failure message="assert 1 == 2">x</failure></testcase>'
+                   '<testcase classname="tests.test_x" name="test_b">'
+                   '<failure message="assert 1 == 2">x</failure></testcase>'
                    '<testcase classname="tests.test_x" name="test_c"><skipped message="needs CUDA"/></testcase>'
                    '</testsuite></testsuites>')
     s = check.junit_summary(xml)

@@ -136,7 +136,8 @@ def test_pan_and_scan_equals_the_processors(min_crop, processor_dirs, processors
         assert counts == (4, 3, 2, 0, 0)
     else:
         assert {name for name, k in crops.items() if k} == {"jpeg", "large"}
-    on = replace(cfg, pan_and_scan=replace(cfg.pan_and_scan, enabled=True))  # from the config; a request may turn it off
+    # from the config; a request may turn it off
+    on = replace(cfg, pan_and_scan=replace(cfg.pan_and_scan, enabled=True))
     with_crops = preprocess_image(images["large"], cfg, do_pan_and_scan=True)
     assert len(with_crops) == 3 and torch.equal(preprocess_image(images["large"], on), with_crops)
     assert len(preprocess_image(images["large"], on, do_pan_and_scan=False)) == 1
@@ -151,7 +152,8 @@ def test_pan_and_scan_equals_the_processors(min_crop, processor_dirs, processors
 def test_a_crop_box_outside_the_image_is_refused():
     cfg = ImagePreprocessConfig.from_dict({"size": {"height": 4, "width": 4}})
     image = Image.new("RGB", (30, 10))
-    assert preprocess_piece(rgb_array(image, cfg), cfg, CropBox(0, 20, 10, 15)).shape == (3, 4, 4)  # past the edge: cut short
+    # past the edge: cut short
+    assert preprocess_piece(rgb_array(image, cfg), cfg, CropBox(0, 20, 10, 15)).shape == (3, 4, 4)
     for box in (CropBox(10, 0, 5, 5), CropBox(0, 30, 5, 5), CropBox(0, 0, 0, 5), CropBox(-1, 0, 5, 5)):
         with pytest.raises(ValueError, match=r"crop box .* is not inside the 30x10 image"):
             preprocess_piece(rgb_array(image, cfg), cfg, box)
@@ -171,7 +173,8 @@ def test_config_refusals_and_defaults():
     cfg = ImagePreprocessConfig.from_dict(GOOGLE_PREPROCESSOR)
     assert cfg.pan_and_scan == PanAndScan(enabled=False, min_crop_size=256, max_num_crops=4, min_ratio_to_activate=1.2)
     assert cfg.resample == Image.Resampling.BILINEAR
-    on = ImagePreprocessConfig.from_dict({**GOOGLE_PREPROCESSOR, "do_pan_and_scan": True, "pan_and_scan_max_num_crops": 2})
+    on = ImagePreprocessConfig.from_dict({**GOOGLE_PREPROCESSOR, "do_pan_and_scan": True,
+                                          "pan_and_scan_max_num_crops": 2})
     assert on.pan_and_scan == PanAndScan(enabled=True, max_num_crops=2)
     with pytest.raises(ValueError, match="'pan_and_scan_min_crop_size' must be an integer of at least 1, not 0"):
         ImagePreprocessConfig.from_dict({"pan_and_scan_min_crop_size": 0})

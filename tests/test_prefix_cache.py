@@ -4,7 +4,7 @@ operation sequences checked against the K/V every slot holds: test_kv_random_ops
 scheduler on top: test_prefix_cache_scheduler.py (and test_scheduler_images.py for images)."""
 
 from kvstore.block_hash import hash_block
-from kvstore.kv_cache_manager import KVCacheManager, cdiv
+from kvstore.kv_cache_manager import KVCacheManager
 from prefix_cache_helpers import BS, P, colliding_hash
 
 
@@ -121,7 +121,9 @@ def test_per_block_extra_keys_key_only_their_block_and_chain_on():
     assert run(kv, "a", P + [1], computed=12, extra_keys=image_a) == [0, 1, 2]
     assert kv.block_pool.blocks[1].block_key.extra_keys == ("A",)
     assert kv.block_pool.blocks[0].block_key.extra_keys == kv.block_pool.blocks[2].block_key.extra_keys == ()
-    hit = lambda keys: [b.block_id for b in kv.find_cached_prefix(P + [1], [], keys)]
+    def hit(keys):
+        return [b.block_id for b in kv.find_cached_prefix(P + [1], [], keys)]
+
     assert hit(image_a) == [0, 1, 2]  # the same image: all of it
     assert hit(image_b) == [0]  # another image: the text before it, not the text after
     assert hit(None) == hit({}) == [0]  # text only: block 1's keys are ()

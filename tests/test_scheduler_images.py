@@ -301,9 +301,10 @@ def test_random_image_workloads_never_split_an_image_and_match_the_reference(
     starting alike, budgets, thresholds, pools small enough to preempt (by recompute or
     swap), n of 1 or 2, arrivals spread over steps, planned ahead or not, a sliding window,
     a global and a sliding KV cache group (Gemma 3's kinds; the pool scaled by the groups),
-    or neither, an encoder budget (with a mirrored encoder cache) or none: every step keeps images whole (the fake checks), integrity holds after each,
-    everything finishes (no starvation: Harness.run fails without progress) with the
-    outputs of a run that never chunks or caches."""
+    or neither, an encoder budget (with a mirrored encoder cache) or none: every step keeps
+    images whole (the fake checks), integrity holds after each, everything finishes (no
+    starvation: Harness.run fails without progress) with the outputs of a run that never chunks
+    or caches."""
     reqs = [(image_request(f"r{i}", start + parts, max_tokens, float(i), n=n), delay)
             for i, ((start, parts), max_tokens, n, delay) in enumerate(requests)]
     h = Harness(num_blocks=num_blocks * len(windows), block_size=BS, max_num_batched_tokens=budget,
@@ -330,8 +331,9 @@ def test_random_image_workloads_never_split_an_image_and_match_the_reference(
 
 def test_a_request_failed_by_the_worker_finishes_with_error_in_any_step():
     """The worker answers NO_TOKEN_ID / "error" for a request whose image it could not fetch,
-    even in a step that samples nothing for it (a first prefill chunk): the request finishes with "error", nothing is appended, its blocks are freed and none is
-    offered to the prefix cache; the request beside it runs on."""
+    even in a step that samples nothing for it (a first prefill chunk): the request finishes
+    with "error", nothing is appended, its blocks are freed and none is offered to the prefix
+    cache; the request beside it runs on."""
     from proto.messages import NO_TOKEN_ID
 
     h = Harness(block_size=BS, max_num_batched_tokens=8)

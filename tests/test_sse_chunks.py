@@ -16,7 +16,8 @@ TEXTS = [chr(c) for c in range(128)] + [
 
 def _formats():
     chat = ChatFormat("chatcmpl-1", "my/model \"x\"", [1, 2, 3], False, None, None)
-    completion = CompletionFormat("cmpl-1", "m", [CompletionPrompt([1, 2]), CompletionPrompt([3])], 2, False, None, None)
+    completion = CompletionFormat("cmpl-1", "m", [CompletionPrompt([1, 2]), CompletionPrompt([3])],
+                                  2, False, None, None)
     return {"chat": chat, "completion": completion}
 
 

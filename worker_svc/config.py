@@ -17,7 +17,8 @@ class RunnerConfig:
     swap_space_bytes: int = 256 * 2**20  # CPU memory for swapped-out blocks (K + V)
     num_cpu_blocks: int | None = None  # overrides the swap space sizing
     max_model_len: int | None = None  # default: config max_position_embeddings
-    dtype: str = "auto"  # "auto" = the checkpoint's where native (loader.resolve_dtype); or float32 / bfloat16 / float16
+    # "auto" = the checkpoint's where native (loader.resolve_dtype); or float32 / bfloat16 / float16
+    dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # "auto" = dtype; "bfloat16": bf16 K/V (CPU; kvstore/cache_tensors.py)
     quantization: str | None = None  # "int8": int8 weights, quantized at load (model/int8_linear.py)
     load_format: str = "auto"  # "dummy": random weights of config.json's shapes, no file read (model/dummy_weights.py)

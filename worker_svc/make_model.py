@@ -48,7 +48,6 @@ from worker_svc.model_presets import (
     ARCHS,
     RELEASES,
     VISION_ARCHS,
-    ChatFlavour,
     family_config,
     flavour,
     shape,

@@ -12,8 +12,8 @@ The ids (Gemma 3's tokenizer, 262,145 entries; the model's vocabulary is 262,208
 
 Between them: a byte-level BPE trained on the standard library's sources
 (worker_svc/local_tokenizer.py's `train_bpe`) from id 107 up, then one unreachable
-placeholder `<token_N>` for each id of the real vocabulary's words this tokenizer does not have (no merge makes one, so text never
-encodes to them; an id the model emits decodes to its placeholder). Only the special
+placeholder `<token_N>` for each id of the real vocabulary's words this tokenizer does not have
+(no merge makes one, so text never encodes to them; an id the model emits decodes to its placeholder). Only the special
 tokens' ids are the release's: ordinary text encodes to other ids than on a real checkpoint.
 """
 

@@ -38,9 +38,10 @@ box inside one overall budget (`--budget-s`, 480 s), carrying on past a step tha
 
 With `--device cpu` (the dry run here, in a venv holding only the image's packages:
 bench/gpu/image_venv.py) every step that can run on a CPU runs -- the install, the GPU tests'
-collection, serving on the `tiny` preset -- and the CUDA ones are reported as skipped. Writes `gpu-check.json` (the machine, the packages found there, each
-step's status, seconds and results) and `gpu-check.log` (every step's output) under `--out`
-(default: $OUT when set, else ./gpu-check-out), and prints a summary.
+collection, serving on the `tiny` preset -- and the CUDA ones are reported as skipped. Writes
+`gpu-check.json` (the machine, the packages found there, each step's status, seconds and
+results) and `gpu-check.log` (every step's output) under `--out` (default: $OUT when set, else
+./gpu-check-out), and prints a summary.
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ LIMITS = {"install": 60, "tests": 140, "vision": 60, "kernels": 75, "serving": 3
 FLEET_RUNS = {
     "one-scheduler-64": ["--workers", "64", "--schedulers", "1", "--step-ms", "30", "--duration", "20",
                          "--baseline-duration", "8", "--gateways", "2", "--prefixes", "16"],
-    "sharded-256": ["--workers", "256", "--schedulers", "8", "--step-ms", "100", "--concurrency", "1024", "--output-tokens", "64",
-                    "--duration", "30", "--baseline-duration", "8", "--gateways", "4", "--prefixes", "64"],
-    "one-scheduler-256": ["--workers", "256", "--schedulers", "1", "--step-ms", "100", "--concurrency", "1024", "--output-tokens", "64",
-                          "--duration", "30", "--baseline-duration", "0", "--gateways", "4", "--prefixes", "64"],
+    "sharded-256": ["--workers", "256", "--schedulers", "8", "--step-ms", "100", "--concurrency", "1024",
+                    "--output-tokens", "64", "--duration", "30", "--baseline-duration", "8", "--gateways", "4",
+                    "--prefixes", "64"],
+    "one-scheduler-256": ["--workers", "256", "--schedulers", "1", "--step-ms", "100", "--concurrency", "1024",
+                          "--output-tokens", "64", "--duration", "30", "--baseline-duration", "0",
+                          "--gateways", "4", "--prefixes", "64"],
 }
 FLEET_START_S = 30  # a fleet run's start and stop beyond its measured seconds (16 cores)
 FLEET_RUNS_CPU = {"one-scheduler-4": ["--workers", "4", "--step-ms", "30", "--duration", "5",
@@ -169,7 +172,8 @@ class Check:
                            f'exec "{redis_root}/usr/bin/redis-server" "$@"\n')
         wrapper.chmod(0o755)
         self.env["PATH"] = f"{bin_dir}{os.pathsep}{self.env.get('PATH', '')}"
-        self.env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), self.env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            [str(site), str(ROOT), self.env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         version = subprocess.run([str(wrapper), "--version"], capture_output=True, text=True, env=self.env)
         if version.returncode != 0:
             return StepResult("install", "failed", reason=f"redis-server: {version.stderr.strip()[-300:]}")

@@ -16,13 +16,13 @@ An image is stored as its file (`MediaItem` "encoded"), a video as its sampled f
 (`MediaItem` "rgb8", one per frame); the request then carries only their hashes, computed
 from the bytes every time. An image whose bytes the store already holds (a camera frame sent
 again in the next question) costs its hash, one Redis round trip that refreshes its TTL and
-a read of its header: it passed the full decode when it was stored. A part's `uuid` (vLLM's client-given id of an item) is recorded
-for later parts (gateway/media/uuids.py); a part with a uuid and no data is that record,
-read back before anything is fetched (an unknown uuid fails the request at once): no fetch,
-no decode, the same hashes. A part naming an uploaded file (`file_id`, the Files API) is
-read from the file's record the same way, by `files` (gateway/files/references.py): an
-unknown, deleted or expired id fails the request at once. Such parts count against
-`--limit-mm-per-prompt` as any.
+a read of its header: it passed the full decode when it was stored. A part's `uuid` (vLLM's
+client-given id of an item) is recorded for later parts (gateway/media/uuids.py); a part with a
+uuid and no data is that record, read back before anything is fetched (an unknown uuid fails
+the request at once): no fetch, no decode, the same hashes. A part naming an uploaded file
+(`file_id`, the Files API) is read from the file's record the same way, by `files`
+(gateway/files/references.py): an unknown, deleted or expired id fails the request at once.
+Such parts count against `--limit-mm-per-prompt` as any.
 """
 
 from __future__ import annotations

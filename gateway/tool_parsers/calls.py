@@ -62,7 +62,8 @@ def held_back(text: str, marker: str) -> int:
     return 0
 
 
-def call_from_object(text: str, start: int, args_keys: tuple[str, ...], name: str | None = None) -> tuple[PartialCall, int | None]:
+def call_from_object(text: str, start: int, args_keys: tuple[str, ...],
+                     name: str | None = None) -> tuple[PartialCall, int | None]:
     """The call in the JSON object at text[start] ("{"): its "name" (or `name`), its
     arguments under the first of `args_keys` present; and the index past the object."""
     scanned = scan_object(text, start)
