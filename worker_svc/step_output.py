@@ -57,7 +57,7 @@ def token_event(events: dict[str, list[TokenEvent]], state: RequestState, sample
                 reason: str | None, out: Produced | None) -> None:
     """`state`'s TokenEvent of this step: its token (if it sampled one), its finish and
     what else it got (`out`: logprobs, prompt logprobs)."""
-    index = state.num_output_tokens - len(sampled)
+    index = len(state.token_ids) - state.num_prompt_tokens - len(sampled)
     channel = events.get(state.reply_channel)
     if channel is None:
         channel = events[state.reply_channel] = []
