@@ -11,6 +11,9 @@ from proto.messages import TokenEvent
 DEFAULT_MAX_UNREAD = 4096
 # What a RequestQueue's watchdog queues to wake a wait that timed out (never handed out).
 _EXPIRED = TokenEvent("", index=-1)
+# How early a wait counts as run out: event loops may fire a timer up to a millisecond early
+# (uvloop rounds to milliseconds).
+_TIMER_SLACK_S = 1e-3
 
 
 class RequestQueue(asyncio.Queue[TokenEvent]):
@@ -24,21 +27,21 @@ class RequestQueue(asyncio.Queue[TokenEvent]):
     def __init__(self, request_ids: Sequence[str]):
         super().__init__()
         self.request_ids = tuple(request_ids)
-        self._watchdog: asyncio.TimerHandle | None = None
+        self._watchdog: asyncio.Handle | None = None
+        self._due = 0.0  # when the watchdog fires (loop time)
         self._waiting: tuple[float, float] | None = None  # the wait in progress: (since, timeout)
         self._expired = False  # the watchdog queued _EXPIRED
 
     async def take(self, timeout_s: float) -> list[TokenEvent]:
         """The next event and every one queued behind it; TimeoutError when none came within
         `timeout_s` of waiting."""
+        if self._expired:  # the mark of a wait that was cancelled: not this one's
+            self._drop_marks()
         if self.empty():
             loop = asyncio.get_running_loop()
             now = loop.time()
-            watchdog = self._watchdog
-            if watchdog is None or watchdog.when() > now + timeout_s:  # none, or due too late
-                if watchdog is not None:
-                    watchdog.cancel()
-                self._watchdog = loop.call_at(now + timeout_s, self._watch)
+            if self._watchdog is None or self._due > now + timeout_s:  # none, or due too late
+                self._arm(loop, now + timeout_s)
             self._waiting = (now, timeout_s)
             try:
                 events = [await self.get()]
@@ -61,19 +64,32 @@ class RequestQueue(asyncio.Queue[TokenEvent]):
             self._watchdog.cancel()
             self._watchdog = None
 
+    def _arm(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        self.stop_watching()
+        self._due = due
+        self._watchdog = loop.call_at(due, self._watch)
+
     def _watch(self) -> None:
-        """The timer: wake a wait that has run its timeout with _EXPIRED; for a wait that
-        began later, fire again at its end; none waiting: stop until the next wait."""
+        """The timer: wake a wait that has run its timeout (within a millisecond: timers
+        may fire that early) with _EXPIRED; for a wait that began later, fire again at its
+        end; none waiting: stop until the next wait."""
         self._watchdog = None
         if self._waiting is None:
             return
         since, timeout_s = self._waiting
         loop = asyncio.get_running_loop()
-        if loop.time() >= since + timeout_s:
+        if loop.time() >= since + timeout_s - _TIMER_SLACK_S:
             self._expired = True
             self.put_nowait(_EXPIRED)
         else:
-            self._watchdog = loop.call_at(since + timeout_s, self._watch)
+            self._arm(loop, since + timeout_s)
+
+    def _drop_marks(self) -> None:
+        """Take _EXPIRED out of the queue, keeping the events in their order."""
+        events = [e for e in (self.get_nowait() for _ in range(self.qsize())) if e is not _EXPIRED]
+        for event in events:
+            self.put_nowait(event)
+        self._expired = False
 
 
 class EventQueues:
