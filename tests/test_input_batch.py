@@ -171,6 +171,10 @@ def test_block_ids_outside_the_cache_are_refused_as_they_are_set():
     seen = []
     inputs.prepare([(state, 1)], lambda *a, host=None, **k: seen.append(host.block_ids_below), (None, 8))
     assert seen == [500, 500]
+    free = list(inputs._free)
+    with pytest.raises(ValueError, match="block id 600"):  # a new request's table: refused, its row stays free
+        inputs.add(worker_pb2.SamplingParams(), [[1], [600]])
+    assert inputs._free == free
 
 
 def test_a_graph_step_after_many_replaced_tables():

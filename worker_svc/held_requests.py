@@ -62,8 +62,9 @@ class HeldRequests:
             self.forget(request_id, inputs)
         for new in request.new_requests:
             self.forget(new.request_id, inputs)  # sent again: its old row goes
-            state = self.states[new.request_id] = RequestState(new, eos_token_ids=self.eos_token_ids)
+            state = RequestState(new, eos_token_ids=self.eos_token_ids)
             state.row = inputs.add(new.sampling, split_groups(new.block_ids, groups))
+            self.states[new.request_id] = state  # held once it has its row
             if state.prompt_logprobs is not None:
                 self.prompt_logprobs.add(new.request_id)
             if state.image_ranges:

@@ -112,8 +112,12 @@ class InputBatch:
         if not self._free:
             self._grow()
         row = self._free.pop()
+        try:
+            self.set_blocks(row, block_tables, replace=True)
+        except ValueError:  # refused: the row stays free
+            self._free.append(row)
+            raise
         self._sampling.set(row, params)
-        self.set_blocks(row, block_tables, replace=True)
         return row
 
     def remove(self, row: int) -> None:
