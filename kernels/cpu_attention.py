@@ -188,6 +188,10 @@ class CpuKernels:
                         ("query_start_loc", plan.query_start_loc)):
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"{name} must be a contiguous CPU tensor")
+        short = plan.short_reqs
+        if short is not None and not (short.is_contiguous() and short.device.type == "cpu"
+                                      and short.dtype == torch.int32 and short.shape == (plan.num_short,)):
+            raise ValueError(f"the plan's short_reqs must be a contiguous int32 CPU tensor [{plan.num_short}]")
         spans = plan.bidir_spans
         if spans is not None and not (spans.is_contiguous() and spans.device.type == "cpu"
                                       and spans.dtype == torch.int32

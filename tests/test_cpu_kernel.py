@@ -247,6 +247,10 @@ def test_wrapper_checks_inputs(kernels):
         strided = torch.cat([k_cache, k_cache], -1)[..., :64]  # same shape, not contiguous
         kernels.short_attention(query, strided, strided, plan, 0.1, None, None,
                                 torch.empty_like(query))
+    for short in (torch.arange(5), torch.arange(4, dtype=torch.int32)):  # int64; one request short
+        with pytest.raises(ValueError, match="short_reqs"):
+            kernels.short_attention(query, k_cache, v_cache, dataclasses.replace(plan, short_reqs=short),
+                                    0.1, None, None, torch.empty_like(query))
 
 
 def test_library_is_built_once_per_source_and_cpu(tmp_path, monkeypatch):
