@@ -56,7 +56,8 @@ def test_every_requirement_is_in_the_image_carried_or_left_out_with_a_reason():
 
 def run_check(tmp_path, **kw) -> "check.Check":
     args = argparse.Namespace(out=tmp_path / "out", work=tmp_path / "work", budget_s=kw.get("budget_s", 60.0),
-                              limit_scale=1.0, device="cpu", bundle=tmp_path / "bundle", test_workers=1)
+                              limit_scale=1.0, device=kw.get("device", "cpu"), bundle=tmp_path / "bundle",
+                              test_workers=1)
     return check.Check(args)
 
 
@@ -121,3 +122,14 @@ def test_gpu_test_files_are_found_by_their_marker(tmp_path, vision):
         assert {"tests/test_triton_kernels.py", "tests/test_cuda_runner.py",
                 "tests/test_triton_bidirectional.py"} <= set(files)  # the last: marks through triton_cases
     assert all(("vision" in f) == vision for f in files)
+
+
+@pytest.mark.parametrize("device,status", [("cpu", "skipped"), ("cuda", "failed")])
+def test_a_test_step_in_which_no_test_ran_is_no_pass(tmp_path, device, status):
+    """Every GPU test skipped: on the CPU dry run that is expected (skipped); on a GPU
+    nothing was checked, so the step fails instead of counting as passed."""
+    test_file = tmp_path / "test_all_skip.py"
+    test_file.write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_x():\n    pytest.skip('needs CUDA')\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: on a GPU\n")
+    result = run_check(tmp_path, device=device).pytest("tests", [str(test_file)], limit=60.0)
+    assert result.status == status and "all 1 tests skipped" in result.reason

@@ -12,7 +12,8 @@ box inside one overall budget (`--budget-s`, 480 s), carrying on past a step tha
   install   the bundle's wheels and Redis; every service's modules import
   tests     the GPU-marked tests (`pytest -m gpu`): Triton kernels against the torch
             references in fp16/bf16, the CUDA worker against transformers, CUDA-graph
-            replay against eager steps
+            replay against eager steps (on a GPU, a run in which every test skipped fails:
+            nothing was checked)
   vision    the GPU-marked Gemma 3 vision tests (tests/*vision*.py): the vision encoder,
             and images through the runner (Triton with bidirectional image spans), against
             transformers on CUDA
@@ -217,9 +218,10 @@ class Check:
         results = junit_summary(xml) if xml.exists() else {}
         results["files"] = files
         ran = results.get("tests", 0) - results.get("skipped", 0)
-        if code == 0 and ran == 0:
-            return StepResult(name, "skipped", reason=f"all {results.get('tests', 0)} tests skipped (no CUDA here)",
-                              results=results)
+        if code == 0 and ran == 0:  # nothing was checked: on a GPU that is a failure, not a pass
+            status = "failed" if self.cuda else "skipped"
+            return StepResult(name, status, reason=f"all {results.get('tests', 0)} tests skipped"
+                              + (" on the GPU: none ran" if self.cuda else " (no CUDA here)"), results=results)
         status = "passed" if code == 0 else "failed"
         reason = "" if code == 0 else f"pytest exit {code}: {len(results.get('failed', []))} failed"
         return StepResult(name, status, reason=reason, results=results)
