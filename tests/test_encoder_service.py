@@ -59,6 +59,21 @@ def jpeg(seed: int) -> MediaItem:
     return MediaItem("encoded", image.width, image.height, file_bytes(image, "JPEG"), "image/jpeg")
 
 
+def transformers_image_features(vision_dir, items: list[MediaItem]) -> list[torch.Tensor]:
+    """Gemma3ForConditionalGeneration's image features (fp32, CPU) of each stored file, its
+    pixels from AutoProcessor."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    images = [Image.open(io.BytesIO(item.data)).convert("RGB") for item in items]
+    pixels = AutoProcessor.from_pretrained(vision_dir).image_processor(images, return_tensors="pt")["pixel_values"]
+    hf = Gemma3ForConditionalGeneration.from_pretrained(vision_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return list(hf.get_image_features(pixels).pooler_output.float())
+
+
 def store(client: redis.Redis, keys: RedisKeys, *items: MediaItem) -> list[str]:
     hashes = []
     for item in items:
@@ -201,6 +216,13 @@ def test_the_service_publishes_what_a_worker_would_encode(vision_dir, redis_url,
     direct, failures = service.encoder.encode(hashes)  # the workers' own path
     published = service.published.fetch(hashes)
     assert not failures and all(torch.equal(published[h], direct[h]) for h in hashes)
+    # and what transformers makes of the same files: the reference, not the encoder again
+    expected = transformers_image_features(vision_dir, [jpeg(1), jpeg(2), jpeg(3)])
+    for h, want in zip(hashes, expected):
+        got = published[h].float()
+        tol = 1e-5 if published[h].dtype == torch.float32 else 0.03
+        assert got.shape == want.shape and (got - want).abs().max().item() <= tol * want.abs().max().item()
+    assert not torch.allclose(expected[0], expected[1])  # the images differ, and so do their features
     embedder = ImageEmbedder(service.encoder, EncoderCache(2**20), service.published)
     assert embedder.published.fingerprint == service.published.fingerprint
     found = embedder.published.fetch(hashes)
