@@ -95,8 +95,9 @@ def test_fleet_of_two_against_one(tiny_model_dir, redis_url, tmp_path):
     r = json.loads(out.read_text())
     assert r["workers"] == 2 and r["schedulers"] == 1 and r["baseline"]["workers"] == 1
     assert r["steps"] > 0 and r["output_tokens_per_s"] > 0 and r["one_worker_tokens_per_s"] > 0
-    assert r["ideal_tokens_per_s"] == pytest.approx(2 * r["one_worker_tokens_per_s"])
-    assert 0.3 < r["ideal_fraction"] < 2.0, r["ideal_fraction"]
+    # two workers serve more than one did alone (measured in its own run): the fleet scales
+    assert 0.6 < r["ideal_fraction"] < 2.0, r["ideal_fraction"]
+    assert r["output_tokens_per_s"] > 1.2 * r["one_worker_tokens_per_s"], r
     assert 0.0 < r["busy_fraction"] <= 1.0
     assert r["idle_gap_ms"]["count"] > 0 and r["idle_gap_ms"]["median"] >= 0
     # 256 of each 288-token prompt are shared: every admission after a prefix's first hits
@@ -105,5 +106,5 @@ def test_fleet_of_two_against_one(tiny_model_dir, redis_url, tmp_path):
     assert r["scheduler_cpu_ms_per_step"] > 0 and r["cpu_s"]["scheduler"] > 0
     assert r["requests_completed"] > 0 and r["requests_failed"] == 0, r["request_errors"]
     assert r["num_step_errors"] == 0 and r["publish_errors"] == 0, r["step_errors"]
-    # every sampled token came from a step with that many sequences at most
-    assert r["output_tokens"] <= r["steps"] * r["mean_seqs_per_step"] + 1e-6
+    # a step runs at most what the clients keep in flight (8), spread over the two workers
+    assert 0 < r["mean_seqs_per_step"] <= 8, r["mean_seqs_per_step"]
