@@ -5,7 +5,9 @@ scheduler → gRPC → worker) on the tiny `gemma3-vision` checkpoint, fp32, aga
 
 - 18 concurrent greedy chats with 1, 2 and 8 images (PNG, JPEG, RGBA, grayscale, palette,
   odd sizes and aspect ratios), most longer than the 48-token sliding window, with chunked
-  prefill (a 64-token budget) and a KV pool small enough to preempt, token for token;
+  prefill (a 64-token budget) and a KV pool small enough to preempt, token for token and
+  each token's logprob (the tiny model's greedy tokens alone do not follow its images: a
+  control shows that other images move the reference's logprobs);
 - a repeated image is a prefix-cache hit and answers the same; a different image behind the
   same placeholder tokens is not;
 - a streamed answer; a short video equal to its sampled frames sent as images with the same
@@ -104,16 +106,25 @@ def test_concurrent_chats_with_images_equal_transformers(vision):
         async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300) as c:
             return await asyncio.gather(*(
                 c.chat.completions.create(model=stack.served_model_name, messages=api, max_tokens=m,
-                                          temperature=0, extra_body={"return_token_ids": True})
+                                          temperature=0, logprobs=True, extra_body={"return_token_ids": True})
                 for (api, _, _), m in zip(cases, max_tokens)))
 
     answers = asyncio.run(all_of_them())
-    long_prompts = 0
+    long_prompts = changed = 0
     for seed, ((_, messages, images), m, answer) in enumerate(zip(cases, max_tokens, answers)):
-        expected = hf_greedy(hf, processor, messages, images, m)
-        assert answer.choices[0].token_ids == expected, seed
+        # the tiny model's greedy tokens barely follow its images; their logprobs do
+        expected, expected_logprobs = hf_logprobs(hf, processor, messages, images, m)
+        choice = answer.choices[0]
+        assert choice.token_ids == expected, seed
+        logprobs = [t.logprob for t in choice.logprobs.content]
+        assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 2e-4, seed
         long_prompts += answer.usage.prompt_tokens > 48
+        if seed < 6:  # the control: other images, the same words: the reference's logprobs move
+            others = [Image.open(io.BytesIO(media(900 + 10 * seed + i)[0])) for i in range(len(images))]
+            _, other_logprobs = hf_logprobs(hf, processor, messages, others, m)
+            changed += max(abs(a - b) for a, b in zip(other_logprobs, expected_logprobs)) > 2e-3
     assert long_prompts >= 12  # most prompts outgrow the sliding window
+    assert changed >= 5, changed  # other images move the reference by far more than the tolerance
     (stats,) = wait_until_idle(stack).values()
     assert stats.integrity_error is None and stats.num_free_blocks == stats.num_blocks
     assert stats.num_preemptions >= 1, "the pool was meant to be small enough to preempt"
