@@ -77,7 +77,6 @@ class InputBatch:
                  device: torch.device, graph_capacity: int = 0, rows: int = 64,
                  separate_device_memory: bool | None = None):
         self.num_groups, self.block_size, self.width = num_groups, block_size, max_blocks_per_req
-        self.vocab_size = vocab_size
         self.device = device
         self._on_gpu = device.type != "cpu" if separate_device_memory is None else separate_device_memory
         self._tables = np.zeros((num_groups, rows, max_blocks_per_req), dtype=np.int32)

@@ -271,7 +271,7 @@ class ModelRunner:
                 return False
         for request_id in request.num_scheduled_tokens:
             state = self.held.states.get(request_id)
-            if state is not None and (state.grammar is not None or state.edits or state.sampling.HasField("logprobs")
+            if state is not None and (state.grammar is not None or state.edits or state.logprobs is not None
                                       or state.num_computed_tokens < state.images_end
                                       or (state.prompt_logprobs is not None
                                           and state.num_computed_tokens < state.num_prompt_tokens - 1)):
