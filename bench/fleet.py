@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.model is None:
         args.model = str(run_dir / "model")
         if not (Path(args.model) / "config.json").exists():
-            from worker_svc.make_model import make_model  # torch: only to make it once
+            from tools.make_model import make_model  # torch: only to make it once
 
             make_model(Path(args.model), preset="tiny", seed=0)
     children = Children(run_dir)

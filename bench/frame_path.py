@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="frame-path-") as tmp:
         model_dir = args.model_dir
         if model_dir is None:
-            from worker_svc.make_model import make_model
+            from tools.make_model import make_model
             model_dir = make_model(Path(tmp) / "tiny-vision", preset="tiny", arch="gemma3-vision", seed=0)
         config = StackConfig(model=str(model_dir), port=free_port(), run_dir=Path(tmp) / "run",
                              worker_args=("--threads", "1"), startup_timeout_s=300)

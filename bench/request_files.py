@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model = Path(args.model_dir)
     if not (model / "config.json").exists():
-        from worker_svc.make_model import make_model
+        from tools.make_model import make_model
         make_model(model, preset="tiny", seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         hook_dir, trace_dir = Path(tmp, "hook"), Path(tmp, "trace")

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="token-path-") as tmp:
         model_dir = args.model_dir
         if model_dir is None:
-            from worker_svc.make_model import make_model
+            from tools.make_model import make_model
             model_dir = make_model(Path(tmp) / "tiny", preset="tiny", seed=0)
         report = run(model_dir, args.concurrency, args.max_tokens, args.waves, Path(tmp) / "run",
                      tuple(args.worker_arg), tuple(args.gateway_arg))

@@ -168,7 +168,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from worker_svc.make_model import make_model
+    from tools.make_model import make_model
 
     try:
         path = make_model(Path(args.dir), preset=args.preset, seed=args.seed, arch=args.arch,
@@ -195,7 +195,7 @@ def run_up(args: argparse.Namespace) -> int:
     if model is None:
         model = str(Path("models") / args.preset)
         if not (Path(model) / "config.json").exists():
-            from worker_svc.make_model import make_model
+            from tools.make_model import make_model
 
             print(f"no --model given: making the `{args.preset}` preset in {model} (once)", flush=True)
             make_model(Path(model), preset=args.preset, seed=0)

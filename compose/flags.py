@@ -214,7 +214,7 @@ def add_make_model_flags(f: EnvFlags) -> None:
                           help="write everything but the weights (serve it with --load-format dummy)")
 
 
-# worker_svc/model_presets.py's PRESETS, named here so that --help needs no torch
+# tools/model_presets.py's PRESETS, named here so that --help needs no torch
 MAKE_MODEL_PRESETS = ["tiny", "small", "1b", "gemma-3-4b-it", "gemma-3-12b-it", "gemma-3-27b-it"]
 
 

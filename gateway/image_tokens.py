@@ -15,7 +15,7 @@ transformers saves (no torch, no worker code):
 `ImageTokens.read(model_dir, tokenizer)` is None for a text checkpoint (every other
 architecture): such a model takes no images.
 
-Gemma3Processor's expansion rule (worker_svc/make_vision_model.py pins it against the
+Gemma3Processor's expansion rule (tools/make_vision_model.py pins it against the
 processor): each `<start_of_image>` the chat template renders becomes `expanded`,
 
     "\\n\\n<start_of_image>" + mm_tokens_per_image × "<image_soft_token>" + "<end_of_image>\\n\\n"

@@ -96,7 +96,7 @@ def redis_url(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A `tiny` preset checkpoint (random weights, local BPE tokenizer), made once per session."""
-    from worker_svc.make_model import make_model
+    from tools.make_model import make_model
 
     out = tmp_path_factory.mktemp("tiny-model")
     make_model(out, preset="tiny", seed=0)
@@ -106,7 +106,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def family_model_dir(tmp_path_factory):
     """`family_model_dir(arch)`: that family's `tiny` checkpoint, made once per session."""
-    from worker_svc.make_model import make_model
+    from tools.make_model import make_model
 
     made: dict[str, Path] = {}
 

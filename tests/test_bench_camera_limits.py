@@ -8,7 +8,7 @@ import sys
 from types import SimpleNamespace
 
 from tests.test_bench_compare import BENCH, bench_module
-from worker_svc.make_model import make_model
+from tools.make_model import make_model
 
 
 def test_attended_keys_cap_sliding_layers_at_their_window():

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from kernels.backend import TORCH_BACKEND
 from proto import worker_pb2
 from worker_svc.image_preprocess import ImagePreprocessConfig, preprocess_image
-from worker_svc.make_model import make_model
+from tools.make_model import make_model
 from worker_svc.model.decoder import DecoderForCausalLM
 from worker_svc.model.gemma3_vision import Gemma3VisionEncoder, load_vision_encoder
 from worker_svc.model.image_placement import (
@@ -44,7 +44,7 @@ def images(seed: int, sizes: list[tuple[int, int]]) -> list[Image.Image]:
 
 
 def expand(text: str, num_crops: list[int] | None = None) -> str:
-    """Gemma3Processor's prompt expansion, as worker_svc/make_vision_model.py states it."""
+    """Gemma3Processor's prompt expansion, as tools/make_vision_model.py states it."""
     full = "\n\n<start_of_image>" + "<image_soft_token>" * MM_TOKENS + "<end_of_image>\n\n"
     parts = text.split("<start_of_image>")
     crops = num_crops or [0] * (len(parts) - 1)

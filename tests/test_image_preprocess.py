@@ -15,9 +15,9 @@ from PIL import Image
 
 from proto.pan_and_scan import CropBox, PanAndScan
 from worker_svc.image_preprocess import ImagePreprocessConfig, preprocess_image, preprocess_piece, rgb_array
-from worker_svc.local_tokenizer import train_tokenizer
-from worker_svc.make_vision_model import save_gemma3_processor
-from worker_svc.model_presets import flavour
+from tools.local_tokenizer import train_tokenizer
+from tools.make_vision_model import save_gemma3_processor
+from tools.model_presets import flavour
 
 # Google's gemma-3-*-it preprocessor_config.json: the processor's defaults fill the nulls
 GOOGLE_PREPROCESSOR = {

@@ -1,6 +1,8 @@
 """No import cycles among the project's modules, counting imports inside functions too
 (a cycle hidden in a late import is still a cycle: two modules that cannot be read, or
-changed, one without the other)."""
+changed, one without the other). And the architecture's rules on who imports whom: no
+service imports `tools` (the checkpoint makers: `pagedserve make-model`, the tests, the
+benchmarks)."""
 
 import ast
 import tomllib
@@ -41,6 +43,20 @@ def imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         if target and target != name:
             found.add(target)
     return found
+
+
+SERVICES = ("gateway", "scheduler_svc", "worker_svc", "encoder_svc")
+
+
+def in_package(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def forbidden_imports(graph: dict[str, set[str]], importers: tuple[str, ...],
+                      forbidden: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(importer, imported) for every module of `importers` that imports one of `forbidden`."""
+    return sorted((name, target) for name, targets in graph.items() if in_package(name, importers)
+                  for target in targets if in_package(target, forbidden))
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -87,3 +103,23 @@ def test_no_import_cycles():
     graph = {name: imported(name, path, modules) for name, path in modules.items()}
     assert "compose.launcher" in graph["compose.commands"]  # imports are seen
     assert cycles(graph) == []
+
+
+def test_the_rule_checker_sees_a_service_importing_tools(tmp_path):
+    late = tmp_path / "late.py"
+    late.write_text("def run():\n    from tools.model_presets import PRESETS\n")
+    modules = {"worker_svc.late": late, "tools": late, "tools.model_presets": late, "gateway.tools": late}
+    graph = {"worker_svc.late": imported("worker_svc.late", late, modules),
+             "gateway.app": {"gateway.tools"},  # the gateway's own tools.py is not the package
+             "compose.commands": {"tools.make_model"}}
+    assert forbidden_imports(graph, SERVICES, ("tools",)) == [("worker_svc.late", "tools.model_presets")]
+
+
+def test_no_service_imports_tools():
+    """The checkpoint makers serve `pagedserve make-model`, the tests and the benchmarks; a
+    running service needs none of them (nor their torch-at-import presets)."""
+    modules = project_modules()
+    assert {"tools", "tools.make_model", "tools.model_presets"} <= set(modules)
+    graph = {name: imported(name, path, modules) for name, path in modules.items()}
+    assert "tools.model_presets" in graph["tools.make_model"]  # imports are seen
+    assert forbidden_imports(graph, SERVICES, ("tools",)) == []

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from worker_svc.make_model import make_model
+from tools.make_model import make_model
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Every family against transformers on its `tiny` checkpoint (each family's own parts
-switched on: worker_svc/model_presets.py): greedy tokens equal to `generate()` under
+switched on: tools/model_presets.py): greedy tokens equal to `generate()` under
 continuous batching with chunked prefill and a preemption, prompts longer than the
 sliding windows; all-row logits of a chunked prefill through the paged cache on the torch
 and cpu backends; bf16 logits within a stated tolerance of transformers in bf16."""

@@ -1,5 +1,5 @@
-"""`make-model --preset gemma-3-{4b,12b,27b}-it --config-only` (worker_svc/model_presets.py's
-RELEASES, worker_svc/release_tokenizer.py): the files of Google's Gemma 3 releases without
+"""`make-model --preset gemma-3-{4b,12b,27b}-it --config-only` (tools/model_presets.py's
+RELEASES, tools/release_tokenizer.py): the files of Google's Gemma 3 releases without
 their weights, read back by transformers; the special tokens at the real ids; and the
 gateway's prompt for a chat with one 896-px image equal to what transformers' processor,
 built from the written files, makes of it: 256 soft tokens, every special token at the id a
@@ -15,7 +15,7 @@ from PIL import Image
 from gateway_helpers import make_config, register_worker
 from gateway_image_helpers import submitted
 from media_helpers import data_url
-from worker_svc.make_model import make_model
+from tools.make_model import make_model
 
 # The ids of Gemma 3's tokenizer (google/gemma-3-*-it's tokenizer_config.json)
 REAL_IDS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<start_of_turn>": 105, "<end_of_turn>": 106,
@@ -115,6 +115,6 @@ async def test_an_image_prompt_has_the_real_special_ids(release_dir, release_pro
 
 def test_the_cli_names_the_same_presets():
     from compose.flags import MAKE_MODEL_PRESETS
-    from worker_svc.model_presets import PRESETS
+    from tools.model_presets import PRESETS
 
     assert MAKE_MODEL_PRESETS == list(PRESETS)

@@ -147,8 +147,8 @@ def download_debs(dest: Path) -> list[Path]:
 def save_tokenizers(dest: Path) -> list[Path]:
     """Each (arch, preset)'s tokenizer files, tokenizer.json gzipped (a 1b vocabulary is
     10 MB of JSON, 1.8 MB gzipped)."""
-    from worker_svc.local_tokenizer import train_tokenizer
-    from worker_svc.model_presets import flavour, shape
+    from tools.local_tokenizer import train_tokenizer
+    from tools.model_presets import flavour, shape
 
     files = []
     for arch, preset in TOKENIZERS:

@@ -53,7 +53,7 @@ FPS, FRAMES, ANSWER_TOKENS = 2.0, 8, 16  # the workload: frames a camera-second,
 
 
 def make_release(args) -> Path:
-    from worker_svc.make_model import make_model
+    from tools.make_model import make_model
 
     out = args.work / args.preset
     if not (out / "config.json").exists():

@@ -51,7 +51,7 @@ def carried_tokenizer(folder: Path, into: Path) -> Path:
 
 
 def make_checkpoint(args) -> Path:
-    from worker_svc.make_model import make_model
+    from tools.make_model import make_model
 
     out = args.work / f"llama-{args.preset}"
     if (out / "config.json").exists():

@@ -12,7 +12,7 @@ The output has the encoder's dtype; it goes, as it is, over the image's soft-tok
 the decoder's (already scaled) input embeddings: worker_svc/model/image_placement.py.
 
 In the prompt an image is `<start_of_image>`, mm_tokens_per_image × `<image_soft_token>`,
-`<end_of_image>`, with "\\n\\n" on each side as text (worker_svc/make_vision_model.py has the
+`<end_of_image>`, with "\\n\\n" on each side as text (tools/make_vision_model.py has the
 processor's exact expansion rule); `Gemma3VisionConfig` carries the three token ids.
 
 Weights: `load_weights` takes every (name, tensor) of the checkpoint, in any of its layouts

@@ -6,9 +6,9 @@ checkpoint uses: the family's transformers config + `AutoModelForCausalLM.from_c
 `save_pretrained`, and a `generation_config.json`. The folder then loads with
 `AutoTokenizer` / `AutoModelForCausalLM` and with our own worker. Families (`arch`: llama,
 qwen2, qwen3, mistral, gemma3, gemma3-vision), sizes and what each switches on:
-worker_svc/model_presets.py. `gemma3-vision` is Gemma3ForConditionalGeneration (the gemma3
+tools/model_presets.py. `gemma3-vision` is Gemma3ForConditionalGeneration (the gemma3
 text part, a SigLIP tower, Gemma 3's projector) saved with its processor:
-worker_svc/make_vision_model.py says what it writes and how a prompt's images expand.
+tools/make_vision_model.py says what it writes and how a prompt's images expand.
 
 Tokenizer: a byte-level BPE trained with `tokenizers` on the Python standard library's
 own sources (files read in sorted order, capped per preset, so the result is the same on
@@ -36,15 +36,15 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.make_vision_model import (
+from tools.make_vision_model import (
     gemma3_vision_config,
     image_token_ids,
     perturb_vision_weights,
     save_gemma3_processor,
 )
-from worker_svc.local_tokenizer import train_tokenizer
-from worker_svc.release_tokenizer import TOKENIZER_SIZE, release_tokenizer
-from worker_svc.model_presets import (
+from tools.local_tokenizer import train_tokenizer
+from tools.release_tokenizer import TOKENIZER_SIZE, release_tokenizer
+from tools.model_presets import (
     ARCHS,
     RELEASES,
     VISION_ARCHS,
@@ -59,13 +59,13 @@ def make_model(out_dir, preset: str = "tiny", seed: int = 0, arch: str = "llama"
                tokenizer_dir=None, config_only: bool = False) -> Path:
     """Write a random `preset` checkpoint of family `arch` (config, safetensors, tokenizer,
     generation config) into `out_dir` and return its path. Same arch + preset + seed → same
-    files. Sizes and each family's switches: worker_svc/model_presets.py. `tokenizer_dir`:
+    files. Sizes and each family's switches: tools/model_presets.py. `tokenizer_dir`:
     take the tokenizer this function trained earlier for the same arch and preset from
     that folder instead of training it again (the GPU check carries the `1b` one).
     `config_only`: everything but the weights, for `--load-format dummy`; the Gemma 3
     releases' presets (`gemma-3-4b-it`, ...) are written that way only, with their published
     configs and a tokenizer whose special tokens sit at the real ids
-    (worker_svc/release_tokenizer.py)."""
+    (tools/release_tokenizer.py)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     if arch not in ARCHS:

@@ -1,5 +1,5 @@
 """The vision-language parts of a `gemma3-vision` checkpoint for `pagedserve make-model`
-(worker_svc/make_model.py trains the tokenizer, scales the LM head, perturbs the text norms
+(tools/make_model.py trains the tokenizer, scales the LM head, perturbs the text norms
 and saves; this file builds the model around the text config and writes the processor).
 
 What the folder holds after `make_model(DIR, preset, arch="gemma3-vision")`:
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.model_presets import GEMMA3_IMAGE_TOKENS, VisionShape, vision_shape
+from tools.model_presets import GEMMA3_IMAGE_TOKENS, VisionShape, vision_shape
 
 IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)  # Gemma 3's preprocessor_config.json
 BILINEAR = 2  # PIL.Image.Resampling.BILINEAR, as Gemma 3's configs name it

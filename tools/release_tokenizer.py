@@ -11,7 +11,7 @@ The ids (Gemma 3's tokenizer, 262,145 entries; the model's vocabulary is 262,208
     255999 <start_of_image>   256000 <end_of_image>   262144 <image_soft_token>
 
 Between them: a byte-level BPE trained on the standard library's sources
-(worker_svc/local_tokenizer.py's `train_bpe`) from id 107 up, then one unreachable
+(tools/local_tokenizer.py's `train_bpe`) from id 107 up, then one unreachable
 placeholder `<token_N>` for each id of the real vocabulary's words this tokenizer does not have
 (no merge makes one, so text never encodes to them; an id the model emits decodes to its placeholder). Only the special
 tokens' ids are the release's: ordinary text encodes to other ids than on a real checkpoint.
@@ -19,8 +19,8 @@ tokens' ids are the release's: ordinary text encodes to other ids than on a real
 
 import json
 
-from worker_svc.local_tokenizer import train_bpe, wrap_tokenizer
-from worker_svc.model_presets import ChatFlavour
+from tools.local_tokenizer import train_bpe, wrap_tokenizer
+from tools.model_presets import ChatFlavour
 
 LOW_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "[multimodal]",
                 *(f"<unused{i}>" for i in range(99)), "<start_of_turn>", "<end_of_turn>")  # ids 0..106

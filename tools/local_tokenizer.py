@@ -1,14 +1,14 @@
 """The tokenizers `make-model` trains here: a byte-level BPE over the Python standard
 library's own sources (files read in sorted order, capped per preset, so the result is the
 same on every run on a given machine), wrapped as a `PreTrainedTokenizerFast` with a family's
-special tokens, BOS and chat template (worker_svc/model_presets.py's `ChatFlavour`).
-worker_svc/release_tokenizer.py lays one out at a real release's special-token ids."""
+special tokens, BOS and chat template (tools/model_presets.py's `ChatFlavour`).
+tools/release_tokenizer.py lays one out at a real release's special-token ids."""
 
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from worker_svc.model_presets import ChatFlavour
+from tools.model_presets import ChatFlavour
 
 
 def _stdlib_texts(max_chars: int | None) -> Iterator[str]:

@@ -24,7 +24,7 @@ from types import MappingProxyType
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma3-vision")
-VISION_ARCHS = ("gemma3-vision",)  # Gemma3ForConditionalGeneration: worker_svc/make_vision_model.py
+VISION_ARCHS = ("gemma3-vision",)  # Gemma3ForConditionalGeneration: tools/make_vision_model.py
 
 
 @dataclass(frozen=True)
@@ -247,7 +247,7 @@ GEMMA_TURNS = (
 
 # Google's chat template of the Gemma 3 checkpoints (gemma-3-4b-it and up), verbatim: a
 # content list renders its {"type": "image"} parts as <start_of_image>, which the processor
-# then expands (the rule: worker_svc/make_vision_model.py).
+# then expands (the rule: tools/make_vision_model.py).
 GEMMA3_TEMPLATE = (
     "{{ bos_token }}\n"
     "{%- if messages[0]['role'] == 'system' -%}\n"
