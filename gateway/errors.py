@@ -13,10 +13,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import iter_route_contexts
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match, Route
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
@@ -120,10 +121,11 @@ async def _http_handler(request: Request, exc: Exception) -> JSONResponse:
 
 def _allowed_methods(request: Request, allowed: str) -> list[str]:
     """`allowed` and the methods of every other route of the app at this path (Starlette's
-    405 names the first route's only, and a path such as /v1/files has one route per method)."""
+    405 names the first route's only, and a path such as /v1/files has one route per method),
+    the routes of the included routers (gateway/routes/) among them."""
     methods = {m.strip() for m in allowed.split(",") if m.strip()}
-    for route in request.app.router.routes:
-        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] != Match.NONE:
+    for route in iter_route_contexts(request.app.router.routes):
+        if route.methods and route.matches(request.scope)[0] != Match.NONE:
             methods.update(route.methods)
     return sorted(methods)
 

@@ -1,6 +1,6 @@
 """/openapi.json: the contract of this gateway, built once per app.
 
-FastAPI writes the routes and their `responses=` (gateway/openapi_responses.py); this adds
+FastAPI writes the routes and their `responses=` (gateway/openapi_answers.py); this adds
 what it cannot infer and what depends on the server:
 
 * the request bodies: the routes read and validate the raw body themselves (size limit
@@ -16,7 +16,7 @@ what it cannot infer and what depends on the server:
   want an API key when the gateway has keys.
 
 So that a body this document calls valid is one the gateway takes, up to the refusals no
-JSON Schema can state (gateway/openapi_responses.py, BEYOND_SCHEMA). A third-party fuzzer
+JSON Schema can state (gateway/openapi_answers.py, BEYOND_SCHEMA). A third-party fuzzer
 holds the gateway to it (tests/test_openapi_contract.py; docs/api.md, "The OpenAPI document
 is the contract").
 """
@@ -32,7 +32,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from gateway.openapi_responses import FILES_PATH, MEDIA_CODES, ErrorBody, error_responses
+from gateway.openapi_answers import FILES_PATH, MEDIA_CODES, ErrorBody, error_responses
 from gateway.schema_rules import min_tokens_within_default
 
 JsonSchema = dict[str, Any]

@@ -1,6 +1,6 @@
 """Pydantic models of the OpenAI request schema: /v1/completions and /v1/chat/completions.
 (A chat message and a tool: `gateway.chat_message`; its content parts:
-`gateway.content_parts`; response shapes: `gateway.response_models`.)
+`gateway.content_parts`; response shapes: `gateway.completion_models`.)
 
 Requests are strict (a string is not a number). Unknown fields are accepted and ignored, as
 vLLM does (frameworks add their own extras): `gateway.request_part.ignored_fields` names

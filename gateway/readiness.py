@@ -4,7 +4,7 @@ Ready means: Redis answers, the gateway's reply channel is subscribed (token eve
 reach it), at least one scheduler's heartbeat is live (proto/scheduler_registry.py) and at
 least one of those schedulers drives a worker whose registration is live (the registry
 admission reads the model's workers from: a scheduler that still names a worker whose key
-vanished with a Redis restart does not make the gateway ready). `/health/ready` (gateway/health.py)
+vanished with a Redis restart does not make the gateway ready). `/health/ready` (gateway/routes/health.py)
 answers it; admission (gateway/admission.py) refuses requests with it before enqueueing.
 """
 

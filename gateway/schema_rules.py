@@ -9,7 +9,7 @@ doubles that union at least. With the fifty-odd fields of a chat request it give
 three such rules (the operation is then not tested at all), so each request model carries
 at most three top-level rules. The other rules that span fields are left out of the schema
 and their refusals carry their own error codes, listed with the 400 of each route as
-`x-beyond-schema` (gateway/openapi_responses.py), beside what no JSON Schema can say:
+`x-beyond-schema` (gateway/openapi_answers.py), beside what no JSON Schema can say:
 a prompt too long for the context, a grammar llguidance cannot compile, ...
 """
 

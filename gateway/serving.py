@@ -13,20 +13,29 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from gateway.completion_models import Usage
+from gateway.completion_output import ChoiceResult, OutputFormat, usage
 from gateway.errors import OpenAIError
 from gateway.generation_group import Generating
-from gateway.responses import ChoiceResult, OutputFormat, usage
 from gateway.sse_chunks import TextChunks
 
 logger = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.25
 _DONE = "data: [DONE]\n\n"
+
+
+class BodyFormat(Protocol):
+    """What `collect` needs of an output format: the finished choices as one body (an
+    `OutputFormat`, or the Responses API's `ResponsesFormat`)."""
+
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> BaseModel: ...
 
 
 def _event(chunk: BaseModel, include_usage: bool) -> str:
@@ -80,7 +89,7 @@ async def stream_sse(generation: Generating, fmt: OutputFormat, *, include_usage
     yield _DONE
 
 
-async def collect(generation: Generating, fmt: OutputFormat, *, num_prompt_tokens: int,
+async def collect(generation: Generating, fmt: BodyFormat, *, num_prompt_tokens: int,
                   request: Request) -> Response:
     """Run the generation to its end and answer with one JSON body; abort if the client
     disconnects first (OpenAIErrors propagate to the app's handler)."""

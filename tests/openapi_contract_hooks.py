@@ -6,7 +6,7 @@
 
 One kind of failure the `filter_failure` hook lets through: a body the document calls valid,
 refused with a 400 whose error code the operation's own 400 response lists under
-`x-beyond-schema` (gateway/openapi_responses.py): the rules no JSON Schema can state (a
+`x-beyond-schema` (gateway/openapi_answers.py): the rules no JSON Schema can state (a
 prompt too long for the context, min_tokens above max_tokens, a grammar llguidance cannot
 compile, what an image URL holds, ...). Every other refusal of a valid body, and every
 other check, still fails the run; schemathesis counts the dropped failures in its summary.

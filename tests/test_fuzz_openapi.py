@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.app import create_app
+from gateway.completion_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
+                                       CompletionResponse)
 from gateway.config import GatewayConfig
-from gateway.response_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
-                                     CompletionResponse)
-from gateway.responses_output import ResponseObject
+from gateway.responses_api.output import ResponseObject
 from tests.stack_helpers import running_stack
 
 pytestmark = pytest.mark.e2e

@@ -35,7 +35,7 @@ from schemathesis.openapi.checks import RejectedPositiveData
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.openapi_responses import BEYOND_SCHEMA, MEDIA_BEYOND_SCHEMA
+from gateway.openapi_answers import BEYOND_SCHEMA, MEDIA_BEYOND_SCHEMA
 from tests.openapi_contract_hooks import filter_failure
 from tests.stack_helpers import running_stack
 
@@ -233,7 +233,7 @@ def test_schemathesis_can_generate_every_body(variant, tiny_model_dir, vision_di
 def test_beyond_schema_codes_are_the_gateways():
     """Every code the document may list is one the gateway raises (so the hook can match it)."""
     source = "\n".join(p.read_text() for p in Path(__file__).parents[1].joinpath("gateway").rglob("*.py")
-                       if p.name != "openapi_responses.py")
+                       if p.name != "openapi_answers.py")
     for code, _ in BEYOND_SCHEMA + MEDIA_BEYOND_SCHEMA:
         assert re.search(rf"""["']{code}["']""", source), code
 
@@ -296,7 +296,7 @@ def test_what_the_schema_refuses_the_gateway_refuses(model, body):
     """0 is not false (the document's enum says so), and /tokenize refuses the template
     call's own arguments in chat_template_kwargs as chat does."""
     from gateway.protocol import ChatCompletionRequest, CompletionRequest
-    from gateway.responses_request import ResponsesRequest
+    from gateway.responses_api.request import ResponsesRequest
     from gateway.tokenize_models import TokenizeChatRequest
 
     cls = {c.__name__: c for c in (ChatCompletionRequest, CompletionRequest, ResponsesRequest,

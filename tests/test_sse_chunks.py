@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.completion_output import ChatFormat, CompletionFormat, CompletionPrompt
 from gateway.generation import GenerationOutput
-from gateway.responses import ChatFormat, CompletionFormat, CompletionPrompt
 from gateway.sse_chunks import TextChunks
 
 TEXTS = [chr(c) for c in range(128)] + [

@@ -8,7 +8,8 @@ its `file_id` in later requests (the Responses API's `input_image`, chat's `file
     store.py       FileStore: upload (the image checked and stored as a media item), list,
                    get, content, delete; per API key, each file until its expires_at
     references.py  FileReferences: a request's parts by file_id → the images they name
-    routes.py      the five routes
+
+The five /v1/files routes over the store are gateway/routes/files.py.
 
 An image file is stored once, as the `MediaItem` an inline image of the same bytes is
 (gateway/media/store.py, under its content hash), and the file's record points at that

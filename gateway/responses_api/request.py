@@ -1,6 +1,6 @@
 """OpenAI's Responses API request (`POST /v1/responses`), and how it becomes a chat
 completion request: the gateway serves it with the same template, tools, grammar and
-scheduler path as /v1/chat/completions (gateway/responses_output.py shapes the answer).
+scheduler path as /v1/chat/completions (gateway/responses_api/output.py shapes the answer).
 
     instructions                        a system message first
     input: "text"                       one user message
@@ -26,17 +26,17 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
-from gateway import responses_schema as wire
-from gateway.errors import OpenAIError, invalid
-from gateway.protocol import INT32_MAX, SERVED_MODEL
+from gateway.errors import OpenAIError, from_validation_errors, invalid
+from gateway.protocol import INT32_MAX, SERVED_MODEL, ChatCompletionRequest
 from gateway.request_part import RequestPart, int_in
+from gateway.responses_api import schema as wire
 from gateway.schema_rules import tool_choice_needs_tools, when
 
 
 class ResponsesRequest(RequestPart):
-    # The dict-typed fields publish what the translation below accepts (gateway/responses_schema.py).
+    # The dict-typed fields publish what the translation below accepts (gateway/responses_api/schema.py).
     model_config = ConfigDict(json_schema_extra={"allOf": [
         wire.INPUT_NOT_EMPTY,
         tool_choice_needs_tools(),
@@ -229,3 +229,21 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
     if response_format is not None:
         chat["response_format"] = response_format
     return chat
+
+
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion request this request amounts to, validated as /v1/chat/completions
+    validates its body (errors in chat's names: `as_responses_error` renames them)."""
+    try:
+        return ChatCompletionRequest.model_validate(chat_body(body))
+    except ValidationError as exc:
+        raise from_validation_errors(list(exc.errors(include_url=False))) from None
+
+
+def echoed_fields(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's fields that its `response` object repeats, those that were sent."""
+    return {key: value for key, value in (
+        ("instructions", body.instructions), ("metadata", body.metadata), ("temperature", body.temperature),
+        ("top_p", body.top_p), ("max_output_tokens", body.max_output_tokens), ("tools", body.tools),
+        ("tool_choice", body.tool_choice), ("parallel_tool_calls", body.parallel_tool_calls),
+        ("text", body.text)) if value is not None}

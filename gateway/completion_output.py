@@ -1,4 +1,8 @@
-"""The two response shapes, behind one interface so streaming and collecting code is shared.
+"""The output of /v1/completions and /v1/chat/completions: a Generation's outputs made into
+their `text_completion` / `chat.completion` bodies and stream chunks (gateway/completion_models.py),
+the two formats behind one interface (`OutputFormat`) so that streaming and collecting code
+is shared (gateway/serving.py). The Responses API answers in its own shapes
+(gateway/responses_api/output.py).
 
 Streams follow OpenAI: chat sends a first chunk per choice with `delta.role`, then content
 deltas, then a chunk with an empty delta and the finish_reason; completions send text
@@ -22,12 +26,12 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
+from gateway.completion_models import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                       ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
+                                       CompletionChoice, CompletionChunk, CompletionLogprobs,
+                                       CompletionResponse, Delta, FunctionCall, FunctionCallDelta,
+                                       PromptTokensDetails, ToolCall, ToolCallDelta, TopLogprob, Usage, now)
 from gateway.generation import GenerationOutput
-from gateway.response_models import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                     ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
-                                     CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                     CompletionResponse, Delta, FunctionCall, FunctionCallDelta,
-                                     PromptTokensDetails, ToolCall, ToolCallDelta, TopLogprob, Usage, now)
 from gateway.token_text import TokenTexts
 from gateway.tool_parsers.calls import ToolParser
 from gateway.tool_parsers.stream import ToolCallStream, extract_tool_calls

@@ -1,8 +1,8 @@
 """The JSON Schema /openapi.json publishes for the fields of a Responses API request
-(`gateway/responses_request.py`), which the model keeps as plain dicts and translates into
+(`gateway/responses_api/request.py`), which the model keeps as plain dicts and translates into
 a chat request: `input` items, `tools`, `tool_choice`, `text`. Each says exactly what the
 translation and the chat request it makes accept, so a body the document calls valid is
-one the gateway takes (up to what no schema can say: see gateway/openapi_responses.py).
+one the gateway takes (up to what no schema can say: see gateway/openapi_answers.py).
 
 The "x-" markers are filled in per server by gateway/openapi_document.py, as in
 gateway/protocol.py: "x-media" parts leave with a text model, "x-tools" / "x-tool-choice"

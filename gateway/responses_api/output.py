@@ -27,10 +27,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from gateway.completion_models import Usage, now
+from gateway.completion_output import ChoiceResult, usage
 from gateway.errors import OpenAIError
 from gateway.generation_group import Generating
-from gateway.response_models import Usage, now
-from gateway.responses import ChoiceResult, usage
 from gateway.tool_parsers.calls import ToolParser
 from gateway.tool_parsers.stream import ToolCallStream, extract_tool_calls
 
@@ -112,7 +112,8 @@ def _usage(counts: Usage) -> ResponseUsage:
 
 
 class ResponsesFormat:
-    """Also the `OutputFormat` of serving.collect (only `response` is used there)."""
+    """Also a `BodyFormat` of serving.collect (its `response`), and the event stream of a
+    streamed request (`stream`)."""
 
     return_token_ids = False
 

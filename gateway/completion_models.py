@@ -1,5 +1,7 @@
-"""Pydantic models of the OpenAI response shapes: completions, chat completions, their
-stream chunks, logprobs, usage, /v1/models; and the health probes' answers."""
+"""Pydantic models of the bodies /v1/completions and /v1/chat/completions answer with: the
+`text_completion` and `chat.completion` objects, their stream chunks, logprobs and usage
+(gateway/completion_output.py fills them in). The Responses API's shapes are its own
+(gateway/responses_api/output.py)."""
 
 from __future__ import annotations
 
@@ -199,41 +201,3 @@ class ChatCompletionChunk(_TokenIdsWhenAsked):
     usage: Usage | None = None  # sent (as null until the last chunk) only with include_usage
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # first chunk only
-
-
-# ---- models ---------------------------------------------------------------------------------
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "pagedserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-# ---- health ---------------------------------------------------------------------------------
-
-class HealthStatus(BaseModel):
-    """/health: Redis answers."""
-
-    status: Literal["ok"] = "ok"
-
-
-class LiveStatus(BaseModel):
-    """/health/live: the process serves HTTP."""
-
-    status: Literal["live"] = "live"
-
-
-class ReadyStatus(BaseModel):
-    """/health/ready: a generation would be taken now, by these schedulers and workers."""
-
-    status: Literal["ready"] = "ready"
-    schedulers: list[str]
-    workers: list[str]
