@@ -41,8 +41,8 @@ sys.path.append(str(Path(__file__).resolve().parent))
 
 from roofline import step_cost  # noqa: E402  (bench/roofline.py)
 from vision_tower import flops_per_image  # noqa: E402  (bench/vision_tower.py)
-from worker_svc.model.config import DecoderConfig  # noqa: E402
-from worker_svc.model.registry import load_config, load_vision_config  # noqa: E402
+from modeling.config import DecoderConfig  # noqa: E402
+from modeling.registry import load_config, load_vision_config  # noqa: E402
 
 # Gemma3Processor's wrapping of one image ("\n\n", <start_of_image>, <end_of_image>, "\n\n"),
 # and bench/cameras.py's "Frame at MM:SS.ss:" label before it: about this many text tokens

@@ -1,6 +1,6 @@
 """A co-located CPU load for benchmarks: one process spinning on each given core (pinned
 there), as another tenant of a shared host would -- what a worker's compute threads must
-live with (worker_svc/cpu_threads.py).
+live with (modeling/cpu_threads.py).
 
     with cpu_hogs([0]):   # core 0 taken for the duration
         ...

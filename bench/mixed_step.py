@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a plain checkout
 sys.path.append(str(Path(__file__).resolve().parent))  # after ROOT: bench/kernels.py must not shadow kernels/
 
-from worker_svc.model.loader import resolve_dtype  # noqa: E402
-from worker_svc.model.registry import load_config  # noqa: E402
+from modeling.loader import resolve_dtype  # noqa: E402
+from modeling.registry import load_config  # noqa: E402
 
 import roofline  # noqa: E402  (bench/roofline.py)
 

@@ -40,8 +40,8 @@ from proc_cpu import cpu_seconds  # noqa: E402
 CATEGORIES = {
     "worker": [
         ("ModelRunner.step (all of a step)", "step (worker_svc/model_runner.py"),
-        ("  model forward", "forward (worker_svc/model/llama.py"),
-        ("    linear layers (packed oneDNN)", "forward (worker_svc/model/layers.py"),
+        ("  model forward", "forward (modeling/llama.py"),
+        ("    linear layers (packed oneDNN)", "forward (modeling/layers.py"),
         ("    decode attention (C kernel)", "short_attention (kernels/cpu_attention.py"),
         ("    prefill attention (gather + SDPA)", "paged_attention (kernels/torch_attention.py"),
         ("  sampling", "_sample (worker_svc/model_runner.py"),
@@ -49,8 +49,8 @@ CATEGORIES = {
         ("publishing token events (Redis)", "publish"),
     ],
     "scheduler": [
-        ("BatchScheduler.schedule", "schedule (scheduler_svc/batching.py"),
-        ("BatchScheduler.update", "update (scheduler_svc/batching.py"),
+        ("BatchScheduler.schedule", "schedule (scheduler_svc/policy/batching.py"),
+        ("BatchScheduler.update", "update (scheduler_svc/policy/batching.py"),
         ("gRPC Step call", "grpc"),
         ("Redis (stream reads, stats)", "redis"),
     ],

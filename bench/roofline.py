@@ -50,13 +50,13 @@ import torch  # noqa: E402
 from kvstore.cache_tensors import KV_CACHE_DTYPES  # noqa: E402
 from proto import worker_pb2  # noqa: E402
 from proto.messages import NewRequest, SamplingParams  # noqa: E402
-from scheduler_svc.batching import BatchScheduler  # noqa: E402
-from scheduler_svc.config import SchedulerConfig  # noqa: E402
+from scheduler_svc.policy.batching import BatchScheduler  # noqa: E402
+from scheduler_svc.policy.config import SchedulerConfig  # noqa: E402
 from worker_svc.config import RunnerConfig  # noqa: E402
 from worker_svc.host_memory import run_with_malloc_tunables  # noqa: E402
-from worker_svc.model.config import DecoderConfig  # noqa: E402
-from worker_svc.model.registry import load_config  # noqa: E402
-from worker_svc.model.loader import resolve_dtype  # noqa: E402
+from modeling.config import DecoderConfig  # noqa: E402
+from modeling.registry import load_config  # noqa: E402
+from modeling.loader import resolve_dtype  # noqa: E402
 from worker_svc.model_runner import ModelRunner  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # after ROOT: bench/kernels.py must not shadow kernels/
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype (the floor counts its bytes)")
     p.add_argument("--threads", type=int,
-                   help="torch threads (default: the worker's choice, worker_svc/cpu_threads.py)")
+                   help="torch threads (default: the worker's choice, modeling/cpu_threads.py)")
     p.add_argument("--batch", type=int, nargs="+", default=[64], help="decode batch sizes, one runner for all")
     p.add_argument("--context", type=int, default=320, help="tokens of context per request")
     p.add_argument("--steps", type=int, default=20)

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proto import worker_pb2  # noqa: E402
 from proto.messages import NewRequest, SamplingParams  # noqa: E402
-from scheduler_svc.batching import BatchScheduler  # noqa: E402
-from scheduler_svc.config import SchedulerConfig  # noqa: E402
+from scheduler_svc.policy.batching import BatchScheduler  # noqa: E402
+from scheduler_svc.policy.config import SchedulerConfig  # noqa: E402
 
 
 def stand_in_result(sched: BatchScheduler, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:

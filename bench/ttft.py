@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from compose.launcher import Stack  # noqa: E402
 from proto.messages import NewRequest, SamplingParams  # noqa: E402
-from scheduler_svc.batching import BatchScheduler  # noqa: E402
-from scheduler_svc.config import SchedulerConfig  # noqa: E402
+from scheduler_svc.policy.batching import BatchScheduler  # noqa: E402
+from scheduler_svc.policy.config import SchedulerConfig  # noqa: E402
 from worker_svc.config import RunnerConfig  # noqa: E402
 from worker_svc.model_runner import ModelRunner  # noqa: E402
 

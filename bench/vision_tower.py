@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a pl
 sys.path.append(str(Path(__file__).resolve().parent))  # after it: bench/kernels.py must not shadow kernels/
 
 from device_timing import device_time, matmul_rate  # noqa: E402  (bench/device_timing.py)
-from worker_svc.model.gemma3_vision import Gemma3VisionConfig, Gemma3VisionEncoder, read_vision_config  # noqa: E402
+from modeling.gemma3_vision import Gemma3VisionConfig, Gemma3VisionEncoder, read_vision_config  # noqa: E402
 
 # Gemma 3's vision_config (the same for 4B, 12B and 27B), as its config.json gives it
 SIGLIP_896 = {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "num_attention_heads": 16,

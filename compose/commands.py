@@ -35,7 +35,7 @@ def _runner_config(args: argparse.Namespace):
 
 
 def _batching_config(args: argparse.Namespace):
-    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.policy.config import SchedulerConfig
 
     return SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                            max_num_seqs=args.max_num_seqs,

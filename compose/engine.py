@@ -21,8 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from proto.messages import NewRequest, TokenEvent, WorkerStats
-from scheduler_svc.batching import BatchScheduler
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.policy.batching import BatchScheduler
+from scheduler_svc.policy.config import SchedulerConfig
 from scheduler_svc.metrics import WorkerRecorder
 from scheduler_svc.metrics import worker_stats
 from worker_svc.compute_thread import ComputeThread

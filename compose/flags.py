@@ -73,7 +73,7 @@ def add_runner_flags(f: EnvFlags) -> None:
           help="on a GPU, the largest decode batch replayed as a CUDA graph (graphs are captured at "
                "start for 1, 2, 4, 8, 16, ... up to it); larger decode batches run eagerly")
     f.add("--threads", type=int, help="CPU compute threads (default: the CPUs the process may use -- affinity "
-          "and cgroup quota -- adjusted while serving to what other processes leave: worker_svc/cpu_threads.py)")
+          "and cgroup quota -- adjusted while serving to what other processes leave: modeling/cpu_threads.py)")
     f.add("--seed", type=int, default=0)
     f.add("--encoder-cache-memory", type=parse_bytes, default="256MiB",
           help="vision models: memory on the device for image embeddings kept by content hash, "

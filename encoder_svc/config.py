@@ -18,7 +18,7 @@ class EncoderServiceConfig:
     dtype: str = "auto"  # resolved as the worker resolves it: the embeddings must be the worker's
     device: str = "cpu"
     threads: int | None = None  # CPU compute threads (None: the CPUs it may use: affinity, cgroup quota)
-    load_format: str = "auto"  # "dummy": random weights, as the workers' (worker_svc/model/dummy_weights.py)
+    load_format: str = "auto"  # "dummy": random weights, as the workers' (modeling/dummy_weights.py)
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "pagedserve"
     encoder_id: str = field(default_factory=_default_id)

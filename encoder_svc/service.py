@@ -10,8 +10,8 @@
            its batch is encoded, skipped when another encoder or a worker that took it
            over holds the claim, or published it meanwhile
         3. fetched, decoded, preprocessed and encoded in batches of --batch
-           (worker_svc/media_encoder.py, the workers' own path), published with
-           --embeddings-ttl-s and the claims given up (worker_svc/published_embeddings.py)
+           (vision/media_encoder.py, the workers' own path), published with
+           --embeddings-ttl-s and the claims given up (vision/published_embeddings.py)
         4. the jobs acknowledged: only now, so a crash before loses nothing
 
 A medium that cannot be had (expired, undecodable) is given up (its claim too) and counted
@@ -37,17 +37,17 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from encoder_svc.config import EncoderServiceConfig
 from encoder_svc.jobs import EncodeJobStream
+from modeling.cpu_threads import choose_threads
+from modeling.dummy_weights import check_config
+from modeling.loader import resolve_dtype
+from modeling.registry import load_config, load_vision_config
 from proto.encoder_messages import EncodeJob, EncoderRegistration, EncoderStats
 from proto.keys import RedisKeys
 from proto.metrics import EncoderRecorder, MetricsServer, serve_metrics, vision_families
 from proto.model_source import resolve_model, served_name
-from worker_svc.cpu_threads import choose_threads
-from worker_svc.media_encoder import MediaEncoder
-from worker_svc.media_source import RedisMediaSource
-from worker_svc.model.dummy_weights import check_config
-from worker_svc.model.loader import resolve_dtype
-from worker_svc.model.registry import load_config, load_vision_config
-from worker_svc.published_embeddings import PublishedEmbeddings
+from vision.media_encoder import MediaEncoder
+from vision.media_source import RedisMediaSource
+from vision.published_embeddings import PublishedEmbeddings
 
 log = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()

@@ -2,7 +2,7 @@
 
 A stack's requests are split over scheduler shards (scheduler_svc/service.py), each
 driving its own share of the workers and routing prefix-aware among them
-(scheduler_svc/routing.py). Across shards the gateway keeps requests that share a prefix
+(scheduler_svc/policy/routing.py). Across shards the gateway keeps requests that share a prefix
 together, so a shard's prefix cache serves them:
 
   * the request's affinity key is its first `affinity_tokens` prompt tokens (and the

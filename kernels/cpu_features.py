@@ -8,7 +8,7 @@ oneDNN takes.
     int8 dot        x86 `avx512_vnni` / `avx_vnni` (VNNI) or `amx_int8`; Arm `asimddp`
 
 Elsewhere a bf16 or fp16 matmul is emulated in fp32 and is slower than fp32 itself, so
-`--dtype auto` serves fp32 there (worker_svc/model/loader.py: resolve_dtype).
+`--dtype auto` serves fp32 there (modeling/loader.py: resolve_dtype).
 """
 
 import platform

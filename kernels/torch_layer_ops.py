@@ -19,7 +19,7 @@ rounds it), so greedy outputs agree with transformers token for token in fp32:
         qkv [T, (H + 2 KV) D]: the fused projection's output (q heads, k heads, v heads)
         q, k per head: rms_norm over D with q_norm / k_norm when given (Qwen3, Gemma 3)
         q, k rotated: x * cos[p] + (x2, x1) * sin[p], the tables full width and in dtype,
-            cos = (cos, cos), sin = (-sin, sin) (worker_svc/model/layers.RotaryEmbedding)
+            cos = (cos, cos), sin = (-sin, sin) (modeling/layers.RotaryEmbedding)
         k (rotated) and v written to slot_mapping[t] of the caches (slot < 0: not written)
         returns the rotated q [T, H, D] (here rows may be spaced apart; Triton's: contiguous)
     rope_tables(cos, sin, positions) -> (cos, sin, positions)

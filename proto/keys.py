@@ -131,11 +131,11 @@ class RedisKeys:
 
     def embeddings(self, fingerprint: str, content_hash: str) -> str:
         """A medium's image embeddings (EmbeddingsRecord) as one vision tower in one dtype
-        (`fingerprint`, worker_svc/published_embeddings.py) computes them, with a TTL."""
+        (`fingerprint`, vision/published_embeddings.py) computes them, with a TTL."""
         return f"{self.prefix}:embeds:{fingerprint}:{content_hash}"
 
     def encoding(self, content_hash: str) -> str:
         """`queued` (the gateway announced the medium), or held (short TTL) by the encoder
         or worker encoding it now, until it has published the embeddings: the scheduler
-        routes a request needing it afterwards (worker_svc/published_embeddings.py)."""
+        routes a request needing it afterwards (vision/published_embeddings.py)."""
         return f"{self.prefix}:encoding:{content_hash}"

@@ -226,7 +226,7 @@ class VisionStats(msgspec.Struct, frozen=True):
 
 
 class WorkerStats(msgspec.Struct, frozen=True):
-    """Counters run since the scheduler took this worker on (scheduler_svc/stats.py)."""
+    """Counters run since the scheduler took this worker on (scheduler_svc/policy/stats.py)."""
 
     worker_id: str
     num_blocks: int

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Union
 
 from proto.messages import NewRequest
 from proto.parallel import parent_request_id
-from scheduler_svc.request import SchedulerRequest
+from scheduler_svc.policy.request import SchedulerRequest
 
 if TYPE_CHECKING:
     from scheduler_svc.worker_pool import WorkerHandle

@@ -1,5 +1,5 @@
 """The scheduler service's settings (`pagedserve scheduler` flags: compose/flags.py): the
-batching core's (scheduler_svc/config.py) and the service's own -- Redis, consumer name,
+batching core's (scheduler_svc/policy/config.py) and the service's own -- Redis, consumer name,
 timeouts, heartbeat and lease, async scheduling."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass, field
 
 from proto import worker_pb2
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.policy.config import SchedulerConfig
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ the lease of). It wires four parts, each owning its state:
     (`keys.shard_requests(shard)`) as this consumer sees it: reading, claiming, acknowledging.
 While it leads, two tasks run on the scheduler's asyncio loop: the stream's read, whose
 messages `_handle_entry` routes (a NewRequest to one of the shard's workers, prefix-aware:
-`scheduler_svc.routing`; an AbortRequest to wherever the request is), and
+`scheduler_svc.policy.routing`; an AbortRequest to wherever the request is), and
 `_discover_workers`, which refreshes the pool (a worker that joins gets its step loop and
 the parked requests).
 """
@@ -36,9 +36,9 @@ from scheduler_svc.encoding_wait import EncodingWait
 from scheduler_svc.leader import Lease
 from scheduler_svc.ledger import RequestLedger, Unrouted
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.request import SchedulerRequest
+from scheduler_svc.policy.request import SchedulerRequest
+from scheduler_svc.policy.routing import pick_worker
 from scheduler_svc.request_stream import RequestStream
-from scheduler_svc.routing import pick_worker
 from scheduler_svc.service_config import SchedulerServiceConfig
 from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.worker_leases import WorkerLeases
@@ -248,7 +248,7 @@ class Shard:
 
     async def _route(self, item: Unrouted, published: Sequence[str] = ()) -> None:
         """The live worker holding the longest cached prefix of the request's tokens,
-        unless it is much more loaded than another (the score: scheduler_svc.routing).
+        unless it is much more loaded than another (the score: scheduler_svc.policy.routing).
         `published`: its media the encoder service has published (EncodingWait.published)."""
         live = self.pool.live()
         if not live:

@@ -28,9 +28,8 @@ import redis.asyncio as aioredis
 from proto import worker_pb2
 from proto.keys import RedisKeys
 from proto.messages import stream_encoder
-from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.request import SchedulerRequest
-from scheduler_svc.metrics import worker_stats
+from scheduler_svc.metrics import SchedulerMetrics, worker_stats
+from scheduler_svc.policy.request import SchedulerRequest
 from scheduler_svc.worker_pool import WorkerHandle
 
 log = logging.getLogger("pagedserve.scheduler")

@@ -30,10 +30,10 @@ from proto import worker_pb2, worker_pb2_grpc
 from proto.grpc_options import GRPC_OPTIONS
 from proto.messages import WorkerRegistration
 from proto.registry import WorkerRegistry
-from scheduler_svc.batching import BatchScheduler
-from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.metrics import WorkerRecorder
-from scheduler_svc.request import SchedulerRequest
+from scheduler_svc.policy.batching import BatchScheduler
+from scheduler_svc.policy.config import SchedulerConfig
+from scheduler_svc.policy.request import SchedulerRequest
 from scheduler_svc.worker_leases import WorkerLeases, fair_share, preference
 
 log = logging.getLogger("pagedserve.scheduler")

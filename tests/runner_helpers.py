@@ -13,8 +13,8 @@ from kvstore.kv_cache_groups import group_layers
 from proto import worker_pb2
 from proto.messages import MediaItem
 from worker_svc.config import RunnerConfig
-from worker_svc.media_source import MISSING, MediaUnavailableError
-from worker_svc.model.registry import load_config
+from vision.media_source import MISSING, MediaUnavailableError
+from modeling.registry import load_config
 from worker_svc.model_runner import ModelRunner
 from worker_svc.request_state import RequestState, split_groups
 
@@ -164,7 +164,7 @@ def make_runner(model_dir, block_size=4, num_blocks=96, media=None, **config) ->
 
 
 class FakeMediaSource:
-    """worker_svc.media_source.MediaSource in memory: `put` stores an item under its content
+    """vision.media_source.MediaSource in memory: `put` stores an item under its content
     hash (the gateway's rule); `fetches` lists the hashes of each fetch."""
 
     def __init__(self) -> None:

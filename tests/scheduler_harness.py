@@ -8,8 +8,8 @@ from collections import deque
 from fake_worker import FakeWorker
 from proto import worker_pb2
 from proto.messages import NewRequest, SamplingParams
-from scheduler_svc.batching import BatchScheduler
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.policy.batching import BatchScheduler
+from scheduler_svc.policy.config import SchedulerConfig
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int, arrival: float,

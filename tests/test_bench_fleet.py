@@ -14,8 +14,8 @@ import pytest
 
 from proto import worker_pb2
 from proto.messages import NewRequest, SamplingParams
-from scheduler_svc.batching import BatchScheduler
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.policy.batching import BatchScheduler
+from scheduler_svc.policy.config import SchedulerConfig
 from tests.fake_worker import FakeWorker
 from tests.test_bench_compare import bench_module
 

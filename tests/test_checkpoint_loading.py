@@ -10,8 +10,8 @@ from runner_helpers import chunked_prefill_logits, make_runner, prompts
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from worker_svc.model.registry import read_config
-from worker_svc.model.loader import INDEX_FILE, weight_files
+from modeling.registry import read_config
+from modeling.loader import INDEX_FILE, weight_files
 
 
 def test_sharded_checkpoint_with_an_index_loads_and_a_stray_copy_is_ignored(tmp_path, family_model_dir):

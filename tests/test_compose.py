@@ -133,7 +133,7 @@ def test_the_encoder_is_opt_in_scalable_and_probed_on_its_health(config, monkeyp
     args = _args(config, "encoder", monkeypatch)
     assert args.device == "cpu" and args.host == "0.0.0.0" and args.metrics_port and args.dtype == "auto"
     assert args.model == config["services"]["worker"]["environment"]["PAGEDSERVE_MODEL"]
-    assert args.threads is None and float(encoder["cpus"]) >= 1  # threads: the cgroup quota (cpu_threads.py)
+    assert args.threads is None and float(encoder["cpus"]) >= 1  # threads: the cgroup quota (modeling/cpu_threads.py)
     assert encoder["depends_on"] == {"redis": {"condition": "service_healthy"},
                                      "make-model": {"condition": "service_completed_successfully"}}
     probe = encoder["healthcheck"]["test"]

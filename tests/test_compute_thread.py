@@ -15,8 +15,8 @@ from engine_helpers import Collector, serve_on_thread
 from proto import worker_pb2_grpc
 from proto.keys import RedisKeys
 from proto.messages import NewRequest, SamplingParams, registration_decoder
-from scheduler_svc.batching import BatchScheduler
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.policy.batching import BatchScheduler
+from scheduler_svc.policy.config import SchedulerConfig
 from worker_svc import server
 from worker_svc.service_config import WorkerServiceConfig
 from worker_svc.compute_thread import ComputeThread

@@ -1,4 +1,4 @@
-"""A CPU worker's compute threads (worker_svc/cpu_threads.py): from the affinity mask and the
+"""A CPU worker's compute threads (modeling/cpu_threads.py): from the affinity mask and the
 cgroup quota (v1 and v2 trees written here), `--threads` when given, and while serving from
 what other processes take of the CPUs; the runner applies it on its compute thread."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from runner_helpers import make_runner
 
-from worker_svc.cpu_threads import (DOWN_S, DOWN_WHOLE_S, READING_S, UP_S, CpuShare, cgroup_cpu_quota, choose_threads,
+from modeling.cpu_threads import (DOWN_S, DOWN_WHOLE_S, READING_S, UP_S, CpuShare, cgroup_cpu_quota, choose_threads,
                                    read_busy_seconds)
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from runner_helpers import MiniScheduler, make_runner, prompts
 
-from worker_svc.batch import AttentionMetadata, GroupAttention
+from modeling.attention_metadata import AttentionMetadata, GroupAttention
 from worker_svc.config import RunnerConfig
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes, decode_graph_sizes
 from worker_svc.input_batch import InputBatch

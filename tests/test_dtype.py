@@ -9,8 +9,8 @@ import torch
 from runner_helpers import make_runner
 
 from kernels.cpu_features import cpu_features, parse_cpuinfo
-from worker_svc.model.loader import resolve_dtype
-from worker_svc.model.registry import load_config
+from modeling.loader import resolve_dtype
+from modeling.registry import load_config
 
 XEON = """processor	: 0
 vendor_id	: GenuineIntel

@@ -3,7 +3,7 @@ weight file serves (random weights of the config's shapes and dtype, made on the
 without the flag its missing weights, and with it a missing config.json, are errors that
 name the flag. Text (the tiny llama) and vision (the tiny gemma3-vision: decoder and
 encoder, the encoder service's path too). A model too large for the device's memory is
-refused before any of it is made (worker_svc/model/weight_memory.py)."""
+refused before any of it is made (modeling/weight_memory.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from compose.cli import build_parser
 from compose.commands import _runner_config
 from runner_helpers import FakeMediaSource, MiniScheduler, make_runner
 from worker_svc.config import RunnerConfig
-from worker_svc.media_encoder import MediaEncoder
-from worker_svc.model.dummy_weights import DUMMY_RANGE
-from worker_svc.model.loader import resolve_dtype
-from worker_svc.model.registry import load_config, load_vision_config
-from worker_svc.model.weight_memory import check_fits, free_bytes, weights_bytes
+from vision.media_encoder import MediaEncoder
+from modeling.dummy_weights import DUMMY_RANGE
+from modeling.loader import resolve_dtype
+from modeling.registry import load_config, load_vision_config
+from modeling.weight_memory import check_fits, free_bytes, weights_bytes
 from worker_svc.model_runner import ModelRunner
 
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvstore.kv_cache_groups import blocks_per_request, group_layers
 from tests.runner_helpers import hf_greedy
 from tests.stack_helpers import greedy_completions, running_stack, wait_until_idle, worker_stats
-from worker_svc.model.registry import load_config
+from modeling.registry import load_config
 
 pytestmark = pytest.mark.e2e
 

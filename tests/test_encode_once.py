@@ -29,8 +29,8 @@ from proto import worker_pb2
 from proto.encoder_messages import QUEUED, EncodeJob, job_encoder
 from proto.keys import STREAM_FIELD, RedisKeys
 from proto.messages import MediaItem
-from worker_svc.encoder_cache import EncoderCache
-from worker_svc.media_encoder import MediaEncoder
+from vision.encoder_cache import EncoderCache
+from vision.media_encoder import MediaEncoder
 from worker_svc.request_state import RequestState
 from worker_svc.vision_step import ImageEmbedder
 

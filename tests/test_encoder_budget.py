@@ -1,4 +1,4 @@
-"""Encoder work in the scheduler (scheduler_svc/encoder_budget.py): the mirror of a worker's
+"""Encoder work in the scheduler (scheduler_svc/policy/encoder_budget.py): the mirror of a worker's
 encoder cache replays its LRU; with --encoder-budget N a step makes its worker encode at
 most N images it does not hold -- a chunk ends before the image it cannot afford, an image
 the worker holds costs nothing, nothing starves, outputs are unchanged -- and routing sends
@@ -7,8 +7,8 @@ a request to the worker holding its frames when no prefix hit tells them apart."
 from scheduler_harness import Harness, reference_outputs, scheduled
 from test_scheduler_images import BS, T, image_request
 
-from scheduler_svc.encoder_budget import EncoderCacheMirror
-from scheduler_svc.routing import pick_worker
+from scheduler_svc.policy.encoder_budget import EncoderCacheMirror
+from scheduler_svc.policy.routing import pick_worker
 
 
 
@@ -90,9 +90,9 @@ def test_media_the_encoder_service_published_cost_no_budget():
 
 def test_auto_is_two_images_a_step_on_a_cpu_worker_and_no_bound_on_a_gpu():
     from proto import worker_pb2
-    from scheduler_svc.batching import BatchScheduler
-    from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.encoder_budget import resolve_encoder_budget
+    from scheduler_svc.policy.batching import BatchScheduler
+    from scheduler_svc.policy.config import SchedulerConfig
+    from scheduler_svc.policy.encoder_budget import resolve_encoder_budget
 
     assert [resolve_encoder_budget(None, d) for d in ("cpu", "", "cuda:0")] == [2, 2, 0]
     assert resolve_encoder_budget(5, "cuda:0") == 5 and resolve_encoder_budget(0, "cpu") == 0

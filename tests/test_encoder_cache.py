@@ -1,4 +1,4 @@
-"""EncoderCache (worker_svc/encoder_cache.py): LRU by bytes, counters, invariants; and
+"""EncoderCache (vision/encoder_cache.py): LRU by bytes, counters, invariants; and
 through ModelRunner on the tiny gemma3-vision checkpoint: an image two requests carry is
 fetched and encoded once, and a cache too small for two images encodes again what it
 evicted (with the same result)."""
@@ -12,7 +12,7 @@ from PIL import Image
 from runner_helpers import FakeMediaSource, MiniScheduler, make_runner, mm_inputs
 
 from proto.messages import MediaItem
-from worker_svc.encoder_cache import EncoderCache
+from vision.encoder_cache import EncoderCache
 
 IMAGE, BOI, EOI, MM_TOKENS = 7, 6, 8, 4  # the tiny tokenizer's image tokens; soft tokens per image
 EMBED_BYTES = MM_TOKENS * 64 * 4  # one image's embeddings: [4, 64] fp32

@@ -35,10 +35,10 @@ from proto.keys import STREAM_FIELD, RedisKeys
 from proto.messages import MediaItem, MultiModalInput
 from proto.pan_and_scan import CropBox, ImagePiece
 from scheduler_svc.encoding_wait import EncodingWait
-from scheduler_svc.image_ranges import to_pb_mm_inputs
-from worker_svc.published_embeddings import PublishedEmbeddings, from_record, to_record
+from scheduler_svc.policy.image_ranges import to_pb_mm_inputs
+from vision.published_embeddings import PublishedEmbeddings, from_record, to_record
 from worker_svc.vision_step import ImageEmbedder
-from worker_svc.encoder_cache import EncoderCache
+from vision.encoder_cache import EncoderCache
 from worker_svc.request_state import RequestState
 
 

@@ -12,7 +12,7 @@ from compose.engine import EngineConfig, InProcessEngine
 from engine_helpers import Collector, serve_on_thread
 from proto.messages import NewRequest, SamplingParams
 from proto.metrics_scrape import metric, scrape
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.policy.config import SchedulerConfig
 from tests.stack_helpers import wait_until_answers
 from worker_svc.config import RunnerConfig
 

@@ -217,7 +217,7 @@ def test_engine_n4_greedy_equals_transformers_and_shares_blocks(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from compose.engine import EngineConfig, InProcessEngine
-    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.policy.config import SchedulerConfig
     from engine_helpers import Collector, run_engine
     from worker_svc.config import RunnerConfig
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from worker_svc.model.gemma3_vision import load_vision_encoder
-from worker_svc.model.registry import load_vision_config
+from modeling.gemma3_vision import load_vision_encoder
+from modeling.registry import load_vision_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

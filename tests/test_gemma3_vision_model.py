@@ -16,18 +16,18 @@ from safetensors.torch import save_file
 
 from kernels.backend import TORCH_BACKEND
 from proto import worker_pb2
-from worker_svc.image_preprocess import ImagePreprocessConfig, preprocess_image
+from vision.image_preprocess import ImagePreprocessConfig, preprocess_image
 from tools.make_model import make_model
-from worker_svc.model.decoder import DecoderForCausalLM
-from worker_svc.model.gemma3_vision import Gemma3VisionEncoder, load_vision_encoder
-from worker_svc.model.image_placement import (
+from modeling.decoder import DecoderForCausalLM
+from modeling.gemma3_vision import Gemma3VisionEncoder, load_vision_encoder
+from modeling.image_placement import (
     PlaceholderRange,
     image_slices,
     place_image_embeddings,
     splice_rows,
 )
-from worker_svc.model.loader import iter_safetensors
-from worker_svc.model.registry import load_config, load_vision_config, read_config
+from modeling.loader import iter_safetensors
+from modeling.registry import load_config, load_vision_config, read_config
 
 BOI, IMAGE, EOI = 6, 7, 8  # the tiny tokenizer's ids of the three image tokens
 MM_TOKENS, IMAGE_SIZE = 4, 56
@@ -384,7 +384,7 @@ def test_reads_a_sparse_config_as_transformers_does():
     assert cfg.scale == text.query_pre_attn_scalar**-0.5 and cfg.embedding_scale == text.hidden_size**0.5
     assert cfg.dtype == torch.bfloat16 and cfg.eos_token_ids == (1, 106) and cfg.tie_word_embeddings
     assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.final_logit_softcap is None
-    from worker_svc.model.gemma3_vision import read_vision_config
+    from modeling.gemma3_vision import read_vision_config
 
     v = read_vision_config(raw)
     assert (v.tower.hidden_size, v.tower.intermediate_size, v.tower.num_layers, v.tower.num_heads) == (

@@ -1,4 +1,4 @@
-"""worker_svc/image_preprocess.py against the processor `AutoProcessor` loads for a Gemma 3
+"""vision/image_preprocess.py against the processor `AutoProcessor` loads for a Gemma 3
 checkpoint here (Gemma3Processor over Gemma3ImageProcessorPil): the same pixel_values, bit
 for bit, for PNG, JPEG, RGBA, grayscale, palette (with and without transparency), LA, CMYK
 and raw-RGB-bytes images of odd sizes and aspect ratios, with pan-and-scan, and under the
@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from proto.pan_and_scan import CropBox, PanAndScan
-from worker_svc.image_preprocess import ImagePreprocessConfig, preprocess_image, preprocess_piece, rgb_array
+from vision.image_preprocess import ImagePreprocessConfig, preprocess_image, preprocess_piece, rgb_array
 from tools.local_tokenizer import train_tokenizer
 from tools.make_vision_model import save_gemma3_processor
 from tools.model_presets import flavour

@@ -2,7 +2,9 @@
 (a cycle hidden in a late import is still a cycle: two modules that cannot be read, or
 changed, one without the other). And the architecture's rules on who imports whom: no
 service imports `tools` (the checkpoint makers: `pagedserve make-model`, the tests, the
-benchmarks)."""
+benchmarks); `encoder_svc` imports no `worker_svc` module; `modeling` and `vision` (the
+model code and the vision path both share) import no service; the scheduler's policy
+(`scheduler_svc/policy/`) imports no `redis`, `grpc` or `asyncio`, nor a scheduler service module."""
 
 import ast
 import tomllib
@@ -123,3 +125,98 @@ def test_no_service_imports_tools():
     graph = {name: imported(name, path, modules) for name, path in modules.items()}
     assert "tools.model_presets" in graph["tools.make_model"]  # imports are seen
     assert forbidden_imports(graph, SERVICES, ("tools",)) == []
+
+
+SHARED = ("modeling", "vision")  # the model code and the vision path, the worker's and the encoder's
+
+
+def test_the_rule_checker_sees_the_encoder_importing_the_worker(tmp_path):
+    late = tmp_path / "late.py"
+    late.write_text("def run():\n    from worker_svc import server\n")
+    modules = {"encoder_svc.late": late, "worker_svc": late, "worker_svc.server": late,
+               "vision.media_encoder": late, "modeling.registry": late}
+    graph = {"encoder_svc.late": imported("encoder_svc.late", late, modules),
+             "encoder_svc.service": {"vision.media_encoder", "modeling.registry"},
+             "vision.media_encoder": {"modeling.registry", "worker_svc.server"}}
+    assert forbidden_imports(graph, ("encoder_svc",), ("worker_svc",)) == [
+        ("encoder_svc.late", "worker_svc"), ("encoder_svc.late", "worker_svc.server")]
+    assert forbidden_imports(graph, SHARED, SERVICES) == [("vision.media_encoder", "worker_svc.server")]
+
+
+def test_the_encoder_service_imports_no_worker_module():
+    """The encoder service encodes by the worker's own path without loading the worker: what
+    both run is in `vision` (media to embeddings, published) and `modeling` (the model code)."""
+    modules = project_modules()
+    assert {"encoder_svc.service", "vision.media_encoder", "modeling.registry"} <= set(modules)
+    graph = {name: imported(name, path, modules) for name, path in modules.items()}
+    assert "vision.media_encoder" in graph["encoder_svc.service"]  # imports are seen
+    assert forbidden_imports(graph, ("encoder_svc",), ("worker_svc",)) == []
+
+
+def test_the_shared_packages_import_no_service():
+    """`modeling` and `vision` serve the worker and the encoder service alike (and the tests and
+    the benchmarks): neither imports a service, so neither drags one in with it."""
+    modules = project_modules()
+    assert {"modeling.decoder", "modeling.gemma3_vision", "vision.media_encoder"} <= set(modules)
+    graph = {name: imported(name, path, modules) for name, path in modules.items()}
+    assert "modeling.gemma3_vision" in graph["vision.media_encoder"]  # imports are seen
+    assert forbidden_imports(graph, SHARED, SERVICES) == []
+
+
+def imported_names(path: Path) -> set[str]:
+    """The top-level name of every absolute import in `path`, anywhere in its body (inside
+    functions too): `import redis.asyncio as aioredis` and `from redis.exceptions import
+    RedisError` both give `redis`. Third-party, stdlib and project names alike; a relative
+    import is the project's own (`imported` sees it)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+POLICY = ("scheduler_svc.policy",)
+NOT_IN_POLICY = ("redis", "grpc", "asyncio")  # Redis, gRPC and the event loop are the service's
+
+
+def scheduler_service(modules: dict[str, Path]) -> tuple[str, ...]:
+    """The scheduler service's modules: scheduler_svc's, outside policy/ (the package's
+    `__init__`, a docstring, is neither)."""
+    return tuple(sorted(name for name in modules
+                        if name.startswith("scheduler_svc.") and not in_package(name, POLICY)))
+
+
+def test_the_rule_checker_sees_the_policy_importing_io_or_the_service(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import math\nimport redis.asyncio as aioredis\n\ndef run():\n    from grpc import aio\n"
+                       "    from scheduler_svc import shard\n    from scheduler_svc.policy import queues\n"
+                       "    from . import request\n")
+    assert imported_names(planted) == {"math", "redis", "grpc", "scheduler_svc"}
+    modules = {"scheduler_svc.policy.planted": planted, "scheduler_svc": planted, "scheduler_svc.shard": planted,
+               "scheduler_svc.policy": planted, "scheduler_svc.policy.queues": planted,
+               "scheduler_svc.policy.request": planted}
+    names = {"scheduler_svc.policy.planted": imported_names(planted),
+             "scheduler_svc.shard": {"asyncio", "redis"}}  # the service may
+    assert forbidden_imports(names, POLICY, NOT_IN_POLICY) == [
+        ("scheduler_svc.policy.planted", "grpc"), ("scheduler_svc.policy.planted", "redis")]
+    graph = {"scheduler_svc.policy.planted": imported("scheduler_svc.policy.planted", planted, modules)}
+    assert scheduler_service(modules) == ("scheduler_svc.shard",)
+    assert forbidden_imports(graph, POLICY, scheduler_service(modules)) == [
+        ("scheduler_svc.policy.planted", "scheduler_svc.shard")]
+
+
+def test_the_scheduler_policy_imports_no_io_and_no_service():
+    """The scheduler's policy -- BatchScheduler and its parts, routing -- is pure: no Redis, no
+    gRPC, no event loop, no service module; it runs, and is tested, on its own
+    (docs/architecture.md). The service modules beside it are its shell."""
+    modules = project_modules()
+    assert {"scheduler_svc.policy.batching", "scheduler_svc.policy.routing", "scheduler_svc.shard"} <= set(modules)
+    names = {name: imported_names(path) for name, path in modules.items()}
+    graph = {name: imported(name, path, modules) for name, path in modules.items()}
+    assert {"redis", "asyncio"} <= names["scheduler_svc.shard"]  # imports are seen
+    assert "scheduler_svc.policy.batching" in graph["scheduler_svc.worker_pool"]
+    assert "scheduler_svc.shard" in scheduler_service(modules)
+    assert forbidden_imports(names, POLICY, NOT_IN_POLICY) == []
+    assert forbidden_imports(graph, POLICY, scheduler_service(modules)) == []

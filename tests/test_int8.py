@@ -15,7 +15,7 @@ from runner_helpers import chunked_prefill_logits, make_runner, prompts
 from torch import nn
 
 from kernels.cpu_features import cpu_features
-from worker_svc.model.int8_linear import Int8Linear, quantize_rows, quantized_engine
+from modeling.int8_linear import Int8Linear, quantize_rows, quantized_engine
 
 # the dynamic path runs only where the CPU has int8 dot products (VNNI, AMX-INT8): elsewhere
 # torch's int16 sums saturate, and quantize_linears takes the dequant path
@@ -108,7 +108,7 @@ def test_int8_weights_on_a_bf16_model(family_model_dir):
 def test_weight_only_int8_is_closer(family_model_dir, monkeypatch):
     """The dequant path (what runs where torch has no quantized engine) quantizes only the
     weights."""
-    import worker_svc.model.int8_linear as int8_linear
+    import modeling.int8_linear as int8_linear
 
     monkeypatch.setattr(int8_linear, "quantized_engine", lambda amx_int8=False: None)
     runner, diff, agree = quality(family_model_dir("qwen2"))
@@ -126,7 +126,7 @@ def test_a_cpu_without_int8_dot_products_takes_the_weight_only_path(family_model
     miss the stated quality): such a CPU quantizes the weights only."""
     import types
 
-    import worker_svc.model.int8_linear as int8_linear
+    import modeling.int8_linear as int8_linear
 
     monkeypatch.setattr(int8_linear, "cpu_features", lambda: types.SimpleNamespace(int8_dot=False, flags=frozenset()))
     runner, diff, agree = quality(family_model_dir("llama"))

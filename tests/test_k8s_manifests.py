@@ -56,7 +56,7 @@ def _args(container: dict, monkeypatch):
 def test_workers_one_gpu_each_probed_and_reachable(monkeypatch):
     worker = _container(by_kind_and_name()[("Deployment", "worker")])
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
-    # an explicit CPU limit, which the worker's thread count follows (worker_svc/cpu_threads.py)
+    # an explicit CPU limit, which the worker's thread count follows (modeling/cpu_threads.py)
     assert worker["resources"]["limits"]["cpu"] == "4" and worker["resources"]["requests"]["cpu"] == "2"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert worker[probe]["grpc"] == {"port": 50051}, probe  # grpc.health.v1

@@ -17,8 +17,8 @@ import torch
 
 from proto.messages import Grammar, NewRequest, SamplingParams
 from runner_helpers import make_runner
-from scheduler_svc.batching import BatchScheduler
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.policy.batching import BatchScheduler
+from scheduler_svc.policy.config import SchedulerConfig
 from worker_svc.cuda_graphs import capture_sizes
 from worker_svc.input_batch import InputBatch
 

@@ -1,10 +1,10 @@
-"""worker_svc/model/layers.py: the oneDNN-packed linear against nn.Linear."""
+"""modeling/layers.py: the oneDNN-packed linear against nn.Linear."""
 
 import pytest
 import torch
 from torch import nn
 
-from worker_svc.model.layers import PackedLinear, can_pack_linears, pack_linears
+from modeling.layers import PackedLinear, can_pack_linears, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack_linears(torch.device("cpu"), torch.float32),
                                 reason="this torch build has no oneDNN")

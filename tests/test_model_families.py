@@ -9,7 +9,7 @@ import torch
 from runner_helpers import MiniScheduler, chunked_prefill_logits, hf_greedy, make_runner, prompts
 
 from kvstore.kv_cache_groups import group_layers
-from worker_svc.model.registry import load_config
+from modeling.registry import load_config
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 WINDOW = 48  # the tiny presets' sliding window, where the family has one

@@ -7,7 +7,7 @@ from runner_helpers import MiniScheduler, chunked_prefill_logits, hf_greedy, mak
 
 from proto import worker_pb2
 from worker_svc.config import RunnerConfig
-from worker_svc.model.registry import read_config
+from modeling.registry import read_config
 from worker_svc.model_runner import ModelRunner, StepConsistencyError
 
 

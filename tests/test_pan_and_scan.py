@@ -12,9 +12,9 @@ import torch
 from proto import worker_pb2
 from proto.messages import MultiModalInput, NewRequest, SamplingParams, stream_encoder
 from proto.pan_and_scan import CropBox, ImagePiece, PanAndScan, crop_boxes, embedding_key
-from scheduler_svc.encoder_budget import EncoderCacheMirror
-from scheduler_svc.image_ranges import block_extra_keys, to_pb_mm_inputs
-from worker_svc.encoder_cache import EncoderCache
+from scheduler_svc.policy.encoder_budget import EncoderCacheMirror
+from scheduler_svc.policy.image_ranges import block_extra_keys, to_pb_mm_inputs
+from vision.encoder_cache import EncoderCache
 from worker_svc.request_state import RequestState
 
 H = "ab" * 32  # a content hash

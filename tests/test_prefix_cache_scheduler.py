@@ -145,8 +145,8 @@ def test_outputs_with_prefix_caching_equal_outputs_without(workload, num_blocks,
 
 def run_engine(model_dir, arrivals: dict, caching: bool):
     """BatchScheduler + ModelRunner in one process (the in-process engine)."""
-    from scheduler_svc.batching import BatchScheduler
-    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.policy.batching import BatchScheduler
+    from scheduler_svc.policy.config import SchedulerConfig
     from worker_svc.config import RunnerConfig
     from worker_svc.model_runner import ModelRunner
 

@@ -1,4 +1,4 @@
-"""worker_svc/model/layers.RotaryEmbedding's tables, rotated by the layer ops
+"""modeling/layers.RotaryEmbedding's tables, rotated by the layer ops
 (kernels/torch_layer_ops.py rope_write_kv: query and key heads together, from the fused
 projection's output, the keys straight into the cache) against transformers' Llama RoPE,
 bit for bit."""
@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kernels import torch_layer_ops
-from worker_svc.model.layers import RotaryEmbedding
+from modeling.layers import RotaryEmbedding
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

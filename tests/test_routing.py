@@ -1,8 +1,8 @@
-"""Prefix-aware routing (scheduler_svc.routing) over schedulers driven by the fake worker."""
+"""Prefix-aware routing (scheduler_svc.policy.routing) over schedulers driven by the fake worker."""
 
 import pytest
 
-from scheduler_svc.routing import pick_worker, route_cost
+from scheduler_svc.policy.routing import pick_worker, route_cost
 from prefix_cache_helpers import BS, P, request
 from scheduler_harness import Harness
 

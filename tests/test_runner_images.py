@@ -25,7 +25,7 @@ from proto.messages import MediaItem
 from proto.pan_and_scan import PanAndScan
 from worker_svc import input_batch as input_batch_module
 from worker_svc.input_batch import InputBatch
-from worker_svc.media_source import MISSING
+from vision.media_source import MISSING
 from worker_svc.request_state import RequestState, split_groups
 
 TOL = 2e-4  # logprobs, fp32

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from proto import worker_pb2
 from proto.messages import NewRequest, SamplingParams
 from scheduler_harness import Harness, make_request, reference_outputs, scheduled
-from scheduler_svc.request import RequestStatus, to_pb_sampling
+from scheduler_svc.policy.request import RequestStatus, to_pb_sampling
 
 
 def test_prefill_then_decode_exact_step_contents():

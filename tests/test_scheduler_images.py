@@ -17,8 +17,8 @@ from proto import worker_pb2
 from proto.messages import MultiModalInput, NewRequest, SamplingParams
 from proto.pan_and_scan import CropBox
 from scheduler_harness import Harness, reference_outputs, scheduled
-from scheduler_svc.image_ranges import block_extra_keys, hit_blocks
-from scheduler_svc.routing import pick_worker
+from scheduler_svc.policy.image_ranges import block_extra_keys, hit_blocks
+from scheduler_svc.policy.routing import pick_worker
 
 IMG = 99  # the placeholder token of every image's soft tokens (text tokens stay below it)
 BS = 4

@@ -158,7 +158,7 @@ def _park_children(service: Shard, parent_id: str, n: int) -> list:
     """As after a worker loss with no live worker left: the forked parent is gone, its
     children wait one by one (returned, for the caller to park or put in transit)."""
     from proto.parallel import child_request_id
-    from scheduler_svc.request import SchedulerRequest
+    from scheduler_svc.policy.request import SchedulerRequest
 
     parked = service.ledger.take_parked()
     parent = next(r for r in parked if r.request_id == parent_id)
@@ -262,8 +262,8 @@ class _Channel:
 
 def test_a_crashed_step_loop_retires_its_worker_and_keeps_its_requests(redis_url):
     from proto.messages import WorkerRegistration
-    from scheduler_svc.batching import BatchScheduler
-    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.policy.batching import BatchScheduler
+    from scheduler_svc.policy.config import SchedulerConfig
     from scheduler_svc.worker_pool import WorkerHandle
 
     async def main():

@@ -13,8 +13,8 @@ import torch
 from kvstore.cache_tensors import KVCacheTensors, swap_blocks
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.swap_pool import CpuBlockPool
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.request import RequestStatus
+from scheduler_svc.policy.config import SchedulerConfig
+from scheduler_svc.policy.request import RequestStatus
 from scheduler_harness import Harness, make_request, reference_outputs, scheduled
 
 

@@ -165,7 +165,7 @@ def test_act_mul(impl, dtype, act, inter):
 # -- rope_write_kv ---------------------------------------------------------------------------
 
 def rope_tables(impl, head_dim: int, max_pos: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-width tables as worker_svc/model/layers.RotaryEmbedding makes them."""
+    """Full-width tables as modeling/layers.RotaryEmbedding makes them."""
     inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=impl.device).float() / head_dim)
     freqs = torch.arange(max_pos, device=impl.device).float()[:, None] * inv_freq[None, :]
     cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)

@@ -25,8 +25,8 @@ from proto.metrics import EncoderRecorder, StepCollector, StepRecorder
 from worker_svc import server
 from worker_svc.service_config import WorkerServiceConfig
 from worker_svc.config import RunnerConfig
-from worker_svc.media_source import MISSING, MediaUnavailableError, RedisMediaSource
-from worker_svc.model.registry import load_config
+from vision.media_source import MISSING, MediaUnavailableError, RedisMediaSource
+from modeling.registry import load_config
 
 # ---- the Redis media source, the metrics -----------------------------------------------------
 

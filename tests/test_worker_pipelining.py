@@ -20,8 +20,8 @@ import redis
 from proto import worker_pb2, worker_pb2_grpc
 from proto.keys import RedisKeys
 from proto.messages import NewRequest, SamplingParams, events_decoder, registration_decoder
-from scheduler_svc.batching import BatchScheduler
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.policy.batching import BatchScheduler
+from scheduler_svc.policy.config import SchedulerConfig
 from worker_svc import server
 from worker_svc.service_config import WorkerServiceConfig
 from worker_svc.config import RunnerConfig

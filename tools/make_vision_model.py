@@ -28,9 +28,9 @@ the tokenizer's merges say (the expansion is textual, not a fixed run of token i
 pan-and-scan and k > 0 crops, the image's `<start_of_image>` becomes instead
 `"Here is the original image " + S + " and here are some crops to help you see better " +
 " ".join([S] * k)` where S is the string above, and the k crops follow the image in the
-pixel batch (worker_svc/image_preprocess.py). The image's soft tokens are the prompt
+pixel batch (vision/image_preprocess.py). The image's soft tokens are the prompt
 positions holding `image_token_index`; the vision encoder's output rows replace their
-embeddings in order (worker_svc/model/image_placement.py).
+embeddings in order (modeling/image_placement.py).
 
 Weights: transformers' own init, seeded by the caller, then made to matter -- LayerNorm
 weights 1 + N(0, 0.1) and biases N(0, 0.1) (init 1 and 0), Gemma's projector norm

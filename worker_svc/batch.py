@@ -4,14 +4,14 @@ Request i contributes rows `query_start_loc[i]:query_start_loc[i+1]`: its tokens
 `token_ids[num_computed : num_computed + n]` at positions `num_computed ...`. Each KV cache
 group g of the model (kvstore/kv_cache_groups.py) writes position p's K/V to slot
 `block_tables[g][p // block_size] * block_size + p % block_size` and reads through its own
-table, so `attn.groups[g]` holds that group's slot mapping, block table tensor and attention
-plan; the layers of group g use it. Its context after this step is `seq_lens[i] =
-num_computed + n` tokens. A request whose step catches up with its token list samples one
-token from the logits of its last row (`logits_indices`).
+table, so `attn.groups[g]` (modeling/attention_metadata.py) holds that group's slot mapping,
+block table tensor and attention plan; the layers of group g use it. Its context after this
+step is `seq_lens[i] = num_computed + n` tokens. A request whose step catches up with its
+token list samples one token from the logits of its last row (`logits_indices`).
 
 Images (Gemma 3): the soft tokens of a request's image i (`RequestState.image_ranges[i]`,
 positions [offset, offset + length)) that fall in its chunk are listed in `images` with
-their rows (worker_svc/model/image_placement.py's ImageSlice), where the runner places the
+their rows (modeling/image_placement.py's ImageSlice), where the runner places the
 image's embeddings; and each such row gets the bidirectional span [offset, offset + length)
 in `bidir_spans` (int32 [T, 2] on the device, [0, 0] for every other row), which every
 window's attention plan takes: the image's tokens see each other both ways. A chunk may
@@ -30,27 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_svc.model.image_placement import ImageSlice, image_slices
+from modeling.attention_metadata import AttentionMetadata
+from modeling.image_placement import ImageSlice, image_slices
 from worker_svc.request_state import RequestState
 from worker_svc.sampler import SamplingBatch
-
-
-@dataclass(frozen=True)
-class GroupAttention:
-    """One KV cache group's view of the step."""
-
-    slot_mapping: torch.Tensor  # int32 [T]: where each row's K/V go in this group's blocks (-1: nowhere)
-    block_tables: torch.Tensor  # int32 [R, max_blocks]; past a request's blocks: finite block ids
-    plan: object  # the backend's attention plan for this group's window, shared by its layers
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    groups: tuple[GroupAttention, ...]  # one per KV cache group
-    seq_lens: torch.Tensor  # int32 [R]
-    query_start_loc: torch.Tensor  # int32 [R + 1]
-    # int32 [T, 2]: each row's image [start, end), [0, 0] for text; None: no image row this step
-    bidir_spans: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,12 @@ class RunnerConfig:
     # "auto" = the checkpoint's where native (loader.resolve_dtype); or float32 / bfloat16 / float16
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # "auto" = dtype; "bfloat16": bf16 K/V (CPU; kvstore/cache_tensors.py)
-    quantization: str | None = None  # "int8": int8 weights, quantized at load (model/int8_linear.py)
-    load_format: str = "auto"  # "dummy": random weights of config.json's shapes, no file read (model/dummy_weights.py)
+    quantization: str | None = None  # "int8": int8 weights, quantized at load (modeling/int8_linear.py)
+    # "dummy": random weights of config.json's shapes, no file read (modeling/dummy_weights.py)
+    load_format: str = "auto"
     device: str = "cpu"
     # CPU compute threads; None: from the CPUs the process may use, adjusted while serving
-    # to what other processes leave (worker_svc/cpu_threads.py)
+    # to what other processes leave (modeling/cpu_threads.py)
     threads: int | None = None
     attention_backend: str = "auto"
     # CUDA graphs for pure-decode steps (worker_svc/cuda_graphs.py): off with enforce_eager;
@@ -32,7 +33,7 @@ class RunnerConfig:
     enforce_eager: bool = False
     max_cudagraph_capture_size: int = 256
     seed: int = 0  # seeds the generator of requests that carry no seed of their own
-    # image embeddings kept by content hash (worker_svc/encoder_cache.py), on the device;
+    # image embeddings kept by content hash (vision/encoder_cache.py), on the device;
     # vision checkpoints only
     encoder_cache_memory_bytes: int = 256 * 2**20
 

@@ -1,7 +1,7 @@
 """CUDA graphs for pure-decode steps: a step of a small model is one graph launch.
 
 Without them a decode step on a GPU is bound by the host: every kernel of every layer
-(nine a layer, worker_svc/model/decoder.py) is launched from Python, one after another,
+(nine a layer, modeling/decoder.py) is launched from Python, one after another,
 and the GPU waits between them. A graph records the launches of the model's layers once
 and replays them with one call.
 

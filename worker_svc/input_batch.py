@@ -55,8 +55,8 @@ import numpy as np
 import torch
 
 from kernels.host_layout import HostLayout
-from worker_svc.batch import AttentionMetadata, FlatBatch, GroupAttention, bidir_spans_of, effective_window, \
-    whole_image_slices
+from modeling.attention_metadata import AttentionMetadata, GroupAttention
+from worker_svc.batch import FlatBatch, bidir_spans_of, effective_window, whole_image_slices
 from worker_svc.request_state import RequestState
 from worker_svc.sampling_rows import SamplingRows
 from worker_svc.staging_buffers import StagingBuffers

@@ -56,39 +56,38 @@ import torch
 from kernels.backend import get_attention_backend
 from kvstore.cache_tensors import KVCacheTensors, num_blocks_for_memory, resolve_kv_cache_dtype, swap_blocks
 from kvstore.kv_cache_groups import kv_capacity
+from modeling.cpu_threads import CpuShare, choose_threads
+from modeling.dummy_weights import check_config
+from modeling.loader import load_model, resolve_dtype
+from modeling.registry import load_config, load_vision_config
 from proto import worker_pb2
-from proto.model_source import resolve_model
 from proto.messages import TokenEvent
-from worker_svc.cuda_graphs import DecodeGraphs, GraphMemoryError, decode_graph_sizes
-from worker_svc.input_batch import InputBatch
-from worker_svc.launched_step import LaunchedStep, Produced, SampledIds
+from proto.model_source import resolve_model
+from vision.media_encoder import MediaEncoder
+from vision.media_source import MediaSource
+from vision.published_embeddings import PublishedEmbeddings
 from worker_svc.config import RunnerConfig
-from worker_svc.cpu_threads import CpuShare, choose_threads
+from worker_svc.cuda_graphs import DecodeGraphs, GraphMemoryError, decode_graph_sizes
 from worker_svc.grammar import GrammarCompiler
 from worker_svc.held_requests import HeldRequests, StepConsistencyError
+from worker_svc.input_batch import InputBatch
 from worker_svc.kv_budget import kv_cache_bytes
+from worker_svc.launched_step import LaunchedStep, Produced, SampledIds
 from worker_svc.logits_processors import uses_edits
 from worker_svc.logprobs import gather_logprobs, prompt_logprob_rows
-from worker_svc.media_encoder import MediaEncoder
-from worker_svc.media_source import MediaSource
-from worker_svc.model.dummy_weights import check_config
-from worker_svc.model.registry import load_config, load_vision_config
-from worker_svc.model.loader import load_model, resolve_dtype
-from worker_svc.published_embeddings import PublishedEmbeddings
 from worker_svc.request_state import RequestState
 from worker_svc.sampler import SamplingBatch, sample
 from worker_svc.step_output import StepOutput, fail_request, finish_step
 from worker_svc.vision_step import ImageEmbedder, place_step_images
 
-
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """`media`: where image requests' media are read (worker_svc/media_source.py); with
+    """`media`: where image requests' media are read (vision/media_source.py); with
     None, or a text-only checkpoint, the runner serves text and fails image requests.
     `published`: makes, from the loaded encoder, the embeddings an encoder service
-    publishes (worker_svc/published_embeddings.py), read before encoding; None: none read."""
+    publishes (vision/published_embeddings.py), read before encoding; None: none read."""
 
     def __init__(self, config: RunnerConfig, worker_id: str = "", media: MediaSource | None = None,
                  published: Callable[[MediaEncoder], PublishedEmbeddings] | None = None):

@@ -4,7 +4,7 @@ from collections.abc import Collection
 
 from proto import worker_pb2
 from proto.pan_and_scan import CropBox, ImagePiece
-from worker_svc.model.image_placement import PlaceholderRange
+from modeling.image_placement import PlaceholderRange
 from worker_svc.logits_processors import uses_edits
 from worker_svc.stop import StopRule
 

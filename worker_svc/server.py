@@ -5,7 +5,7 @@ standard `grpc.health.v1.Health` service: SERVING from registration until SIGTER
 publishing each step's TokenEvents to Redis (one PUBLISH per reply channel per step,
 pipelined: worker_svc/event_publisher.py), the registration heartbeat that lets
 schedulers discover it (worker_svc/registration.py), the media store the runner reads images from (the same Redis:
-worker_svc/media_source.py), and /metrics (each step's duration, requests and tokens; for
+vision/media_source.py), and /metrics (each step's duration, requests and tokens; for
 a vision model also the images encoded, encoder-cache hits and encoding time:
 proto/metrics.py) when a metrics port is given. All compute is ModelRunner's.
 
@@ -47,10 +47,10 @@ from proto.keys import RedisKeys
 from proto.messages import TokenEvent, WorkerRegistration
 from proto.metrics import EncoderRecorder, StepCollector, StepRecorder, serve_metrics
 from proto.outage_log import OutageLog
+from vision.media_source import RedisMediaSource
+from vision.published_embeddings import PublishedEmbeddings
 from worker_svc.compute_thread import ComputeThread
 from worker_svc.event_publisher import EventPublisher
-from worker_svc.media_source import RedisMediaSource
-from worker_svc.published_embeddings import PublishedEmbeddings
 from worker_svc.model_runner import LaunchedStep, ModelRunner, StepConsistencyError
 from worker_svc.registration import Registration, drain
 from worker_svc.service_config import WorkerServiceConfig

@@ -9,11 +9,11 @@ and their placement over the decoder's input embeddings (Gemma 3; docs/architect
         1. the images whose soft tokens fall in the scheduled chunks, by embedding key
            (the content hash; for a pan-and-scan crop, the hash and the crop's box:
            proto/pan_and_scan.py), each once however many requests of the step carry it
-        2. those in the encoder cache (worker_svc/encoder_cache.py) are hits
-        3. then those the encoder service published (worker_svc/published_embeddings.py,
+        2. those in the encoder cache (vision/encoder_cache.py) are hits
+        3. then those the encoder service published (vision/published_embeddings.py,
            one MGET; kept in the cache too) are hits
         4. the others: fetched, decoded, preprocessed and encoded in ONE batch
-           (worker_svc/media_encoder.py); each result goes into the cache. With an
+           (vision/media_encoder.py); each result goes into the cache. With an
            encoder service, each is claimed first (one script): those still only queued
            for an encoder (it is behind: the scheduler waited as long as it would) are
            taken over and published after, so the encoder skips them; those an encoder
@@ -43,15 +43,14 @@ from pathlib import Path
 import redis
 import torch
 
+from modeling.gemma3_vision import Gemma3VisionConfig
+from modeling.image_placement import ImageSlice, image_slices, place_image_embeddings, splice_rows
 from proto.pan_and_scan import ImagePiece
-from worker_svc.encoder_cache import EncoderCache
-from worker_svc.media_encoder import MediaEncoder
-from worker_svc.media_source import MediaSource
-from worker_svc.model.gemma3_vision import Gemma3VisionConfig
-from worker_svc.model.image_placement import ImageSlice, image_slices, place_image_embeddings, splice_rows
-from worker_svc.published_embeddings import PublishedEmbeddings
+from vision.encoder_cache import EncoderCache
+from vision.media_encoder import MediaEncoder
+from vision.media_source import MediaSource
+from vision.published_embeddings import PublishedEmbeddings
 from worker_svc.request_state import RequestState
-
 
 log = logging.getLogger(__name__)
 

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     model = make_release(args)
     limit_args = argparse.Namespace(frames=FRAMES, fps=FPS, text_tokens=30, answer_tokens=ANSWER_TOKENS,
                                     tflops=args.tflops, tbps=args.tbps)
-    from worker_svc.model.registry import load_config, load_vision_config
+    from modeling.registry import load_config, load_vision_config
 
     result["physical_limit"] = camera_limits.limits(load_config(model), load_vision_config(model), limit_args)
     save()

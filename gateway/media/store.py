@@ -14,7 +14,7 @@ Content hash (`content_hash`): sha256 hex of an encoded image's file bytes; of
 same bytes but another shape apart). Equal content, equal hash, on every gateway.
 
 Workers read the value of `RedisKeys.media(hash)` with `proto.messages.media_item_decoder`
-(worker_svc/media_source.py, one MGET for a step's items). A new item is announced to the
+(vision/media_source.py, one MGET for a step's items). A new item is announced to the
 encoder service (gateway/media/encode_jobs.py: when one is live), which encodes it ahead of
 the question.
 """
