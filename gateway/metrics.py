@@ -42,7 +42,7 @@ from proto.metrics import (FIRST_TOKEN_SECONDS, REQUEST_SECONDS, TOKEN_SECONDS, 
 
 logger = logging.getLogger(__name__)
 
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models")
 
 
 class GatewayMetrics:
@@ -158,7 +158,7 @@ class TokenCollector:
     """What the gateway observes per streamed token: the inter-token latency histogram and
     the completion tokens sent. Kept as plain numbers (HistogramRecorder, an int): the event
     loop is the only writer, and prometheus_client's locked counters cost ~10% of the
-    gateway's CPU per token (bench/token_path.py)."""
+    gateway's CPU per token (bench/stack/token_path.py)."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name

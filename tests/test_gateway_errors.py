@@ -316,9 +316,11 @@ async def test_api_keys(tiny_model_dir, redis_url):
             ok = await client.get("/v1/models", headers={"authorization": f"Bearer {key}"})
             assert ok.status_code == 200
         assert (await client.get("/health")).status_code == 200  # probes need no key
+        assert_error(await client.post("/v1/responses", json={"input": "hi"}), 401, type_="authentication_error")
         metrics = await client.get("/metrics")
         assert metrics.status_code == 200
         assert 'pagedserve_gateway_requests_total{route="/v1/models",status="401"}' in metrics.text
+        assert 'pagedserve_gateway_requests_total{route="/v1/responses",status="401"}' in metrics.text
 
 
 async def test_protect_metrics(tiny_model_dir, redis_url):

@@ -2,6 +2,7 @@
 every module and data file of the project's packages, subpackages included. A package left
 out of pyproject.toml works in an editable checkout and fails only in the images."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -29,3 +30,12 @@ def test_the_wheel_holds_every_module_and_data_file(tmp_path):
         for pattern in patterns:
             expected |= {str(path.relative_to(ROOT)) for path in (ROOT / package).glob(pattern)}
     assert expected - shipped == set(), "pip install . leaves these out: list the packages in pyproject.toml"
+
+
+def test_the_image_copies_every_top_level_package():
+    """compose/Dockerfile copies the sources package by package before `pip install .`: a
+    package pyproject.toml ships but the Dockerfile leaves out fails only in the images."""
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    top_level = {package.split(".")[0] for package in packages}
+    copied = set(re.findall(r"^COPY (\w+) \1$", (ROOT / "compose" / "Dockerfile").read_text(), re.MULTILINE))
+    assert copied == top_level
