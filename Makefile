@@ -68,9 +68,9 @@ test-compose: install docker-compose
 # medians of 3 interleaved runs; see docs/benchmarks.md, "Serving: the stack against the baselines".
 bench: install
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
-	$(PY) bench/compare.py $(BENCH_ARGS)
+	$(PY) bench/stack/compare.py $(BENCH_ARGS)
 
-# The GPU check (bench/gpu/check.py; CONTRIBUTING.md "On a GPU"). Here, with network: the bundle of
+# The GPU check (.ci/gpu/check.py; CONTRIBUTING.md "On a GPU"). Here, with network: the bundle of
 # wheels (for the GPU image's Python), Redis and tokenizers that the lent machine lacks.
 # There, without network: install it and run the GPU tests and benchmarks in one call.
 # DEVICE=cpu runs what a CPU can (the dry run); GPU_PY is the Python to check with.
@@ -79,16 +79,16 @@ GPU_PYTHON_VERSION ?= 3.12
 GPU_PY  ?= python3
 DEVICE  ?= cuda
 gpu-bundle: install
-	$(PY) bench/gpu/bundle.py --dest $(GPU_BUNDLE) --python-version $(GPU_PYTHON_VERSION)
+	$(PY) .ci/gpu/bundle.py --dest $(GPU_BUNDLE) --python-version $(GPU_PYTHON_VERSION)
 
 gpu-check:
-	$(GPU_PY) bench/gpu/check.py --device $(DEVICE) --bundle $(GPU_BUNDLE) $(if $(OUT),--out $(OUT),)
+	$(GPU_PY) .ci/gpu/check.py --device $(DEVICE) --bundle $(GPU_BUNDLE) $(if $(OUT),--out $(OUT),)
 
 # The proof here that the bundle is complete: a venv with only the GPU image's packages
 # (for this machine's Python), a bundle for that Python, and the check on the CPU.
 gpu-dry-run: install
-	$(PY) bench/gpu/image_venv.py --dest .gpu-image-venv
-	$(PY) bench/gpu/bundle.py --dest .gpu-bundle-dry-run \
+	$(PY) .ci/gpu/image_venv.py --dest .gpu-image-venv
+	$(PY) .ci/gpu/bundle.py --dest .gpu-bundle-dry-run \
 	  --python-version $$($(PY) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 	$(MAKE) gpu-check DEVICE=cpu GPU_PY=.gpu-image-venv/bin/python GPU_BUNDLE=.gpu-bundle-dry-run
 

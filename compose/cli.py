@@ -7,7 +7,7 @@
     pagedserve encoder     --model DIR ...                            vision: encode media ahead of questions
     pagedserve make-model  DIR --preset tiny|small|1b|gemma-3-12b-it... [--config-only]
     pagedserve compose-gpu --gpus N|0,1,...                           compose override: a GPU per worker
-    pagedserve bench       [cameras] --base-url URL ...              the serving benchmark (or bench/cameras.py)
+    pagedserve bench       [cameras] --base-url URL ...              the serving benchmark (or bench/cameras/cameras.py)
 
 Every flag `--some-flag` also reads `PAGEDSERVE_SOME_FLAG` from the environment (the flag wins).
 """
@@ -46,8 +46,8 @@ COMMANDS: dict[str, Command] = {
     "engine": Command("gateway + scheduler core + model in ONE process (no Redis, no gRPC): "
                       "the yardstick for what the service split costs",
                       flags.add_engine_flags, commands.run_engine),
-    "bench": Command("the serving benchmark (bench/serve.py) against any OpenAI URL; "
-                     "`bench cameras ...`: the camera-stream benchmark (bench/cameras.py)",
+    "bench": Command("the serving benchmark (bench/stack/serve.py) against any OpenAI URL; "
+                     "`bench cameras ...`: the camera-stream benchmark (bench/cameras/cameras.py)",
                      flags.add_bench_flags, commands.run_bench),
     "make-model": Command("write a random-weight HF checkpoint with a local tokenizer",
                           flags.add_make_model_flags, commands.run_make_model),
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
-        # bench/serve.py has its own --help, listing its flags
+        # bench/stack/serve.py has its own --help, listing its flags
         command.add_flags(EnvFlags(sub.add_parser(name, help=command.help, add_help=name != "bench")))
     return parser
 
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     entry = argv is None  # this process's own command line (not a call from Python)
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # every flag after it is bench/serve.py's, --help included
+    if argv[:1] == ["bench"]:  # every flag after it is bench/stack/serve.py's, --help included
         args = argparse.Namespace(command="bench", bench_args=argv[1:])
     else:
         args = build_parser().parse_args(argv)

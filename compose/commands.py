@@ -214,19 +214,21 @@ def run_up(args: argparse.Namespace) -> int:
     return 0 if clean else 1
 
 
-BENCH_SCRIPTS = {"cameras": "cameras.py"}  # `pagedserve bench NAME ARGS`: bench/<script>; else bench/serve.py
+# `pagedserve bench NAME ARGS`: bench/<script>; else bench/stack/serve.py
+BENCH_SCRIPTS = {"cameras": "cameras/cameras.py"}
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """`pagedserve bench ARGS`: bench/serve.py; `pagedserve bench cameras ARGS`: bench/cameras.py
+    """`pagedserve bench ARGS`: bench/stack/serve.py; `pagedserve bench cameras ARGS`: bench/cameras/cameras.py
     (the camera-stream benchmark). Each has its own --help."""
     bench_args = list(args.bench_args)
     name = BENCH_SCRIPTS.get(bench_args[0]) if bench_args else None
     if name is not None:
         bench_args = bench_args[1:]
-    script = Path(__file__).resolve().parent.parent / "bench" / (name or "serve.py")
+    relative = f"bench/{name or 'stack/serve.py'}"
+    script = Path(__file__).resolve().parent.parent / relative
     if not script.exists():
-        print(f"bench/{script.name} ships with the source checkout; run this from a clone", file=sys.stderr)
+        print(f"{relative} ships with the source checkout; run this from a clone", file=sys.stderr)
         return 2
     sys.argv = [str(script), *bench_args]
     try:

@@ -200,7 +200,7 @@ def add_up_flags(f: EnvFlags) -> None:
 
 def add_bench_flags(f: EnvFlags) -> None:
     f.parser.add_argument("bench_args", nargs="*",
-                          help="bench/serve.py's flags (see `pagedserve bench --help`)")
+                          help="bench/stack/serve.py's flags (see `pagedserve bench --help`)")
 
 
 def add_make_model_flags(f: EnvFlags) -> None:

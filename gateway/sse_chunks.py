@@ -2,7 +2,7 @@
 
 Most chunks of a stream carry nothing but new text: no logprobs, token ids, tool calls or
 usage so far. Building and dumping a pydantic chunk for each cost the gateway about a fifth
-of its CPU per streamed token (bench/token_path.py). Here the chunk is dumped once per
+of its CPU per streamed token (bench/stack/token_path.py). Here the chunk is dumped once per
 choice index by pydantic itself, with a marker string in place of the text, and split
 around it; each token's chunk is then the two halves around the text encoded by msgspec.
 The JSON is byte for byte what pydantic writes for the same chunk (tests/test_sse_chunks.py

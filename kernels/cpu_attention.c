@@ -20,7 +20,7 @@ static inline __m512 widen16(const uint16_t *p) {
    reduced by n * ln2, scaled by 2^n. x below -88 (and -inf, a masked score) gives 0, where
    expf gives a subnormal at most 6e-39; a NaN stays NaN, as with expf. Written out because expf is a libm call per score,
    which the compiler does not vectorize: it took a fifth of a bf16 decode layer's time and
-   a tenth of an fp32 one (bench/cpu_attention.py). */
+   a tenth of an fp32 one (bench/compute/cpu_attention.py). */
 static inline __m512 exp16(const __m512 in) {
     const __mmask16 live = _mm512_cmp_ps_mask(in, _mm512_set1_ps(-88.0f), _CMP_GE_OQ);
     const __mmask16 nan = _mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q);

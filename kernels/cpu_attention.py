@@ -74,7 +74,7 @@ def compile_library(compiler: str | None = None, source: Path = SOURCE, header: 
                     extra_flags: tuple[str, ...] = ()) -> Path:
     """The attention kernel and its binding, built once per machine and cached
     (kernels/cpu_kernel_build.py `compile_library`): from this source and declaration, or
-    from edited copies or another revision's (the tests, bench/cpu_attention.py).
+    from edited copies or another revision's (the tests, bench/compute/cpu_attention.py).
     RuntimeError if it cannot be built."""
     return cpu_kernel_build.compile_library(compiler, source=source, header=header, extra_flags=extra_flags)
 

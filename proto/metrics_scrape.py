@@ -4,7 +4,7 @@
     steps = metric(samples, "pagedserve:step_duration_seconds_count")          # every worker
     gaps = metric(samples, "pagedserve:step_gap_seconds_sum", worker="worker-0")
 
-Used by the benchmarks (bench/compare.py reads the step and gap histograms of each run) and
+Used by the benchmarks (bench/stack/compare.py reads the step and gap histograms of each run) and
 the tests that check what the services export. Parsing goes through prometheus_client's own
 parser, so a page that is not valid exposition text fails here.
 """

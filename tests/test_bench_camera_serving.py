@@ -1,17 +1,18 @@
-"""bench/gpu/camera_serving.py, `make gpu-check`'s cameras step, in its CPU form: the `tiny`
+""".ci/gpu/camera_serving.py, `make gpu-check`'s cameras step, in its CPU form: the `tiny`
 vision preset written config-only and served with `--load-format dummy` by a real stack with
 an encoder service and by one without, one camera in each mode, the numbers the step reports."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
-from tests.test_bench_compare import BENCH
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_cameras_step_runs_every_mode_on_the_cpu(tmp_path):
     out = tmp_path / "cameras.json"
-    subprocess.run([sys.executable, str(BENCH / "gpu" / "camera_serving.py"), "--device", "cpu", "--duration", "3",
+    subprocess.run([sys.executable, str(ROOT / ".ci/gpu/camera_serving.py"), "--device", "cpu", "--duration", "3",
                     "--work", str(tmp_path / "work"), "--json", str(out)], check=True, timeout=600)
     r = json.loads(out.read_text())
     assert (r["preset"], r["load_format"]) == ("tiny", "dummy")

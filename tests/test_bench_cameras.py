@@ -1,4 +1,4 @@
-"""bench/cameras.py, the camera-stream benchmark: its schedule and frames, and short runs
+"""bench/cameras/cameras.py, the camera-stream benchmark: its schedule and frames, and short runs
 against the real stack on the tiny gemma3-vision checkpoint in each mode (uuid, --no-uuid,
 --text-only, --upload), whose counts the gateway's, the worker's and the encoder service's
 /metrics must agree with."""
@@ -21,7 +21,7 @@ from tests.test_bench_compare import BENCH, bench_module
 
 @pytest.fixture(scope="module")
 def cameras():
-    return bench_module("cameras")
+    return bench_module("cameras.cameras")
 
 
 def test_the_schedule_staggers_the_cameras_and_frames_are_distinct(cameras):
@@ -140,7 +140,8 @@ def bench(stack, tmp_path, *mode: str) -> dict:
     urls = stack.metrics_urls  # the gateway's, the worker's, and any encoder service's
     pages = [url for name, url in urls.items() if name == "gateway" or name.startswith(("worker-", "encoder-"))]
     done = subprocess.run(
-        [sys.executable, str(BENCH / "cameras.py"), "--base-url", stack.base_url, "--model", stack.served_model_name,
+        [sys.executable, str(BENCH / "cameras" / "cameras.py"), "--base-url", stack.base_url,
+         "--model", stack.served_model_name,
          "--cameras", "2", "--fps", "1", "--ask-every", "1", "--frames", "4", "--duration", "4",
          "--width", "160", "--height", "120", "--max-tokens", "4", "--metrics-url", *pages,
          "--json", str(out), *mode],

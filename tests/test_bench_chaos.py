@@ -1,4 +1,4 @@
-"""bench/chaos.py, short: every fault once under a small mixed load against a real local
+"""bench/stack/chaos.py, short: every fault once under a small mixed load against a real local
 stack. Nothing is lost, nothing hangs, greedy and seeded outputs equal the fault-free
 run's; the only errors are clear ones (a message) of requests that met a stopped or just
 restarted Redis."""
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_every_fault_once(tiny_model_dir, tmp_path):
-    chaos = bench_module("chaos")
+    chaos = bench_module("stack.chaos")
     rows = chaos.main(["--model", str(tiny_model_dir), "--requests", "6", "--max-tokens", "32",
                        "--bound-s", "90", "--run-dir", str(tmp_path / "run")])
     assert [r.fault for r in rows] == ["none", *chaos.FAULTS]
@@ -33,7 +33,7 @@ def test_two_schedulers_each_leading_a_shard(tiny_model_dir, tmp_path):
     """`--shards 2`: each scheduler leads a shard and drives one worker. A scheduler killed
     (the other takes its shard and worker over, then hands it back once it is restarted) and
     a worker killed (its shard's requests wait for it): nothing lost, outputs unchanged."""
-    chaos = bench_module("chaos")
+    chaos = bench_module("stack.chaos")
     rows = chaos.main(["--model", str(tiny_model_dir), "--shards", "2", "--faults", "kill-scheduler,kill-worker",
                        "--requests", "6", "--max-tokens", "32", "--bound-s", "90", "--run-dir", str(tmp_path / "run")])
     assert [r.fault for r in rows] == ["none", "kill-scheduler", "kill-worker"]
@@ -46,7 +46,7 @@ def test_an_encoder_killed_under_image_load(vision_dir, tmp_path):
     the stack a round; SIGKILL one of two encoders, then the only one, once it has encoded a
     batch (claims of 3 s, to be quick). Every request completes with the reference round's
     tokens and text, and every image was published by an encoder or encoded by a worker."""
-    chaos = bench_module("chaos")
+    chaos = bench_module("stack.chaos")
     rows = chaos.main(["--model", str(vision_dir), "--faults", "kill-encoder,kill-only-encoder", "--requests", "0",
                        "--image-requests", "8", "--images-per-request", "2", "--max-tokens", "8", "--bound-s", "90",
                        "--encoder-arg=--claim-ttl-s=3", "--run-dir", str(tmp_path / "run")])

@@ -1,8 +1,9 @@
-"""bench/compare.py: one interleaved round of the stack and the in-process engine on the
+"""bench/stack/compare.py: one interleaved round of the stack and the in-process engine on the
 tiny model, and the per-run step / gap reading it takes from each server's /metrics."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -19,18 +20,14 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def bench_module(name: str):
-    """bench/<name>.py, loaded from its file: no bench/ on sys.path, where bench/kernels.py
-    would shadow kernels/."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """bench/<group>/<module>.py (name: "group.module"), imported as `bench.group.module`: by
+    its full name, as the benchmarks import each other (bench/README.md)."""
+    return importlib.import_module(f"bench.{name}")
 
 
 @pytest.fixture(scope="module")
 def compare():
-    return bench_module("compare")
+    return bench_module("stack.compare")
 
 
 def page(steps: int, step_sum: float, gaps: int, gap_sum: float) -> str:
@@ -52,7 +49,7 @@ def test_step_split_is_the_difference_of_two_scrapes(compare):
 
 @pytest.fixture(scope="module")
 def proc_cpu():
-    return bench_module("proc_cpu")
+    return bench_module("common.proc_cpu")
 
 
 def test_cpu_by_process_counts_a_child_by_what_it_runs(proc_cpu, tmp_path):
@@ -127,7 +124,7 @@ def test_a_server_that_dies_during_the_run_stops_the_client(compare, tmp_path):
 def test_one_round_of_stack_and_engine(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, str(BENCH / "compare.py"), "--model-dir", str(tiny_model_dir),
+        [sys.executable, str(BENCH / "stack" / "compare.py"), "--model-dir", str(tiny_model_dir),
          "--contenders", "stack", "engine", "--runs", "1", "--concurrency", "4", "--num-requests", "8",
          "--input-mean", "24", "--output-mean", "12", "--threads", "1", "--out-dir", str(out),
          "--dtype", "bfloat16", "--quantization", "int8"],
@@ -165,7 +162,7 @@ def test_the_engine_serves_an_fp32_model_over_a_bf16_kv_cache(tiny_model_dir, tm
     runner: every request served, the worker's log says the cache's dtype and why."""
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, str(BENCH / "compare.py"), "--model-dir", str(tiny_model_dir),
+        [sys.executable, str(BENCH / "stack" / "compare.py"), "--model-dir", str(tiny_model_dir),
          "--contenders", "engine", "--runs", "1", "--concurrency", "4", "--num-requests", "8",
          "--input-mean", "24", "--output-mean", "12", "--threads", "1", "--out-dir", str(out),
          "--dtype", "float32", "--kv-cache-dtype", "bfloat16"],

@@ -1,4 +1,4 @@
-"""bench/cpu_attention.py: one short interleaved run of this tree's kernel against itself at
+"""bench/compute/cpu_attention.py: one short interleaved run of this tree's kernel against itself at
 HEAD (skipped outside a git checkout, which has no revision to build)."""
 
 import re
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_one_short_run(capsys):
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout: no baseline revision to build")
-    assert bench_module("cpu_attention").main(
+    assert bench_module("compute.cpu_attention").main(
         ["--baseline", "HEAD", "--batch", "4", "--context", "40", "--pool-blocks", "64", "--layers", "2",
          "--calls", "2", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
@@ -26,4 +26,4 @@ def test_one_short_run(capsys):
 
 def test_a_pool_too_small_for_the_batch_is_refused():
     with pytest.raises(SystemExit):
-        bench_module("cpu_attention").main(["--baseline", "HEAD", "--batch", "8", "--pool-blocks", "4"])
+        bench_module("compute.cpu_attention").main(["--baseline", "HEAD", "--batch", "8", "--pool-blocks", "4"])

@@ -1,4 +1,4 @@
-"""bench/encoder_scaling.py, short: a few frames uploaded to the tiny vision checkpoint's
+"""bench/cameras/encoder_scaling.py, short: a few frames uploaded to the tiny vision checkpoint's
 stack with one encoder and with two; every frame published and encoded exactly once, by
 the encoders the run had (a functional check: no timing is asserted)."""
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_one_round_of_one_and_two_encoders(vision_dir, tmp_path):
-    scaling = bench_module("encoder_scaling")
+    scaling = bench_module("cameras.encoder_scaling")
     out = tmp_path / "scaling.json"
     summary = scaling.main(["--model", str(vision_dir), "--frames", "6", "--rounds", "1", "--width", "160",
                             "--height", "120", "--run-dir", str(tmp_path / "run"), "--json", str(out)])

@@ -1,5 +1,5 @@
-"""bench/fleet.py, short: two simulated workers under the real scheduler and gateway, against
-the one-worker baseline; and bench/sim_worker.py's incremental bookkeeping, which must
+"""bench/stack/fleet.py, short: two simulated workers under the real scheduler and gateway, against
+the one-worker baseline; and bench/stack/sim_worker.py's incremental bookkeeping, which must
 answer every step exactly as tests/fake_worker.py's FakeWorker does and fail where it fails."""
 
 from __future__ import annotations
@@ -24,11 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def sim_worker():
-    saved = list(sys.path)  # sim_worker.py puts the repo and tests/ first: put them back after
-    try:
-        yield bench_module("sim_worker")
-    finally:
-        sys.path[:] = saved
+    return bench_module("stack.sim_worker")
 
 
 def _request(i: int, prompt: list[int], max_tokens: int, n: int = 1) -> NewRequest:
@@ -85,7 +81,7 @@ def test_incremental_bookkeeping_fails_where_fake_worker_fails(sim_worker):
 def test_fleet_of_two_against_one(tiny_model_dir, redis_url, tmp_path):
     out = tmp_path / "fleet.json"
     proc = subprocess.run(
-        [sys.executable, "bench/fleet.py", "--workers", "2", "--schedulers", "1", "--step-ms", "20",
+        [sys.executable, "bench/stack/fleet.py", "--workers", "2", "--schedulers", "1", "--step-ms", "20",
          "--duration", "5", "--warmup", "3", "--baseline-duration", "3", "--concurrency", "8",
          "--prefixes", "2", "--prefix-tokens", "256", "--suffix-tokens", "32", "--output-tokens", "48",
          "--model", str(tiny_model_dir), "--redis-url", redis_url, "--run-dir", str(tmp_path / "run"),

@@ -1,4 +1,4 @@
-"""bench/frame_path.py as a smoke test: the real stack on the tiny vision model, a question
+"""bench/cameras/frame_path.py as a smoke test: the real stack on the tiny vision model, a question
 with a frame it already holds and one without, and a report whose shape holds."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 
 def test_frame_path_smoke(tmp_path):
     out = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "frame_path.py"), "--frames", "2", "--rounds", "2",
+    done = subprocess.run([sys.executable, str(ROOT / "bench/cameras/frame_path.py"), "--frames", "2", "--rounds", "2",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())

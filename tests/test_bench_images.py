@@ -1,4 +1,4 @@
-"""bench/images.py: image requests against the stack on the tiny gemma3-vision checkpoint,
+"""bench/cameras/images.py: image requests against the stack on the tiny gemma3-vision checkpoint,
 end to end, and the pieces it is made of (the frames, the worker's encoder reading)."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from tests.test_bench_compare import BENCH, bench_module
 
 @pytest.fixture(scope="module")
 def images():
-    return bench_module("images")
+    return bench_module("cameras.images")
 
 
 @pytest.fixture(scope="module")
 def workloads():
-    return bench_module("workloads")
+    return bench_module("common.workloads")
 
 
 def test_frames_are_deterministic_distinct_jpegs_of_the_asked_size(workloads):
@@ -74,7 +74,7 @@ def test_images_against_the_stack(family_model_dir, tmp_path):
     model = family_model_dir("gemma3-vision")
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, str(BENCH / "images.py"), "--model-dir", str(model), "--contenders", "stack",
+        [sys.executable, str(BENCH / "cameras" / "images.py"), "--model-dir", str(model), "--contenders", "stack",
          "--runs", "1", "--images", "1", "2", "--num-requests", "2", "--concurrency", "2",
          "--output-tokens", "4", "--image-width", "64", "--image-height", "48", "--threads", "1",
          "--out-dir", str(out)],

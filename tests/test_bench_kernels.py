@@ -1,4 +1,4 @@
-"""bench/kernels.py's own smoke test: the GPU kernel benchmark run end to end on the CPU in
+"""bench/compute/kernels.py's own smoke test: the GPU kernel benchmark run end to end on the CPU in
 Triton's interpreter (tiny shapes, nothing measured), so a broken script is found here and
 not in a GPU lease (`make gpu-check` runs it for real)."""
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_smoke_runs_every_case_and_writes_json(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "kernels.json"
-    subprocess.run([sys.executable, "bench/kernels.py", "--smoke", "--json", str(out)], cwd=ROOT, check=True,
+    subprocess.run([sys.executable, "bench/compute/kernels.py", "--smoke", "--json", str(out)], cwd=ROOT, check=True,
                    env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
     result = json.loads(out.read_text())
     assert result["env"]["device"] == "cpu (smoke test)"

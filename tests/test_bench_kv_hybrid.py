@@ -1,32 +1,19 @@
-"""bench/kv_hybrid.py's capacity search, against rounds whose true capacity is known: it must
+"""bench/kv/kv_hybrid.py's capacity search, against rounds whose true capacity is known: it must
 find it below, at and above the theoretical capacity, report the first N that failed beside it,
 and stop at its cap saying so. No stack: `run_round` is a function of N."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
 from tests.test_bench_compare import bench_module
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
 
 @pytest.fixture(scope="module")
 def kv_hybrid():
-    # kv_hybrid.py puts bench/ on sys.path and imports kv_common, serve and workloads from it:
-    # put both back afterwards, or bench/kernels.py would shadow kernels/ for the tests that follow.
-    saved, modules = list(sys.path), set(sys.modules)
-    try:
-        yield bench_module("kv_hybrid")
-    finally:
-        sys.path[:] = saved
-        for name in set(sys.modules) - modules:
-            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(BENCH)):
-                del sys.modules[name]
+    return bench_module("kv.kv_hybrid")
 
 
 def rounds_up_to(capacity: int, *, preempt: bool = True) -> tuple[Callable[[int], tuple[int, int]], list[int]]:

@@ -1,4 +1,4 @@
-"""bench/mixed_step.py on the tiny model: a chunk computed in one step beside the decodes,
+"""bench/compute/mixed_step.py on the tiny model: a chunk computed in one step beside the decodes,
 its floor below the sum of its parts' floors (the weights are read once), and its JSON."""
 
 import json
@@ -9,7 +9,7 @@ from tests.test_bench_compare import bench_module
 
 
 def test_a_mixed_step_against_its_parts(tiny_model_dir, tmp_path):
-    mixed = bench_module("mixed_step")
+    mixed = bench_module("compute.mixed_step")
     out = tmp_path / "mixed.json"
     assert mixed.main(["--model-dir", str(tiny_model_dir), "--batch", "3", "--context", "24", "--chunk", "40",
                        "--rounds", "2", "--threads", "1", "--out", str(out)]) == 0

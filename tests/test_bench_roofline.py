@@ -1,22 +1,15 @@
-"""bench/roofline.py's step cost model, against numbers worked out by hand."""
+"""bench/compute/roofline.py's step cost model, against numbers worked out by hand."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from modeling.registry import read_config
+from tests.test_bench_compare import bench_module
 
 
 def _roofline():
-    path = Path(__file__).resolve().parent.parent / "bench" / "roofline.py"
-    spec = importlib.util.spec_from_file_location("bench_roofline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("compute.roofline")
 
 
 def test_step_cost_counts_weights_attention_and_kv():

@@ -1,4 +1,4 @@
-"""bench/sampling.py's smoke run: tiny cases on the CPU (the C race against the torch ops),
+"""bench/compute/sampling.py's smoke run: tiny cases on the CPU (the C race against the torch ops),
 checking the script and its report, measuring nothing."""
 
 import json
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_smoke_reports_each_case(tmp_path):
     out = tmp_path / "sampling.json"
-    subprocess.run([sys.executable, "bench/sampling.py", "--cases", "2x100,3x5000", "--rounds", "1",
+    subprocess.run([sys.executable, "bench/compute/sampling.py", "--cases", "2x100,3x5000", "--rounds", "1",
                     "--iters", "1", "--json", str(out)], cwd=ROOT, check=True, timeout=300)
     report = json.loads(out.read_text())
     assert report["device"] == "cpu"

@@ -1,35 +1,20 @@
-"""bench/serve.py, the serving benchmark's client: its SSE reader, and a run against the real
+"""bench/stack/serve.py, the serving benchmark's client: its SSE reader, and a run against the real
 stack (tiny model) whose token counts are known in advance."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.stack_helpers import running_stack
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from tests.test_bench_compare import bench_module
 
 
 @pytest.fixture(scope="module")
 def serve():
-    # serve.py puts bench/ on sys.path for its workloads.py; put it back afterwards, or
-    # bench/kernels.py would shadow the kernels package for the tests that follow.
-    saved = list(sys.path)
-    spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path[:] = saved
-        sys.modules.pop(spec.name, None)
+    return bench_module("stack.serve")
 
 
 async def _collect(serve, pieces: list[bytes]) -> list[bytes]:

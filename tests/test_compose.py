@@ -119,7 +119,7 @@ def test_every_command_is_in_the_table(capsys):
     assert {"up", "gateway", "scheduler", "worker", "encoder", "engine", "bench", "make-model",
             "compose-gpu"} == set(COMMANDS)
     assert COMMANDS["worker"].run is commands.run_worker
-    assert main(["bench", "--help"]) == 0  # dispatched through the table to bench/serve.py
+    assert main(["bench", "--help"]) == 0  # dispatched through the table to bench/stack/serve.py
     assert "--base-url" in capsys.readouterr().out
 
 

@@ -1,4 +1,4 @@
-"""bench/gpu/: what the bundle carries, and how the check runs its steps (a step that fails
+""".ci/gpu/: what the bundle carries, and how the check runs its steps (a step that fails
 or runs past its time box is reported and the next one runs; a failed install skips the
 rest). The whole check runs with `make gpu-dry-run` (minutes: a venv of the GPU image's
 packages), not here."""
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-GPU = Path(__file__).resolve().parent.parent / "bench" / "gpu"
+GPU = Path(__file__).resolve().parent.parent / ".ci" / "gpu"
 
 
 def gpu_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_gpu_{name}", GPU / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"ci_gpu_{name}", GPU / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)

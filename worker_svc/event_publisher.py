@@ -20,7 +20,7 @@ Guarantees the worker and the gateway rely on:
 The round trip sits on the step's critical path when the compute thread publishes itself
 (no step queued behind it). Writing without reading the replies would save it, but only
 through redis-py's private connection internals, and served it measured no faster (0.99x in
-fp32, 1.02x in bf16: docs/performance.md, "Tried and dropped"; bench/event_publish.py
+fp32, 1.02x in bf16: docs/performance.md, "Tried and dropped"; bench/compute/event_publish.py
 compares the two publishers alone).
 
     publisher = EventPublisher(redis.Redis.from_url(url))

@@ -21,7 +21,7 @@ what tcmalloc and jemalloc do too, which vLLM's CPU backend preloads for the sam
 (`run_with_malloc_tunables`: the same command line, the same process id, right after the
 flags are parsed; on a GPU the large tensors are the device's), once: REEXEC_MARKER says a
 process did, whatever glibc made of GLIBC_TUNABLES (a secure-execution process may have it
-removed). bench/roofline.py does the same on the CPU, to measure what the worker runs. The
+removed). bench/compute/roofline.py does the same on the CPU, to measure what the worker runs. The
 environment wins where it tunes malloc itself (a MALLOC_* variable, or glibc.malloc in
 GLIBC_TUNABLES: MALLOC_ARENA_MAX=8, say, keeps glibc's own settings with at most 8
 arenas), and nothing changes where the C library is not glibc. Measured with glibc 2.36;
