@@ -58,7 +58,7 @@ test: install docker-compose
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
-# The stack built and run in containers (tests/test_compose_stack.py): starts dockerd when
+# The stack built and run in containers (tests/e2e/test_compose_stack.py): starts dockerd when
 # none answers (as root), builds a debootstrap base image once, then the images. See
 # compose/testing/test-compose.sh.
 test-compose: install docker-compose

@@ -9,4 +9,4 @@ embeddings for every worker (docs/architecture.md, "The encoder service").
 It encodes by the workers' own path, from the packages it shares with them: vision/ (the
 media source, MediaEncoder, the published embeddings) over modeling/ (the checkpoint's
 vision tower, its dtype, the thread count). It imports no worker_svc module
-(tests/test_import_graph.py)."""
+(tests/architecture/test_import_graph.py)."""

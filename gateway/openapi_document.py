@@ -17,7 +17,7 @@ what it cannot infer and what depends on the server:
 
 So that a body this document calls valid is one the gateway takes, up to the refusals no
 JSON Schema can state (gateway/openapi_answers.py, BEYOND_SCHEMA). A third-party fuzzer
-holds the gateway to it (tests/test_openapi_contract.py; docs/api.md, "The OpenAPI document
+holds the gateway to it (tests/e2e/test_e2e_openapi_contract.py; docs/api.md, "The OpenAPI document
 is the contract").
 """
 

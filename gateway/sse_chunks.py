@@ -5,7 +5,7 @@ usage so far. Building and dumping a pydantic chunk for each cost the gateway ab
 of its CPU per streamed token (bench/stack/token_path.py). Here the chunk is dumped once per
 choice index by pydantic itself, with a marker string in place of the text, and split
 around it; each token's chunk is then the two halves around the text encoded by msgspec.
-The JSON is byte for byte what pydantic writes for the same chunk (tests/test_sse_chunks.py
+The JSON is byte for byte what pydantic writes for the same chunk (tests/unit/gateway/test_sse_chunks.py
 compares them over every ASCII character and a range of others).
 
     chunks = TextChunks(lambda index, text: fmt.text_chunk(index, text), include_usage=False)

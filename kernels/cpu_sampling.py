@@ -23,7 +23,7 @@ about 1 / best + log(V) logarithms in all.
 Numerics: the noise's bits and u are exact, as in torch; `logf` is the C library's where
 torch's CPU kernel uses its own vectorized log, and the two may differ in the last bit of
 a few entries. A draw can then differ from the torch race's only where two entries' p / E
-tie to the last bit (tests/test_exponential_race.py compares them draw for draw).
+tie to the last bit (tests/unit/kernels/test_exponential_race.py compares them draw for draw).
 
 Built and loaded as the attention kernel is (kernels/cpu_kernel_build.py's compile_library:
 once per machine, cached, the binding generated from kernels/cpu_sampling.h).

@@ -223,7 +223,7 @@ def launch_config(num_tokens: int, num_seqs: int, group: int, head_dim: int,
     request fills `group` rows); other batches 64 rows (32 for head_dim 256). fp32 takes
     16 x 16 tiles: its IEEE dots are FMA loops that spill registers on larger tiles.
     Chosen so that no configuration spills when compiled for sm_80/sm_90 (checked by
-    tests/test_triton_compile.py without a GPU); not yet tuned by timing on a GPU."""
+    tests/unit/kernels/test_triton_compile.py without a GPU); not yet tuned by timing on a GPU."""
     decode_only = num_tokens == num_seqs
     if dtype == torch.float32:
         rows, tile_n = 16, 16

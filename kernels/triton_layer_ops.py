@@ -13,7 +13,7 @@ kernels do. A norm's sum of squares adds in another order than torch's (and divi
 where torch's CUDA mean multiplies by 1/N), so its rsqrt factor may differ in the last
 bit, and a bf16 output then, rarely, by one ulp. Measured against torch_layer_ops on an
 H200: act_mul and RoPE without norms equal on every element in bf16, fp16 and fp32; the
-norms on all but ~5 in a million bf16 elements (tests/test_triton_layer_ops.py).
+norms on all but ~5 in a million bf16 elements (tests/unit/kernels/test_triton_layer_ops.py).
 
 rms_norm, one program per row, the row in registers (next_pow2(N) lanes):
 

@@ -20,7 +20,7 @@ One program per row, the vocabulary in tiles of BLOCK:
 
 Numerics: the noise's integer part is exact, `log` is CUDA's logf (libdevice), the division
 div_rn: the same operations as torch's CUDA kernels, so a compiled run should draw what they
-draw bit for bit (tests/test_exponential_race.py checks it under the `gpu` marker; not yet
+draw bit for bit (tests/unit/kernels/test_exponential_race.py checks it under the `gpu` marker; not yet
 run on a GPU). In Triton's CPU interpreter (tests) log is numpy's, which may differ from
 torch's in the last bit; a draw can then differ only where two entries' `p / e` tie to the
 last bit. A NaN counts as the largest, as +inf would: rows are finite or NaN (a softmax's).

@@ -1,7 +1,7 @@
 """The model code: the decoder families, the vision encoder, checkpoint loading, and the
 thread count they compute with. Imported by the worker (worker_svc/), the encoder service
 (encoder_svc/), the vision path (vision/), the benchmarks and the tests; it imports no
-service (tests/test_import_graph.py).
+service (tests/architecture/test_import_graph.py).
 
 The decoder
     config.py             DecoderConfig: a family's config.json read into the shared

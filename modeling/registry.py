@@ -3,7 +3,7 @@
 A family module (modeling/<family>.py) has `ARCHITECTURES`, the names it serves,
 and `read_config(raw, generation) -> DecoderConfig`, which turns its config keys into the
 shared decoder's switches (modeling/decoder.py). Adding a family is one such file,
-listed here, plus its parity test against transformers (tests/test_model_families.py).
+listed here, plus its parity test against transformers (tests/unit/modeling/test_model_families.py).
 
 A vision-language checkpoint (Gemma3ForConditionalGeneration) is served by its text
 family (gemma3.py reads `text_config`); `load_vision_config` reads its vision part

@@ -1,4 +1,9 @@
-"""Shared fixtures: a real redis-server and a tiny model checkpoint made locally."""
+"""Shared fixtures: a real redis-server and a tiny model checkpoint made locally. And the
+marker a test's folder gives it (CONTRIBUTING.md, "Tests"): every test under tests/e2e/ is
+`e2e`, under tests/gpu/ `gpu`, under tests/bench/ `bench`; tests/unit/ and
+tests/architecture/ give none. A test whose needs differ from its folder's marks itself: the
+CUDA cases of a kernel test in tests/unit/ (`gpu`), a benchmark's smoke test that starts the
+stack (`e2e`), the stack in containers (`compose`)."""
 
 import os
 import shutil
@@ -12,6 +17,17 @@ import pytest
 from compose.launcher import free_port, redis_server_argv
 
 REDIS_IMAGE = "redis:7"
+TESTS = Path(__file__).resolve().parent
+# tests/<folder>/... -> the marker every test in it gets (registered in pyproject.toml)
+FOLDER_MARKERS = {"e2e": "e2e", "gpu": "gpu", "bench": "bench"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        path = Path(item.path).resolve()
+        if path.is_relative_to(TESTS) and (marker := FOLDER_MARKERS.get(path.relative_to(TESTS).parts[0])):
+            item.add_marker(marker)
 
 
 def _local_docker_image(name: str) -> bool:

@@ -1,4 +1,4 @@
-"""Tools that make test and benchmark checkpoints; no service imports them (tests/test_import_graph.py).
+"""Tools that make test and benchmark checkpoints; no service imports them (tests/architecture/test_import_graph.py).
 
     make_model.py         `make_model()`: a random-weight Hugging Face checkpoint folder of one
                           family and preset, with its tokenizer and generation config

@@ -29,7 +29,7 @@ toss at float noise level. `tiny` and `small` draw their weights with a larger
 `initializer_range` (sharper attention, more varied outputs), and every preset's LM head
 is scaled so the logits have a standard deviation of ~3 (`tiny`, 2000 greedy steps:
 median top-1/top-2 gap 0.61, 1st percentile 6e-3, under 1e-3 in 0.15% of steps;
-tests/test_make_model.py keeps an eye on it).
+tests/unit/tools/test_make_model.py keeps an eye on it).
 """
 
 from pathlib import Path

@@ -1,6 +1,6 @@
 """The vision path shared by the worker and the encoder service: media to image embeddings,
 and where they are kept and shared (docs/architecture.md, "Images and video"). The model it
-runs is modeling/gemma3_vision.py; it imports no service (tests/test_import_graph.py).
+runs is modeling/gemma3_vision.py; it imports no service (tests/architecture/test_import_graph.py).
 
     media_source.py          MediaSource, RedisMediaSource: the media the gateway stored, by
                              content hash (the worker's steps and the encoder service)

@@ -10,11 +10,12 @@ machine's torch, then runs these steps in order, each in a subprocess with its o
 box inside one overall budget (`--budget-s`, 480 s), carrying on past a step that fails:
 
   install   the bundle's wheels and Redis; every service's modules import
-  tests     the GPU-marked tests (`pytest -m gpu`): Triton kernels against the torch
+  tests     the GPU-marked tests (`pytest -m gpu`; tests/gpu/, and the CUDA cases of the
+            kernel and worker tests in tests/unit/): Triton kernels against the torch
             references in fp16/bf16, the CUDA worker against transformers, CUDA-graph
             replay against eager steps (on a GPU, a run in which every test skipped fails:
             nothing was checked)
-  vision    the GPU-marked Gemma 3 vision tests (tests/*vision*.py): the vision encoder,
+  vision    the GPU-marked Gemma 3 vision tests (tests/**/*vision*.py): the vision encoder,
             and images through the runner (Triton with bidirectional image spans), against
             transformers on CUDA
   kernels   bench/compute/kernels.py --quick: decode attention bandwidth against a measured device
@@ -190,15 +191,16 @@ class Check:
     # -- pytest steps ----------------------------------------------------------------------------
 
     def gpu_test_files(self, vision: bool) -> list[str]:
-        """The test files with GPU-marked cases: those that mark some, or import a test
-        helper module that does (tests/triton_cases.py's devices)."""
+        """The test files with GPU-marked cases: every file of tests/gpu/ (its folder marks
+        them), and those elsewhere that mark some or import a test helper module that does
+        (tests/support/triton_cases.py's devices)."""
         tests = ROOT / "tests"
-        helpers = [p.stem for p in tests.glob("*.py")
-                   if not p.name.startswith(("test_", "conftest")) and "mark.gpu" in p.read_text()]
+        helpers = [p.stem for p in (tests / "support").glob("*.py") if "mark.gpu" in p.read_text()]
         files = []
-        for path in sorted(tests.glob("test_*.py")):
+        for path in sorted(tests.rglob("test_*.py")):
             text = path.read_text()
-            marked = "mark.gpu" in text or any(f"import {h}" in text or f"{h} import" in text for h in helpers)
+            marked = (path.parent == tests / "gpu" or "mark.gpu" in text
+                      or any(f"import {h}" in text or f"{h} import" in text for h in helpers))
             if marked and ("vision" in path.name) == vision:
                 files.append(str(path.relative_to(ROOT)))
         return files
@@ -240,7 +242,7 @@ class Check:
     def kernels(self, limit: float) -> StepResult:
         if not self.cuda:  # (Triton 3.6's interpreter, the image's, fails on NumPy >= 2.4 arrays)
             return StepResult("kernels", "skipped", reason="needs CUDA; the script's --smoke run on the CPU "
-                                                           "is tests/test_bench_kernels.py")
+                                                           "is tests/bench/test_bench_kernels.py")
         out = self.out / "kernels.json"
         code = self.run([sys.executable, "bench/compute/kernels.py", "--quick", "--json", str(out)], limit)
         if code is None:

@@ -3,7 +3,7 @@
     python bench/stack/fleet.py --workers 64 --schedulers 1 --step-ms 30 --duration 30 --json fleet.json
 
 Starts a redis-server (or uses `--redis-url`); N simulated workers (bench/stack/sim_worker.py: the
-real worker's gRPC, registration and publishing, tests/fake_worker.py's bookkeeping, a sleep
+real worker's gRPC, registration and publishing, tests/support/fake_worker.py's bookkeeping, a sleep
 of `step_ms + per_token_ms x tokens + per_seq_ms x sequences` for the model) over
 `--sim-procs` processes; S real schedulers sharing `--shards` (default S) and G real gateways,
 by compose/launcher.py's `Stack`; closed-loop clients (bench/stack/fleet_load.py: `--concurrency`

@@ -13,7 +13,7 @@ in order; a step planned after one that failed fails too); registration as `Regi
 TokenEvents PUBLISHed per reply channel in one pipeline before its result goes back, the
 first output token's event with `num_cached_tokens` (worker_svc/model_runner.py).
 
-Bookkeeping: tests/fake_worker.py's FakeWorker applies every step and asserts the Step
+Bookkeeping: tests/support/fake_worker.py's FakeWorker applies every step and asserts the Step
 contract; `IncrementalFakeWorker` carries its checksums and read checks from step to step
 (the same tokens and failures; ~0.2 ms a step at batch 8, 0.7 at 32 on a 2-core VM). A step
 the check rejects fails as a real worker's would, its message kept in the records. A
@@ -54,12 +54,12 @@ if not __package__:  # run as a file: the repository root on sys.path, this fold
 
 import grpc  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
-from tests.fake_worker import FakeWorker  # noqa: E402
 
 from proto import worker_pb2, worker_pb2_grpc  # noqa: E402
 from proto.grpc_options import GRPC_OPTIONS  # noqa: E402
 from proto.keys import RedisKeys  # noqa: E402
 from proto.messages import TokenEvent, WorkerRegistration, stream_encoder  # noqa: E402
+from tests.support.fake_worker import FakeWorker  # noqa: E402
 
 ORDER_TIMEOUT_S = 30.0  # as worker_svc/server.py: a step planned ahead waits this long for its predecessor
 RECORD_FIELDS = ("start", "end", "tokens", "seqs", "sampled", "pending")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test-compose`: the stack built and run in containers, checked with the official
-# openai client (tests/test_compose_stack.py). Here Docker Hub cannot be reached and pip
+# openai client (tests/e2e/test_compose_stack.py). Here Docker Hub cannot be reached and pip
 # goes through a TLS-re-signing proxy, so this build only:
 #   - bases the images on a debootstrap bookworm image (base-image.sh; built once, cached)
 #     and runs Redis from Debian's package on it (redis.Dockerfile);
@@ -33,5 +33,5 @@ export TORCH_INDEX=${TORCH_INDEX:-https://pypi.org/simple}
 
 export PAGEDSERVE_COMPOSE_TEST=1
 start=$(date +%s)
-$PY -m pytest -q -p no:cacheprovider tests/test_compose_stack.py ${PYTEST_ARGS:-}
+$PY -m pytest -q -p no:cacheprovider tests/e2e/test_compose_stack.py ${PYTEST_ARGS:-}
 echo "compose test: $(( $(date +%s) - start )) s"

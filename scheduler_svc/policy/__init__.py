@@ -1,5 +1,5 @@
 """The scheduler's policy: one worker's batching core and the choice of a worker, pure --
-no Redis, no gRPC, no asyncio, no scheduler service module (tests/test_import_graph.py),
+no Redis, no gRPC, no asyncio, no scheduler service module (tests/architecture/test_import_graph.py),
 so it runs and is tested on its own (the scheduler service, compose/engine.py, the benchmarks).
 
     batching.py        BatchScheduler: the composition the callers drive -- requests in, a
