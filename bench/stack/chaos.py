@@ -4,14 +4,13 @@
     python bench/stack/chaos.py --model DIR --faults kill-worker,kill-scheduler --requests 6
     python bench/stack/chaos.py --model models/gemma3-vision-small --faults kill-encoder,kill-only-encoder --requests 0
 
-The stack is the launcher's (`pagedserve up`): its own redis-server (no persistence), two
-workers (`--drain-timeout 10`), two schedulers (one leads, one stands by; with `--shards
-2` each leads a shard and one worker), the gateway;
-the launcher restarts whatever dies (`Stack.supervise`, on a thread here). Each round
-sends the same load: streamed and not, greedy and sampled at temperature 0.8 with seeds,
-unseeded sampled ones, `n = 2`, and JSON-schema chat requests -- every completion with
-`ignore_eos` and a fixed `max_tokens`, so its length is known. The first round has no
-fault and is the reference; every later round injects its fault once tokens flow in every stream:
+The stack is the launcher's (`pagedserve up`): its own redis-server (no persistence), two workers
+(`--drain-timeout 10`), two schedulers (one leads, one stands by; with `--shards 2` each leads a
+shard and one worker), the gateway; the launcher restarts whatever dies (`Stack.supervise`, on a
+thread here). Each round sends the same load: streamed and not, greedy and sampled at temperature
+0.8 with seeds, unseeded sampled ones, `n = 2`, and JSON-schema chat requests -- every completion
+with `ignore_eos` and a fixed `max_tokens`, so its length is known. The first round has no fault
+and is the reference; every later round injects its fault once tokens flow in every stream:
 
   kill-worker       SIGKILL a worker
   sigterm-worker    SIGTERM a worker (it drains), restarted after it exits
