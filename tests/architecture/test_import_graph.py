@@ -10,6 +10,8 @@ import ast
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -45,6 +47,13 @@ def imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         if target and target != name:
             found.add(target)
     return found
+
+
+@pytest.fixture(scope="module")
+def project_graph() -> tuple[dict[str, Path], dict[str, set[str]]]:
+    """The project's modules and the project modules each imports, read once for every rule."""
+    modules = project_modules()
+    return modules, {name: imported(name, path, modules) for name, path in modules.items()}
 
 
 SERVICES = ("gateway", "scheduler_svc", "worker_svc", "encoder_svc")
@@ -99,10 +108,9 @@ def test_the_checker_sees_a_cycle_through_a_late_import(tmp_path):
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_cycles():
-    modules = project_modules()
+def test_no_import_cycles(project_graph):
+    modules, graph = project_graph
     assert {"compose.cli", "compose.commands", "compose.launcher", "gateway.config"} <= set(modules)
-    graph = {name: imported(name, path, modules) for name, path in modules.items()}
     assert "compose.launcher" in graph["compose.commands"]  # imports are seen
     assert cycles(graph) == []
 
@@ -117,12 +125,11 @@ def test_the_rule_checker_sees_a_service_importing_tools(tmp_path):
     assert forbidden_imports(graph, SERVICES, ("tools",)) == [("worker_svc.late", "tools.model_presets")]
 
 
-def test_no_service_imports_tools():
+def test_no_service_imports_tools(project_graph):
     """The checkpoint makers serve `pagedserve make-model`, the tests and the benchmarks; a
     running service needs none of them (nor their torch-at-import presets)."""
-    modules = project_modules()
+    modules, graph = project_graph
     assert {"tools", "tools.make_model", "tools.model_presets"} <= set(modules)
-    graph = {name: imported(name, path, modules) for name, path in modules.items()}
     assert "tools.model_presets" in graph["tools.make_model"]  # imports are seen
     assert forbidden_imports(graph, SERVICES, ("tools",)) == []
 
@@ -143,22 +150,20 @@ def test_the_rule_checker_sees_the_encoder_importing_the_worker(tmp_path):
     assert forbidden_imports(graph, SHARED, SERVICES) == [("vision.media_encoder", "worker_svc.server")]
 
 
-def test_the_encoder_service_imports_no_worker_module():
+def test_the_encoder_service_imports_no_worker_module(project_graph):
     """The encoder service encodes by the worker's own path without loading the worker: what
     both run is in `vision` (media to embeddings, published) and `modeling` (the model code)."""
-    modules = project_modules()
+    modules, graph = project_graph
     assert {"encoder_svc.service", "vision.media_encoder", "modeling.registry"} <= set(modules)
-    graph = {name: imported(name, path, modules) for name, path in modules.items()}
     assert "vision.media_encoder" in graph["encoder_svc.service"]  # imports are seen
     assert forbidden_imports(graph, ("encoder_svc",), ("worker_svc",)) == []
 
 
-def test_the_shared_packages_import_no_service():
+def test_the_shared_packages_import_no_service(project_graph):
     """`modeling` and `vision` serve the worker and the encoder service alike (and the tests and
     the benchmarks): neither imports a service, so neither drags one in with it."""
-    modules = project_modules()
+    modules, graph = project_graph
     assert {"modeling.decoder", "modeling.gemma3_vision", "vision.media_encoder"} <= set(modules)
-    graph = {name: imported(name, path, modules) for name, path in modules.items()}
     assert "modeling.gemma3_vision" in graph["vision.media_encoder"]  # imports are seen
     assert forbidden_imports(graph, SHARED, SERVICES) == []
 
@@ -207,14 +212,13 @@ def test_the_rule_checker_sees_the_policy_importing_io_or_the_service(tmp_path):
         ("scheduler_svc.policy.planted", "scheduler_svc.shard")]
 
 
-def test_the_scheduler_policy_imports_no_io_and_no_service():
+def test_the_scheduler_policy_imports_no_io_and_no_service(project_graph):
     """The scheduler's policy -- BatchScheduler and its parts, routing -- is pure: no Redis, no
     gRPC, no event loop, no service module; it runs, and is tested, on its own
     (docs/architecture.md). The service modules beside it are its shell."""
-    modules = project_modules()
+    modules, graph = project_graph
     assert {"scheduler_svc.policy.batching", "scheduler_svc.policy.routing", "scheduler_svc.shard"} <= set(modules)
     names = {name: imported_names(path) for name, path in modules.items()}
-    graph = {name: imported(name, path, modules) for name, path in modules.items()}
     assert {"redis", "asyncio"} <= names["scheduler_svc.shard"]  # imports are seen
     assert "scheduler_svc.policy.batching" in graph["scheduler_svc.worker_pool"]
     assert "scheduler_svc.shard" in scheduler_service(modules)
