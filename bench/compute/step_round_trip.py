@@ -1,0 +1,177 @@
+"""What one step's round trip on a worker's Steps stream costs the scheduler's process in CPU.
+
+    python bench/compute/step_round_trip.py                     # 8 streams, 8 requests a step, 3 rounds
+    python bench/compute/step_round_trip.py --modes aio,loop --rounds 5
+    GRPC_EXPERIMENTS=-event_engine_client python bench/compute/step_round_trip.py --modes aio
+
+A stand-in worker (a subprocess) serves `Worker.Steps` over gRPC: for each StepRequest it
+returns a StepResult with one SampledToken per scheduled request. The caller drives
+`--streams` streams at once, as a scheduler drives its workers: write a step of `--seqs`
+requests (their ids, computed tokens and scheduled tokens, as a decode step carries them),
+read its result, wait `--pause-ms`, again. Each measurement runs in a fresh process and reports
+that process's CPU (every thread: the event loop's and gRPC's own) per round trip:
+
+* `aio`: grpc.aio, a write and a read a step (scheduler_svc/step_loop.py's way);
+* `thread`: the blocking stub, one thread a stream, each result handed to the event loop;
+* `loop`: the same pacing and step building without gRPC (the loop's own cost, the floor).
+
+Modes run in turn within a round, `--rounds` times; the medians are printed (and `--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if not __package__:  # run as a file: the repository root on sys.path, this folder off it (bench/README.md)
+    sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent)]
+
+import grpc  # noqa: E402
+
+from compose.launcher import free_port  # noqa: E402
+from proto import worker_pb2, worker_pb2_grpc  # noqa: E402
+from proto.grpc_options import GRPC_OPTIONS  # noqa: E402
+
+MODES = ("aio", "thread", "loop")
+
+
+class EchoWorker(worker_pb2_grpc.WorkerServicer):
+    async def Steps(self, request_iterator, context):
+        async for step in request_iterator:
+            result = worker_pb2.StepResult(step_id=step.step_id, execute_seconds=0.001)
+            for rid in step.num_scheduled_tokens:
+                result.sampled.add(request_id=rid, token_id=7)
+            yield result
+
+
+async def serve(port: int) -> None:
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    worker_pb2_grpc.add_WorkerServicer_to_server(EchoWorker(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def make_step(step_id: int, seqs: int) -> worker_pb2.StepRequest:
+    step = worker_pb2.StepRequest(step_id=step_id)
+    for i in range(seqs):
+        rid = f"chatcmpl-{i:032x}"
+        step.cached_requests.add(request_id=rid, num_computed_tokens=600 + step_id)
+        step.num_scheduled_tokens[rid] = 1
+    return step
+
+
+async def measure(mode: str, port: int, streams: int, steps: int, seqs: int, pause_s: float) -> float:
+    """CPU µs of this process per round trip over `streams` x `steps` steps (after a warm-up)."""
+    loop = asyncio.get_running_loop()
+    target = f"127.0.0.1:{port}"
+    if mode == "aio":
+        channels = [grpc.aio.insecure_channel(target, options=GRPC_OPTIONS) for _ in range(streams)]
+
+        async def drive(k: int, n: int) -> None:
+            call = worker_pb2_grpc.WorkerStub(channels[k]).Steps()
+            for i in range(n):
+                await call.write(make_step(i, seqs))
+                await call.read()
+                await asyncio.sleep(pause_s)
+            call.cancel()
+    elif mode == "thread":
+        inboxes: list[queue.SimpleQueue] = []
+        for _ in range(streams):
+            inboxes.append(inbox := queue.SimpleQueue())
+            threading.Thread(target=_blocking_stream, args=(target, inbox, loop), daemon=True).start()
+
+        async def drive(k: int, n: int) -> None:
+            for i in range(n):
+                done = loop.create_future()
+                inboxes[k].put((make_step(i, seqs), done))
+                await done
+                await asyncio.sleep(pause_s)
+    else:
+        async def drive(k: int, n: int) -> None:
+            for i in range(n):
+                make_step(i, seqs).SerializeToString()
+                await asyncio.sleep(pause_s)
+    await asyncio.gather(*(drive(k, max(steps // 10, 5)) for k in range(streams)))  # warm-up
+    start = time.process_time()
+    await asyncio.gather(*(drive(k, steps) for k in range(streams)))
+    return 1e6 * (time.process_time() - start) / (streams * steps)
+
+
+def _blocking_stream(target: str, inbox: queue.SimpleQueue, loop: asyncio.AbstractEventLoop) -> None:
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+    results = worker_pb2_grpc.WorkerStub(channel).Steps(iter(outbox.get, None))
+    while True:
+        step, done = inbox.get()
+        outbox.put(step)
+        loop.call_soon_threadsafe(done.set_result, next(results))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--streams", type=int, default=8, help="streams driven at once (workers)")
+    p.add_argument("--steps", type=int, default=1000, help="steps measured on each stream")
+    p.add_argument("--seqs", type=int, default=8, help="requests a step")
+    p.add_argument("--pause-ms", type=float, default=2.0, help="wait after each result (the step's time)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the stand-in worker's port
+    p.add_argument("--measure", help=argparse.SUPPRESS)  # one measurement: mode:port
+    args = p.parse_args(argv)
+    if args.serve:
+        asyncio.run(serve(args.serve))
+        return {}
+    if args.measure:
+        mode, port = args.measure.split(":")
+        print(asyncio.run(measure(mode, int(port), args.streams, args.steps, args.seqs, args.pause_ms / 1e3)))
+        return {}
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        p.error(f"unknown modes {sorted(unknown)}")
+    port = free_port()
+    me = [sys.executable, str(Path(__file__).resolve())]
+    server = subprocess.Popen([*me, "--serve", str(port)])
+    try:
+        _wait_for(port)
+        rounds: dict[str, list[float]] = {m: [] for m in modes}
+        for r in range(args.rounds):
+            for mode in modes if r % 2 == 0 else reversed(modes):
+                out = subprocess.run([*me, "--measure", f"{mode}:{port}", "--streams", str(args.streams),
+                                      "--steps", str(args.steps), "--seqs", str(args.seqs),
+                                      "--pause-ms", str(args.pause_ms)], capture_output=True, text=True, check=True)
+                rounds[mode].append(float(out.stdout.strip().splitlines()[-1]))
+    finally:
+        server.kill()
+        server.wait()
+    report = {"streams": args.streams, "seqs": args.seqs, "pause_ms": args.pause_ms,
+              "us_per_round_trip": {m: round(statistics.median(v), 1) for m, v in rounds.items()},
+              "rounds": rounds}
+    for mode in modes:
+        print(f"{mode:7s} median {report['us_per_round_trip'][mode]:7.1f} µs CPU a round trip  "
+              f"({', '.join(f'{v:.1f}' for v in rounds[mode])})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _wait_for(port: int, timeout_s: float = 30.0) -> None:
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    finally:
+        channel.close()
+
+
+if __name__ == "__main__":
+    main()
