@@ -12,7 +12,8 @@ read its result, wait `--pause-ms`, again. Each measurement runs in a fresh proc
 that process's CPU (every thread: the event loop's and gRPC's own) per round trip:
 
 * `aio`: grpc.aio, a write and a read a step (scheduler_svc/step_loop.py's way);
-* `thread`: the blocking stub, one thread a stream, each result handed to the event loop;
+* `thread`: the blocking stub: gRPC's own thread sends each step from a queue, and one thread
+  a stream reads the results and hands each to the event loop;
 * `loop`: the same pacing and step building without gRPC (the loop's own cost, the floor).
 
 Modes run in turn within a round, `--rounds` times; the medians are printed (and `--json`).
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +44,7 @@ from proto import worker_pb2, worker_pb2_grpc  # noqa: E402
 from proto.grpc_options import GRPC_OPTIONS  # noqa: E402
 
 MODES = ("aio", "thread", "loop")
+MEASURE_TIMEOUT_S = 600  # one measurement's process, at most
 
 
 class EchoWorker(worker_pb2_grpc.WorkerServicer):
@@ -74,27 +77,23 @@ async def measure(mode: str, port: int, streams: int, steps: int, seqs: int, pau
     """CPU µs of this process per round trip over `streams` x `steps` steps (after a warm-up)."""
     loop = asyncio.get_running_loop()
     target = f"127.0.0.1:{port}"
+    channels: list = []
     if mode == "aio":
         channels = [grpc.aio.insecure_channel(target, options=GRPC_OPTIONS) for _ in range(streams)]
+        calls = [worker_pb2_grpc.WorkerStub(channel).Steps() for channel in channels]
 
         async def drive(k: int, n: int) -> None:
-            call = worker_pb2_grpc.WorkerStub(channels[k]).Steps()
             for i in range(n):
-                await call.write(make_step(i, seqs))
-                await call.read()
+                await calls[k].write(make_step(i, seqs))
+                await calls[k].read()
                 await asyncio.sleep(pause_s)
-            call.cancel()
     elif mode == "thread":
-        inboxes: list[queue.SimpleQueue] = []
-        for _ in range(streams):
-            inboxes.append(inbox := queue.SimpleQueue())
-            threading.Thread(target=_blocking_stream, args=(target, inbox, loop), daemon=True).start()
+        channels = [grpc.insecure_channel(target, options=GRPC_OPTIONS) for _ in range(streams)]
+        blocking = [BlockingStream(channel, loop) for channel in channels]
 
         async def drive(k: int, n: int) -> None:
             for i in range(n):
-                done = loop.create_future()
-                inboxes[k].put((make_step(i, seqs), done))
-                await done
+                await blocking[k].round_trip(make_step(i, seqs))
                 await asyncio.sleep(pause_s)
     else:
         async def drive(k: int, n: int) -> None:
@@ -104,17 +103,46 @@ async def measure(mode: str, port: int, streams: int, steps: int, seqs: int, pau
     await asyncio.gather(*(drive(k, max(steps // 10, 5)) for k in range(streams)))  # warm-up
     start = time.process_time()
     await asyncio.gather(*(drive(k, steps) for k in range(streams)))
-    return 1e6 * (time.process_time() - start) / (streams * steps)
+    cpu = time.process_time() - start
+    for channel in channels:
+        closed = channel.close()
+        if closed is not None:  # an aio channel's close is a coroutine
+            await closed
+    return 1e6 * cpu / (streams * steps)
 
 
-def _blocking_stream(target: str, inbox: queue.SimpleQueue, loop: asyncio.AbstractEventLoop) -> None:
-    outbox: queue.SimpleQueue = queue.SimpleQueue()
-    channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
-    results = worker_pb2_grpc.WorkerStub(channel).Steps(iter(outbox.get, None))
-    while True:
-        step, done = inbox.get()
-        outbox.put(step)
-        loop.call_soon_threadsafe(done.set_result, next(results))
+class BlockingStream:
+    """One Steps call on the blocking stub: steps go into its request iterator (gRPC's own
+    thread sends them); this class's thread reads the results, resolving the oldest waiting
+    future with each; once the call breaks, every waiting and later round trip fails."""
+
+    def __init__(self, channel: grpc.Channel, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[asyncio.Future] = deque()
+        self._broken: RuntimeError | None = None  # set (on the loop's thread) once the call broke
+        self._results = worker_pb2_grpc.WorkerStub(channel).Steps(iter(self._outbox.get, None))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    async def round_trip(self, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        if self._broken is not None:
+            raise self._broken
+        done = self._loop.create_future()
+        self._waiting.append(done)  # before the step goes: its result may come at once
+        self._outbox.put(step)
+        return await done
+
+    def _read(self) -> None:
+        try:
+            for result in self._results:
+                self._loop.call_soon_threadsafe(self._waiting.popleft().set_result, result)
+        except grpc.RpcError as exc:
+            self._loop.call_soon_threadsafe(self._fail, exc)
+
+    def _fail(self, exc: grpc.RpcError) -> None:
+        self._broken = RuntimeError(f"the Steps call broke: {exc}")
+        while self._waiting:
+            self._waiting.popleft().set_exception(self._broken)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -143,13 +171,14 @@ def main(argv: list[str] | None = None) -> dict:
     me = [sys.executable, str(Path(__file__).resolve())]
     server = subprocess.Popen([*me, "--serve", str(port)])
     try:
-        _wait_for(port)
+        _wait_for(port, server)
         rounds: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(args.rounds):
             for mode in modes if r % 2 == 0 else reversed(modes):
                 out = subprocess.run([*me, "--measure", f"{mode}:{port}", "--streams", str(args.streams),
                                       "--steps", str(args.steps), "--seqs", str(args.seqs),
-                                      "--pause-ms", str(args.pause_ms)], capture_output=True, text=True, check=True)
+                                      "--pause-ms", str(args.pause_ms)], stdout=subprocess.PIPE, text=True,
+                                     check=True, timeout=MEASURE_TIMEOUT_S)
                 rounds[mode].append(float(out.stdout.strip().splitlines()[-1]))
     finally:
         server.kill()
@@ -165,10 +194,18 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def _wait_for(port: int, timeout_s: float = 30.0) -> None:
+def _wait_for(port: int, server: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Until the stand-in worker answers on `port`; raises if it exits or stays silent."""
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        ready = grpc.channel_ready_future(channel)
+        deadline = time.monotonic() + timeout_s
+        while server.poll() is None and time.monotonic() < deadline:
+            try:
+                return ready.result(timeout=0.5)
+            except grpc.FutureTimeoutError:
+                continue
+        raise RuntimeError(f"the stand-in worker {'exited' if server.poll() is not None else 'did not answer'}")
     finally:
         channel.close()
 
