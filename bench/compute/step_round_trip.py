@@ -4,17 +4,20 @@
     python bench/compute/step_round_trip.py --modes aio,loop --rounds 5
     GRPC_EXPERIMENTS=-event_engine_client python bench/compute/step_round_trip.py --modes aio
 
-A stand-in worker (a subprocess) serves `Worker.Steps` over gRPC: for each StepRequest it
-returns a StepResult with one SampledToken per scheduled request. The caller drives
-`--streams` streams at once, as a scheduler drives its workers: write a step of `--seqs`
-requests (their ids, computed tokens and scheduled tokens, as a decode step carries them),
-read its result, wait `--pause-ms`, again. Each measurement runs in a fresh process and reports
-that process's CPU (every thread: the event loop's and gRPC's own) per round trip:
+A stand-in worker (a subprocess) serves `Worker.Steps` over gRPC, and the same exchange on a
+plain TCP port: for each StepRequest it returns a StepResult with one SampledToken per
+scheduled request. The caller drives `--streams` streams at once, as a scheduler drives its
+workers: write a step of `--seqs` requests (their ids, computed tokens and scheduled tokens,
+as a decode step carries them), read its result, wait `--pause-ms`, again. Each measurement
+runs in a fresh process and reports that process's CPU (every thread: the event loop's and
+gRPC's own) per round trip:
 
 * `aio`: grpc.aio, a write and a read a step (scheduler_svc/step_loop.py's way);
 * `thread`: the blocking stub: gRPC's own thread sends each step from a queue, and one thread
   a stream reads the results and hands each to the event loop;
-* `loop`: the same pacing and step building without gRPC (the loop's own cost, the floor).
+* `tcp`: the same messages, length-prefixed, on a bare asyncio TCP connection a stream (what
+  the transport would cost without gRPC's machinery);
+* `loop`: the same pacing and step building without a transport (the loop's own cost, the floor).
 
 Modes run in turn within a round, `--rounds` times; the medians are printed (and `--json`).
 """
@@ -43,24 +46,47 @@ from compose.launcher import free_port  # noqa: E402
 from proto import worker_pb2, worker_pb2_grpc  # noqa: E402
 from proto.grpc_options import GRPC_OPTIONS  # noqa: E402
 
-MODES = ("aio", "thread", "loop")
+MODES = ("aio", "thread", "tcp", "loop")
 MEASURE_TIMEOUT_S = 600  # one measurement's process, at most
+
+
+def stand_in_result(step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+    result = worker_pb2.StepResult(step_id=step.step_id, execute_seconds=0.001)
+    for rid in step.num_scheduled_tokens:
+        result.sampled.add(request_id=rid, token_id=7)
+    return result
 
 
 class EchoWorker(worker_pb2_grpc.WorkerServicer):
     async def Steps(self, request_iterator, context):
         async for step in request_iterator:
-            result = worker_pb2.StepResult(step_id=step.step_id, execute_seconds=0.001)
-            for rid in step.num_scheduled_tokens:
-                result.sampled.add(request_id=rid, token_id=7)
-            yield result
+            yield stand_in_result(step)
 
 
-async def serve(port: int) -> None:
+async def _tcp_steps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """The Steps exchange on a plain connection: 4-byte little-endian length, then the message."""
+    try:
+        while True:
+            step = worker_pb2.StepRequest.FromString(await reader.readexactly(_length(await reader.readexactly(4))))
+            writer.write(_frame(stand_in_result(step).SerializeToString()))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+
+
+def _frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "little") + payload
+
+
+def _length(header: bytes) -> int:
+    return int.from_bytes(header, "little")
+
+
+async def serve(grpc_port: int, tcp_port: int) -> None:
     server = grpc.aio.server(options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(EchoWorker(), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.add_insecure_port(f"127.0.0.1:{grpc_port}")
     await server.start()
+    await asyncio.start_server(_tcp_steps, "127.0.0.1", tcp_port)
     await server.wait_for_termination()
 
 
@@ -78,6 +104,7 @@ async def measure(mode: str, port: int, streams: int, steps: int, seqs: int, pau
     loop = asyncio.get_running_loop()
     target = f"127.0.0.1:{port}"
     channels: list = []
+    connections: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
     if mode == "aio":
         channels = [grpc.aio.insecure_channel(target, options=GRPC_OPTIONS) for _ in range(streams)]
         calls = [worker_pb2_grpc.WorkerStub(channel).Steps() for channel in channels]
@@ -95,6 +122,15 @@ async def measure(mode: str, port: int, streams: int, steps: int, seqs: int, pau
             for i in range(n):
                 await blocking[k].round_trip(make_step(i, seqs))
                 await asyncio.sleep(pause_s)
+    elif mode == "tcp":
+        connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(streams)]
+
+        async def drive(k: int, n: int) -> None:
+            reader, writer = connections[k]
+            for i in range(n):
+                writer.write(_frame(make_step(i, seqs).SerializeToString()))
+                worker_pb2.StepResult.FromString(await reader.readexactly(_length(await reader.readexactly(4))))
+                await asyncio.sleep(pause_s)
     else:
         async def drive(k: int, n: int) -> None:
             for i in range(n):
@@ -104,6 +140,8 @@ async def measure(mode: str, port: int, streams: int, steps: int, seqs: int, pau
     start = time.process_time()
     await asyncio.gather(*(drive(k, steps) for k in range(streams)))
     cpu = time.process_time() - start
+    for _, writer in connections:
+        writer.close()
     for channel in channels:
         closed = channel.close()
         if closed is not None:  # an aio channel's close is a coroutine
@@ -137,7 +175,10 @@ class BlockingStream:
             for result in self._results:
                 self._loop.call_soon_threadsafe(self._waiting.popleft().set_result, result)
         except grpc.RpcError as exc:
-            self._loop.call_soon_threadsafe(self._fail, exc)
+            try:
+                self._loop.call_soon_threadsafe(self._fail, exc)
+            except RuntimeError:  # the loop is closed: the measurement ended, its channel with it
+                pass
 
     def _fail(self, exc: grpc.RpcError) -> None:
         self._broken = RuntimeError(f"the Steps call broke: {exc}")
@@ -154,11 +195,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--pause-ms", type=float, default=2.0, help="wait after each result (the step's time)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="write the report here")
-    p.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the stand-in worker's port
+    p.add_argument("--serve", help=argparse.SUPPRESS)  # the stand-in worker's ports: gRPC,TCP
     p.add_argument("--measure", help=argparse.SUPPRESS)  # one measurement: mode:port
     args = p.parse_args(argv)
     if args.serve:
-        asyncio.run(serve(args.serve))
+        asyncio.run(serve(*map(int, args.serve.split(","))))
         return {}
     if args.measure:
         mode, port = args.measure.split(":")
@@ -167,15 +208,16 @@ def main(argv: list[str] | None = None) -> dict:
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
         p.error(f"unknown modes {sorted(unknown)}")
-    port = free_port()
+    ports = {"aio": free_port(), "tcp": free_port()}
+    ports["thread"] = ports["loop"] = ports["aio"]
     me = [sys.executable, str(Path(__file__).resolve())]
-    server = subprocess.Popen([*me, "--serve", str(port)])
+    server = subprocess.Popen([*me, "--serve", f"{ports['aio']},{ports['tcp']}"])
     try:
-        _wait_for(port, server)
+        _wait_for(ports["aio"], server)
         rounds: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(args.rounds):
             for mode in modes if r % 2 == 0 else reversed(modes):
-                out = subprocess.run([*me, "--measure", f"{mode}:{port}", "--streams", str(args.streams),
+                out = subprocess.run([*me, "--measure", f"{mode}:{ports[mode]}", "--streams", str(args.streams),
                                       "--steps", str(args.steps), "--seqs", str(args.seqs),
                                       "--pause-ms", str(args.pause_ms)], stdout=subprocess.PIPE, text=True,
                                      check=True, timeout=MEASURE_TIMEOUT_S)

@@ -13,12 +13,13 @@ from tests.bench.test_bench_compare import bench_module
 def test_one_short_round(capsys):
     report = bench_module("compute.step_round_trip").main(["--streams", "2", "--steps", "20", "--rounds", "1"])
     costs = report["us_per_round_trip"]
-    assert set(costs) == {"aio", "thread", "loop"}, report
+    assert set(costs) == {"aio", "thread", "tcp", "loop"}, report
     assert all(cost > 0 for cost in costs.values()), report
     assert "aio     median" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("mode, error", [("aio", grpc.aio.AioRpcError), ("thread", RuntimeError)])
+@pytest.mark.parametrize("mode, error", [("aio", grpc.aio.AioRpcError), ("thread", RuntimeError),
+                                         ("tcp", ConnectionRefusedError)])
 def test_a_stream_with_no_worker_fails_the_measurement(mode, error):
     measure = bench_module("compute.step_round_trip").measure
     with pytest.raises(error):
