@@ -82,11 +82,11 @@ def _length(header: bytes) -> int:
 
 
 async def serve(grpc_port: int, tcp_port: int) -> None:
+    await asyncio.start_server(_tcp_steps, "127.0.0.1", tcp_port)  # first: gRPC answering means both do
     server = grpc.aio.server(options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(EchoWorker(), server)
     server.add_insecure_port(f"127.0.0.1:{grpc_port}")
     await server.start()
-    await asyncio.start_server(_tcp_steps, "127.0.0.1", tcp_port)
     await server.wait_for_termination()
 
 
