@@ -67,7 +67,7 @@ async def _tcp_steps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
     """The Steps exchange on a plain connection: 4-byte little-endian length, then the message."""
     try:
         while True:
-            step = worker_pb2.StepRequest.FromString(await reader.readexactly(_length(await reader.readexactly(4))))
+            step = worker_pb2.StepRequest.FromString(await _read_frame(reader))
             writer.write(_frame(stand_in_result(step).SerializeToString()))
     except (asyncio.IncompleteReadError, ConnectionError):
         writer.close()
@@ -77,8 +77,8 @@ def _frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(4, "little") + payload
 
 
-def _length(header: bytes) -> int:
-    return int.from_bytes(header, "little")
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    return await reader.readexactly(int.from_bytes(await reader.readexactly(4), "little"))
 
 
 async def serve(grpc_port: int, tcp_port: int) -> None:
@@ -129,7 +129,7 @@ async def measure(mode: str, port: int, streams: int, steps: int, seqs: int, pau
             reader, writer = connections[k]
             for i in range(n):
                 writer.write(_frame(make_step(i, seqs).SerializeToString()))
-                worker_pb2.StepResult.FromString(await reader.readexactly(_length(await reader.readexactly(4))))
+                worker_pb2.StepResult.FromString(await _read_frame(reader))
                 await asyncio.sleep(pause_s)
     else:
         async def drive(k: int, n: int) -> None:

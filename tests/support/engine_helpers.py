@@ -61,3 +61,19 @@ def run_engine(engine, sink: Collector, requests) -> int:
         sched.check_integrity()
         peak = max(peak, sched.kv.num_blocks - sched.kv.num_free_blocks)
     return peak
+
+
+def assert_greedy_matches_transformers(model_dir, cases, sink: Collector) -> None:
+    """Each request `r<i>` of `cases` ((prompt, max_tokens) pairs) got, in `sink`, exactly the
+    tokens transformers' greedy generate() gives for it (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for i, (prompt, max_tokens) in enumerate(cases):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        expected = out[0, len(prompt):].tolist()
+        got = [sink.tokens[f"r{i}"][k] for k in sorted(sink.tokens[f"r{i}"])]
+        assert got == expected, f"request {i}"

@@ -6,11 +6,9 @@ from __future__ import annotations
 import random
 import time
 
-import torch
-from transformers import AutoModelForCausalLM
 
 from compose.engine import EngineConfig, InProcessEngine
-from tests.support.engine_helpers import Collector, serve_on_thread
+from tests.support.engine_helpers import Collector, assert_greedy_matches_transformers, serve_on_thread
 from proto.messages import NewRequest, SamplingParams
 from scheduler_svc.policy.config import SchedulerConfig
 from worker_svc.config import RunnerConfig
@@ -31,14 +29,7 @@ def test_engine_greedy_equals_transformers_under_preemption(tiny_model_dir):
     engine.scheduler.check_integrity()
     assert engine.scheduler.kv.num_free_blocks == 24
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    for i, (prompt, max_tokens) in enumerate(cases):
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        expected = out[0, len(prompt):].tolist()
-        got = [sink.tokens[f"r{i}"][k] for k in sorted(sink.tokens[f"r{i}"])]
-        assert got == expected, f"request {i}"
+    assert_greedy_matches_transformers(tiny_model_dir, cases, sink)
 
 
 def test_engine_seeded_sampling_is_the_same_with_and_without_preemption(tiny_model_dir):

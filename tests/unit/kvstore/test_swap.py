@@ -219,11 +219,10 @@ def test_drain_returns_swapped_requests_for_recompute():
 # -- the real model ---------------------------------------------------------------------
 
 def test_engine_greedy_equals_transformers_with_swaps(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
 
     from compose.engine import EngineConfig, InProcessEngine
     from proto.messages import NewRequest, SamplingParams
-    from tests.support.engine_helpers import Collector, serve_on_thread
+    from tests.support.engine_helpers import Collector, assert_greedy_matches_transformers, serve_on_thread
     from worker_svc.config import RunnerConfig
 
     rng = random.Random(2)
@@ -243,14 +242,7 @@ def test_engine_greedy_equals_transformers_with_swaps(tiny_model_dir):
     sched.check_integrity()
     assert sched.kv.num_free_blocks == 16 and sched.kv.cpu_pool.num_free_blocks == 64
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    for i, (prompt, max_tokens) in enumerate(cases):
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        expected = out[0, len(prompt):].tolist()
-        got = [sink.tokens[f"r{i}"][k] for k in sorted(sink.tokens[f"r{i}"])]
-        assert got == expected, f"request {i}"
+    assert_greedy_matches_transformers(tiny_model_dir, cases, sink)
 
 
 def test_engine_seeded_sampling_unchanged_by_swaps(tiny_model_dir):
