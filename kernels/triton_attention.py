@@ -23,20 +23,26 @@ a program finds its request by binary search, and a tile past its request's quer
         if HAS_SPANS: [s[r], e[r]) = bidir_spans[row of r]     # [0, 0]: none
                       hi = min(max(hi, max_r e[r]), seq_len)   # a block's keys after the tile
         m = -inf, l = 0, acc = 0                       # online softmax state, fp32
+        keys every row sees: [full_lo, full_hi) = (last row's window start, first row's
+            position], in whole tiles; the tiles of [lo, full_lo) and [full_hi, hi) are masked
         for each TILE_N keys k in [lo, hi):
             block = block_tables[i, k // block_size]   # a key-by-key gather: tiles may span blocks
             K, V = cache[block, k % block_size, kv_head]         # int64 addresses
             S = Q K^T * scale;  if soft_cap: S = soft_cap * tanh(S / soft_cap)
-            S[r, k] = -inf unless (k <= pos[r] or s[r] <= k < e[r]) (and k > pos[r] - W)
+            if masked: S[r, k] = -inf unless (k <= pos[r] or s[r] <= k < e[r]) (and k > pos[r] - W)
             m' = max(m, rowmax S);  P = exp(S - m');  alpha = exp(m - m')
             l = l * alpha + rowsum P;  acc = acc * alpha + P V;  m = m'
         out[rows] = acc / l
 
+Tiles are launched last first (they hold the most keys), so a long prefill's tail is short.
+The unmasked tiles load without predicates and skip the mask arithmetic: in a long prefill
+or a decode, all but the tiles at the diagonal and the window's edge.
 exp is exp2 on pre-scaled scores; a row with no visible key yet keeps m = -inf and is
 guarded so it never computes (-inf) - (-inf). Keys at or past seq_len are never loaded, so
 unused cache slots may hold anything (even NaN). fp32 inputs use IEEE dots (no TF32).
 
-Launch parameters depend only on shapes and dtype (`launch_config`), so `plan_attention`
+Launch parameters depend only on shapes, dtype and the device's architecture
+(kernels/triton_tiles.py: tuned tiles per architecture, measured on the GPU), so `plan_attention`
 has nothing to precompute and the call never syncs with the host. Bidirectional spans
 (Gemma 3's images, kernels/reference.py) make a compiled variant of their own (HAS_SPANS):
 without them the kernel is exactly the causal one, and the plan is None. The plan only
@@ -46,13 +52,17 @@ checking their values would sync with the host, so it trusts them as the contrac
 """
 
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import sdpa_prefill
 from kernels.host_layout import HostLayout
+from kernels.sdpa_prefill import SdpaRoute
+from kernels.triton_tiles import custom_config, device_arch, launch_config
 
 if "input_precision" not in inspect.signature(tl.dot).parameters:  # Triton < 3.0
     raise ImportError(f"triton {triton.__version__} is too old for these kernels "
@@ -97,9 +107,71 @@ def _find_request(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend_tiles(acc, l_i, m, q, k_cache_ptr, v_cache_ptr, block_row, kv_head, key_lo, key_hi, hi,
+                  q_pos, span_lo, span_hi, qk_scale, cap_in, cap_out, window, dims, dim_ok,
+                  stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
+                  stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
+                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
+                  PAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+                  HAS_SPANS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """The online softmax over keys [key_lo, key_hi), TILE_N at a time. MASKED tiles apply
+    every rule (causal, spans, window, keys < hi); unmasked ones hold only keys that every
+    row of the tile sees, so they load and compute without a mask."""
+    for start in range(key_lo, key_hi, TILE_N):
+        k_pos = start + tl.arange(0, TILE_N)
+        if MASKED:
+            k_ok = k_pos < hi
+            block = tl.load(block_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        else:
+            block = tl.load(block_row + k_pos // BLOCK_SIZE).to(tl.int64)
+        slot = (k_pos % BLOCK_SIZE).to(tl.int64)
+        k_ptrs = (k_cache_ptr + (block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head)[None, :]
+                  + dims[:, None] * stride_k_dim)  # [HEAD_DIM_PAD, TILE_N]
+        v_ptrs = (v_cache_ptr + (block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head)[:, None]
+                  + dims[None, :] * stride_v_dim)  # [TILE_N, HEAD_DIM_PAD]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_ok[None, :] & dim_ok[:, None], other=0.0)
+        elif PAD_DIM:
+            k = tl.load(k_ptrs, mask=dim_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = _dot(q, k, DOT_PRECISION, UPCAST_DOT)
+        if USE_SOFT_CAP:  # qk_scale = log2(e): cap_out * tanh(cap_in * s), in base-2 units
+            s = cap_out * _tanh(s * cap_in)
+        else:  # qk_scale = scale * log2(e)
+            s = s * qk_scale
+        if MASKED:
+            visible = k_pos[None, :] <= q_pos[:, None]
+            if HAS_SPANS:
+                visible = visible | ((k_pos[None, :] >= span_lo[:, None])
+                                     & (k_pos[None, :] < span_hi[:, None]))
+            visible = k_ok[None, :] & visible
+            if USE_WINDOW:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:  # every score is finite
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
+        elif PAD_DIM:
+            v = tl.load(v_ptrs, mask=dim_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        m = m_new
+    return acc, l_i, m
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, bidir_spans_ptr, scale, soft_cap, window, num_seqs,
+    query_start_loc_ptr, bidir_spans_ptr, skip_ptr, qk_scale, cap_in, cap_out, window, num_seqs,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
     stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
@@ -108,16 +180,19 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    HAS_SPANS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_SPANS: tl.constexpr, SKIP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles (most keys) start first
     kv_head = tl.program_id(1)
     req = _find_request(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_begin = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
     t0 = (tile - (q_begin // BLOCK_Q + req)) * BLOCK_Q
+    if SKIP:  # the request runs on SDPA (kernels/sdpa_prefill.py)
+        t0 = tl.where(tl.load(skip_ptr + req) != 0, q_len, t0)
     if t0 < q_len:
         context = tl.load(seq_lens_ptr + req) - q_len
+        t1 = tl.minimum(t0 + BLOCK_Q, q_len)  # one past the tile's last token
 
         rows = tl.arange(0, BLOCK_M)
         tok = t0 + rows // GROUP  # token index within the request
@@ -130,51 +205,48 @@ def _paged_attention_kernel(
         q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q_pos = context + tok
 
-        hi = context + tl.minimum(t0 + BLOCK_Q, q_len)  # one past the last visible key
+        hi = context + t1  # one past the last visible key
+        span_lo = q_pos
+        span_hi = q_pos
         if HAS_SPANS:  # [span_lo, span_hi): each row's bidirectional block, [0, 0] for none
             span_offs = (q_begin + tok).to(tl.int64) * 2
             span_lo = tl.load(bidir_spans_ptr + span_offs, mask=row_ok, other=0)
             span_hi = tl.load(bidir_spans_ptr + span_offs + 1, mask=row_ok, other=0)
             hi = tl.minimum(tl.maximum(hi, tl.max(span_hi, axis=0)), context + q_len)
-        lo = hi * 0
+        # Keys every row sees: causal up to the first token, and inside the last token's window.
+        full_lo = hi * 0
+        lo = full_lo
         if USE_WINDOW:
             lo = tl.maximum(context + t0 - window + 1, 0) // TILE_N * TILE_N
+            full_lo = (tl.maximum(context + t1 - window, 0) + TILE_N - 1) // TILE_N * TILE_N
+        full_hi = tl.maximum((context + t0 + 1) // TILE_N * TILE_N, full_lo)
+        full_lo = tl.minimum(full_lo, full_hi)
 
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # `l` above: each row's running sum of P
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
         block_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
-        log2e = 1.4426950408889634
-        for start in range(lo, hi, TILE_N):
-            k_pos = start + tl.arange(0, TILE_N)
-            k_ok = k_pos < hi
-            block = tl.load(block_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-            slot = (k_pos % BLOCK_SIZE).to(tl.int64)
-            k_offs = block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
-            v_offs = block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
-            k = tl.load(k_cache_ptr + k_offs[None, :] + dims[:, None] * stride_k_dim,
-                        mask=k_ok[None, :] & dim_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
-            s = _dot(q, k, DOT_PRECISION, UPCAST_DOT) * scale
-            if USE_SOFT_CAP:
-                s = soft_cap * _tanh(s / soft_cap)
-            s = s * log2e
-            visible = k_pos[None, :] <= q_pos[:, None]
-            if HAS_SPANS:
-                visible = visible | ((k_pos[None, :] >= span_lo[:, None])
-                                     & (k_pos[None, :] < span_hi[:, None]))
-            visible = k_ok[None, :] & visible
-            if USE_WINDOW:
-                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + v_offs[:, None] + dims[None, :] * stride_v_dim,
-                        mask=k_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_PAD]
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-            m = m_new
+        acc, l_i, m = _attend_tiles(  # the window's lower edge, masked
+            acc, l_i, m, q, k_cache_ptr, v_cache_ptr, block_row, kv_head, lo, full_lo, hi,
+            q_pos, span_lo, span_hi, qk_scale, cap_in, cap_out, window, dims, dim_ok,
+            stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
+            stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
+            BLOCK_SIZE, TILE_N, True, HEAD_DIM_PAD != HEAD_DIM, USE_WINDOW, USE_SOFT_CAP,
+            HAS_SPANS, DOT_PRECISION, UPCAST_DOT)
+        acc, l_i, m = _attend_tiles(  # keys all rows see, unmasked
+            acc, l_i, m, q, k_cache_ptr, v_cache_ptr, block_row, kv_head, full_lo, full_hi, hi,
+            q_pos, span_lo, span_hi, qk_scale, cap_in, cap_out, window, dims, dim_ok,
+            stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
+            stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
+            BLOCK_SIZE, TILE_N, False, HEAD_DIM_PAD != HEAD_DIM, USE_WINDOW, USE_SOFT_CAP,
+            HAS_SPANS, DOT_PRECISION, UPCAST_DOT)
+        acc, l_i, m = _attend_tiles(  # the diagonal and the spans past it, masked
+            acc, l_i, m, q, k_cache_ptr, v_cache_ptr, block_row, kv_head, full_hi, hi, hi,
+            q_pos, span_lo, span_hi, qk_scale, cap_in, cap_out, window, dims, dim_ok,
+            stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
+            stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
+            BLOCK_SIZE, TILE_N, True, HEAD_DIM_PAD != HEAD_DIM, USE_WINDOW, USE_SOFT_CAP,
+            HAS_SPANS, DOT_PRECISION, UPCAST_DOT)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offs = ((q_begin + tok).to(tl.int64)[:, None] * stride_o_tok
@@ -194,46 +266,32 @@ class TritonWorkspace:
 
 @dataclass(frozen=True)
 class TritonPlan:
-    """A step's bidirectional spans, int32 [num_tokens, 2], contiguous, on the device."""
+    """A step's bidirectional spans, int32 [num_tokens, 2], contiguous, on the device (None:
+    no image), and the long causal chunks that run on SDPA (kernels/sdpa_prefill.py; None:
+    every request in the Triton kernel)."""
 
-    bidir_spans: torch.Tensor
+    bidir_spans: torch.Tensor | None
+    sdpa: SdpaRoute | None = None
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, block_size: int,
                    sliding_window: int | None = None, workspace: TritonWorkspace | None = None, *,
                    bidir_spans: torch.Tensor | None = None, host: HostLayout | None = None) -> TritonPlan | None:
-    """Nothing to plan without spans (None): the kernel reads the metadata tensors on the
-    device (`host`, the lengths on the host, is not needed). With spans: them, as the kernel reads
-    them (no host sync; their shape is checked, ValueError, their values are the caller's to get
-    right)."""
+    """None when there is nothing to plan: the kernel reads the metadata tensors on the
+    device. With spans: them, as the kernel reads them (no host sync; their shape is
+    checked, ValueError, their values are the caller's to get right). With the lengths on
+    the host (`host`): the chunks of MIN_TOKENS or more that go to SDPA, on a layer without
+    a window in a step without images (kernels/sdpa_prefill.py)."""
+    route = sdpa_prefill.plan_route(host, sliding_window, bidir_spans, query_start_loc.device)
     if bidir_spans is None:
-        return None
+        return None if route is None else TritonPlan(None, route)
     if (bidir_spans.dim() != 2 or bidir_spans.shape[1] != 2
             or bidir_spans.dtype not in (torch.int32, torch.int64)
             or bidir_spans.device != query_start_loc.device):
         raise ValueError(f"bidir_spans must be int32 [num_tokens, 2] on {query_start_loc.device}, "
                          f"got {bidir_spans.dtype} {tuple(bidir_spans.shape)} on {bidir_spans.device}")
     return TritonPlan(bidir_spans.to(torch.int32).contiguous())
-
-
-def launch_config(num_tokens: int, num_seqs: int, group: int, head_dim: int,
-                  dtype: torch.dtype) -> dict:
-    """Tile sizes from shapes alone. Decode-only batches use 16-row tiles (one token per
-    request fills `group` rows); other batches 64 rows (32 for head_dim 256). fp32 takes
-    16 x 16 tiles: its IEEE dots are FMA loops that spill registers on larger tiles.
-    Chosen so that no configuration spills when compiled for sm_80/sm_90 (checked by
-    tests/unit/kernels/test_triton_compile.py without a GPU); not yet tuned by timing on a GPU."""
-    decode_only = num_tokens == num_seqs
-    if dtype == torch.float32:
-        rows, tile_n = 16, 16
-    elif decode_only:
-        rows, tile_n = 16, 32
-    else:
-        rows, tile_n = (32, 32) if head_dim > 128 else (64, 64)
-    block_m = max(rows, triton.next_power_of_2(group))
-    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n,
-                num_warps=8 if block_m >= 64 else 4, num_stages=2)
 
 
 def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out):
@@ -276,10 +334,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None, soft_cap: float | None = None,
                     plan: TritonPlan | None = None, out: torch.Tensor | None = None, *,
-                    bidir_spans: torch.Tensor | None = None) -> torch.Tensor:
+                    bidir_spans: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
     """Same result as `paged_attention_reference`. Any strides are accepted (e.g. `query` a
     view into a fused QKV output); `out` is written in place when given. Spans come in
-    the plan (plan_attention's), or as `bidir_spans` without one."""
+    the plan (plan_attention's), or as `bidir_spans` without one. `tiles` (TILE_KEYS, powers
+    of two) overrides launch_config's choice: for the tuner (bench/compute/tune_attention.py)
+    and the tests."""
     if out is None:
         out = torch.empty_like(query)
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
@@ -289,6 +349,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1],
                               bidir_spans=bidir_spans)
     spans = None if plan is None else plan.bidir_spans
+    route = None if plan is None or soft_cap is not None or sliding_window is not None else plan.sdpa
     if spans is not None and spans.shape[0] < query.shape[0]:
         raise ValueError(f"bidir_spans has {spans.shape[0]} rows for {query.shape[0]} query rows")
     if sliding_window is not None and sliding_window < 1:
@@ -301,18 +362,29 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    cfg = launch_config(num_tokens, num_seqs, group, head_dim, query.dtype)
+    if tiles is None:
+        cfg = launch_config(num_tokens, num_seqs, group, head_dim, query.dtype, device_arch(query.device))
+    else:
+        cfg = custom_config(tiles, group)
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
+    log2e = math.log2(math.e)  # the kernel's softmax is in base 2
+    if soft_cap is None:
+        qk_scale, cap_in, cap_out = float(scale) * log2e, 1.0, 1.0
+    else:
+        qk_scale, cap_in, cap_out = log2e, float(scale) / soft_cap, float(soft_cap) * log2e
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         seq_lens if spans is None else spans,  # not read without spans (HAS_SPANS=False)
-        float(scale), float(soft_cap or 1.0), int(sliding_window or 0), num_seqs,
+        seq_lens if route is None else route.skip,  # not read without a route (SKIP=False)
+        qk_scale, cap_in, cap_out, int(sliding_window or 0), num_seqs,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1], USE_WINDOW=sliding_window is not None,
-        USE_SOFT_CAP=soft_cap is not None, HAS_SPANS=spans is not None,
+        USE_SOFT_CAP=soft_cap is not None, HAS_SPANS=spans is not None, SKIP=route is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         UPCAST_DOT=INTERPRETED and query.dtype == torch.bfloat16, **cfg,
     )
+    if route is not None:
+        sdpa_prefill.run_route(route, query, k_cache, v_cache, block_tables, scale, out)
     return out

@@ -10,6 +10,9 @@ machine's torch, then runs these steps in order, each in a subprocess with its o
 box inside one overall budget (`--budget-s`, 480 s), carrying on past a step that fails:
 
   install   the bundle's wheels and Redis; every service's modules import
+  tune      bench/compute/tune_attention.py: the Triton attention's candidate tiles timed per
+            phase and layout; the winners written to kernels/triton_tuned.json (which the
+            steps after it use) and, with every timing, to --out (commit the file from there)
   tests     the GPU-marked tests (`pytest -m gpu`; tests/gpu/, and the CUDA cases of the
             kernel and worker tests in tests/unit/): Triton kernels against the torch
             references in fp16/bf16, the CUDA worker against transformers, CUDA-graph
@@ -19,12 +22,14 @@ box inside one overall budget (`--budget-s`, 480 s), carrying on past a step tha
             and images through the runner (Triton with bidirectional image spans), against
             transformers on CUDA
   kernels   bench/compute/kernels.py --quick: decode attention bandwidth against a measured device
-            copy, paged against contiguous SDPA, prefill TFLOP/s, the sampler's race, and
-            the Gemma 3 vision tower at 896 px (bench/compute/vision_tower.py)
+            copy, paged against contiguous SDPA, prefill TFLOP/s against flash SDPA (causal,
+            and a camera question's 8 frames of bidirectional tokens), the sampler's race,
+            and the Gemma 3 vision tower at 896 px (bench/compute/vision_tower.py)
   serving   .ci/gpu/serving.py: the `1b` preset in bf16, made there from the carried
             tokenizer; decode steps' model-bandwidth utilisation and kernels per step, with
             CUDA graphs and with --enforce-eager (bench/compute/roofline.py); the stack against the
-            in-process engine at concurrency 256 and 64
+            in-process engine at each --serving-concurrency (256 and 64; none: skipped); a
+            mixed step against its parts' floors (bench/compute/mixed_step.py)
   cameras   .ci/gpu/camera_serving.py: gemma-3-12b-it's release config with weights made on
             the device (--load-format dummy, bf16) served by the stack; the camera workload
             at 2, 4, 8, 12, 16 cameras, frames by file_id with an encoder service (which
@@ -63,7 +68,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Each step's own limit in seconds, on CUDA; the overall budget caps what is left.
 # In this order: the CUDA path first; the fleet (CPU only) takes what the budget has left.
-LIMITS = {"install": 60, "tests": 140, "vision": 60, "kernels": 75, "serving": 340, "cameras": 420, "fleet": 270}
+LIMITS = {"install": 60, "tune": 200, "tests": 160, "vision": 60, "kernels": 150, "serving": 340, "cameras": 420,
+          "fleet": 270}
 # bench/stack/fleet.py on the machine's CPUs (the model is simulated): name -> flags. One scheduler
 # at a GPU-like 30 ms step; 256 workers at 100 ms steps (what 16 cores can simulate: the
 # simulated workers, gateways and clients cost more CPU per step than the schedulers)
@@ -251,6 +257,22 @@ class Check:
             return StepResult("kernels", "failed", reason=f"exit {code}")
         return StepResult("kernels", "passed", results=json.loads(out.read_text()))
 
+    def tune(self, limit: float) -> StepResult:
+        if not self.cuda:
+            return StepResult("tune", "skipped", reason="needs CUDA; its --smoke run on the CPU is "
+                                                        "tests/bench/test_bench_tune_attention.py")
+        out, tuned = self.out / "tune.json", ROOT / "kernels" / "triton_tuned.json"
+        code = self.run([sys.executable, "bench/compute/tune_attention.py", "--write", str(tuned),
+                         "--json", str(out)], limit)
+        if code != 0:
+            return StepResult("tune", "timeout" if code is None else "failed",
+                              reason=f"ran past {limit:.0f} s" if code is None else f"exit {code}")
+        shutil.copy(tuned, self.out / tuned.name)
+        results = json.loads(out.read_text())
+        return StepResult("tune", "passed", results={k: {"winner": r["winner"], "winner_mean": r["winner_mean"],
+                                                         "default_mean": r["default_mean"]}
+                                                     for k, r in results["results"].items()})
+
     def fleet(self, limit: float) -> StepResult:
         runs, results = FLEET_RUNS if self.cuda else FLEET_RUNS_CPU, {}
         deadline = time.monotonic() + limit
@@ -285,6 +307,8 @@ class Check:
                "--work", str(self.work / "serving"), "--json", str(out)]
         if not self.cuda:
             cmd += ["--concurrency", "4", "8", "--output-mean", "16", "--roofline-batches", "4"]
+        elif self.args.serving_concurrency is not None:
+            cmd += ["--concurrency", *map(str, self.args.serving_concurrency)]
         code = self.run(cmd, limit)
         if code is None:
             return StepResult("serving", "timeout", reason=f"ran past {limit:.0f} s",
@@ -356,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="multiply each step's own limit (default: 1 on CUDA, 6 on the CPU)")
     p.add_argument("--steps", nargs="+", default=[s for s in LIMITS if s != "cameras"], choices=list(LIMITS),
                    help="default: all but cameras, which needs a draw of its own (--steps install cameras)")
+    p.add_argument("--serving-concurrency", type=int, nargs="*", default=None,
+                   help="the serving step's concurrencies (default 256 64; none: decode steps and the mixed step only)")
     p.add_argument("--test-workers", type=int, default=4, help="pytest-xdist processes for the GPU tests")
     args = p.parse_args(argv)
     if args.limit_scale is None:

@@ -14,7 +14,12 @@
    unmasked, mixed lengths (uniform in [ctx/8, ctx]) padded to the longest with a mask —
    (target: at most 10% slower on equal lengths, faster on mixed).
 3. Prefill, each layout, one request of 1k-8k tokens, causal: TFLOP/s (4 * N^2/2 * heads * head_dim
-   flops) against the matmul rate, and causal SDPA (flash) on contiguous K/V beside it.
+   flops) against the matmul rate, and causal SDPA (flash) on contiguous K/V beside it (target:
+   >= 0.7x its rate), in the Triton kernel alone and as the worker runs it (a long prompt on
+   SDPA over K/V gathered from the paged cache: kernels/sdpa_prefill.py). Then a camera
+   question: 8 frames of 256 bidirectional soft tokens and text (~2,100 tokens), causal, and
+   on a sliding layer (window 1,024), checked against the fp32 reference (kernels/reference.py)
+   and set against causal SDPA on as many tokens.
 4. The sampler's exponential race (kernels/triton_sampling.py) against the torch ops it
    replaces, at batch 1-256 over Llama 3's and Gemma 3's vocabularies (bench/compute/sampling.py:
    the method, and its CPU run).
@@ -174,15 +179,51 @@ def bench_decode(args, ta, dtype, copy_bw, flush, gqa, gen, name: str) -> list[d
     return rows
 
 
+def image_prompt(images: int, image_tokens: int = 256, text: int = 60) -> tuple[int, list[tuple[int, int]]]:
+    """A camera question's layout: `images` frames of `image_tokens` soft tokens, each between
+    two marker tokens after a line of text, then the question: (tokens, each image's [s, e))."""
+    spans, pos = [], 20
+    for _ in range(images):
+        pos += 2  # a newline and <start_of_image>
+        spans.append((pos, pos + image_tokens))
+        pos += image_tokens + 1  # <end_of_image>
+    return pos + text, spans
+
+
+def prefill_case(kind: str, n: int, dtype, args, gen, layout: Layout):
+    """(inputs, bidir_spans or None, window or None, tokens) of one prefill case: "causal" n
+    tokens; "images" (8 frames of 256 soft tokens and text, n ignored); "images-window" the
+    same on a sliding layer (Gemma 3's window of 1,024)."""
+    spans, window = None, None
+    if kind.startswith("images"):
+        n, image_spans = image_prompt(2, 16, 8) if args.smoke else image_prompt(8)
+        spans = torch.zeros(n, 2, dtype=torch.int32)
+        for s, e in image_spans:
+            spans[s:e] = torch.tensor([s, e], dtype=torch.int32)
+        spans = spans.to(gen.device)
+        window = (24 if args.smoke else 1024) if kind == "images-window" else None
+    return paged_batch([n], [n], dtype, args.block_size, gen, layout), spans, window, n
+
+
 def bench_prefill(args, ta, dtype, mm_rate, flush, gqa, gen, name: str) -> list[dict]:
+    """Each prefill case in the Triton kernel against causal flash SDPA on the same number of
+    tokens (for the image cases too: FLOPs are counted as causal, 4 * N^2/2 * heads * head_dim,
+    for both); plain causal prompts also as the worker runs them (`routed`: planned with
+    the lengths on the host, so a long prompt goes to SDPA over its gathered K/V,
+    kernels/sdpa_prefill.py)."""
+    from kernels.host_layout import HostLayout
+    from kernels.reference import paged_attention_reference
+
     heads, kv_heads, head_dim = layout = LAYOUTS[name]
     rows, scale, group = [], head_dim**-0.5, heads // kv_heads
-    for n in args.prefill:
-        query, k_cache, v_cache, bt, seq, qsl = paged_batch([n], [n], dtype, args.block_size, gen, layout)
-        out = torch.empty_like(query)
+    cases = [("causal", n) for n in args.prefill] + [(k, 0) for k in args.prefill_images if name in args.image_layouts]
+    for kind, n in cases:
+        (query, k_cache, v_cache, bt, seq, qsl), spans, window, n = prefill_case(kind, n, dtype, args, gen, layout)
+        out = torch.full_like(query, float("nan"))
 
         def triton_prefill():
-            ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale, out=out)
+            ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale, out=out, sliding_window=window,
+                               bidir_spans=spans)
 
         k, v = contiguous_kv(k_cache, v_cache, bt, [n])
         if not gqa:
@@ -193,15 +234,36 @@ def bench_prefill(args, ta, dtype, mm_rate, flush, gqa, gen, name: str) -> list[
             return F.scaled_dot_product_attention(q4, k, v, is_causal=True, scale=scale, **gqa)
 
         triton_prefill()
-        err = rel_error(out, sdpa_prefill()[0].transpose(0, 1))
+        if kind == "causal":
+            expect = sdpa_prefill()[0].transpose(0, 1)
+        else:  # the rule as written, in fp32
+            expect = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(), bt, seq, qsl, scale,
+                                               sliding_window=window, bidir_spans=spans)
+        err = rel_error(out, expect)
+        del expect
         if not err < 2e-2:
-            raise AssertionError(f"prefill {n}: relative error {err:.2e} against SDPA")
+            raise AssertionError(f"prefill {kind} {n}: relative error {err:.2e} against the reference")
         flops = 4 * n * n / 2 * heads * head_dim
         t_triton = device_time(triton_prefill, args.iters, flush)
         t_sdpa = device_time(sdpa_prefill, args.iters, flush)
-        row = {"layout": name, "tokens": n, "triton_us": t_triton * 1e6, "TFLOP_per_s": flops / t_triton / 1e12,
-               "frac_of_matmul": flops / t_triton / mm_rate, "sdpa_us": t_sdpa * 1e6,
-               "sdpa_TFLOP_per_s": flops / t_sdpa / 1e12, "rel_err": err}
+        row = {"layout": name, "case": kind, "tokens": n, "triton_us": t_triton * 1e6,
+               "TFLOP_per_s": flops / t_triton / 1e12, "frac_of_matmul": flops / t_triton / mm_rate,
+               "sdpa_us": t_sdpa * 1e6, "sdpa_TFLOP_per_s": flops / t_sdpa / 1e12,
+               "triton_vs_sdpa_rate": t_sdpa / t_triton, "rel_err": err}
+        if kind == "causal":  # as the worker plans it: the lengths on the host, the prompt on SDPA
+            host = HostLayout(seq.cpu().numpy(), qsl.cpu().numpy(), n)
+            plan = ta.plan_attention(bt, seq, qsl, k_cache.shape[1], host=host)
+            routed = torch.full_like(query, float("nan"))
+
+            def routed_prefill():
+                ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale, out=routed, plan=plan)
+
+            routed_prefill()
+            row["routed_err"] = rel_error(routed, sdpa_prefill()[0].transpose(0, 1))
+            if not row["routed_err"] < 2e-2:
+                raise AssertionError(f"routed prefill {n}: relative error {row['routed_err']:.2e} against SDPA")
+            row["routed_us"] = 1e6 * device_time(routed_prefill, args.iters, flush)
+            row["routed_vs_sdpa_rate"] = t_sdpa * 1e6 / row["routed_us"]
         rows.append(row)
         print_row(row, PREFILL_COLUMNS)
     return rows
@@ -209,8 +271,8 @@ def bench_prefill(args, ta, dtype, mm_rate, flush, gqa, gen, name: str) -> list[
 
 DECODE_COLUMNS = ("layout", "batch", "context", "lengths", "triton_us", "GB_per_s", "frac_of_copy",
                   "sdpa_us", "sdpa_kind", "triton_vs_sdpa")
-PREFILL_COLUMNS = ("layout", "tokens", "triton_us", "TFLOP_per_s", "frac_of_matmul", "sdpa_us",
-                   "sdpa_TFLOP_per_s")
+PREFILL_COLUMNS = ("layout", "case", "tokens", "triton_us", "TFLOP_per_s", "frac_of_matmul", "sdpa_us",
+                   "sdpa_TFLOP_per_s", "triton_vs_sdpa_rate", "routed_us", "routed_vs_sdpa_rate")
 
 
 def print_row(row: dict, cols: tuple) -> None:
@@ -234,6 +296,11 @@ def main() -> None:
     ap.add_argument("--batches", type=parse_ints, default=[64, 128, 256])
     ap.add_argument("--contexts", type=parse_ints, default=[512, 1024, 2048, 4096, 8192])
     ap.add_argument("--prefill", type=parse_ints, default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--prefill-images", type=lambda s: [x for x in s.split(",") if x],
+                    default=["images", "images-window"],
+                    help="image prefill cases (8 frames x 256 bidirectional tokens + text): images, images-window")
+    ap.add_argument("--image-layouts", type=lambda s: s.split(","), default=list(LAYOUTS),
+                    help="layouts that run the image cases")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS),
                     help=f"attention layouts, of {', '.join(LAYOUTS)}")

@@ -22,5 +22,8 @@ def test_smoke_runs_every_case_and_writes_json(tmp_path):
     assert result["env"]["device"] == "cpu (smoke test)"
     assert {r["layout"] for r in result["decode"]} == {r["layout"] for r in result["prefill"]} == {
         "llama3-8b", "gemma3-12b"}
+    assert {(r["layout"], r["case"]) for r in result["prefill"]} == {
+        (layout, case) for layout in ("llama3-8b", "gemma3-12b") for case in ("causal", "images", "images-window")}
+    assert all(r["rel_err"] < 2e-2 for r in result["prefill"])
     assert [(r["rows"], r["vocab"]) for r in result["sampling"]] == [(3, 3000)]
     assert [(r["batch"], r["path"]) for r in result["vision"]["rows"]] == [(2, "default")]

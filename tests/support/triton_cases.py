@@ -124,9 +124,10 @@ def make_batch(reqs, *, gen, device, dtype=torch.float32, block_size=16, num_hea
 
 
 def check_attention(batch, *, scale=None, sliding_window=None, soft_cap=None, query=None,
-                    bidir_spans=None):
+                    bidir_spans=None, tiles=None):
     """Run the kernel into a NaN-poisoned buffer and compare with the fp32 reference.
-    `bidir_spans` go through plan_attention, as the worker passes them."""
+    `bidir_spans` go through plan_attention, as the worker passes them; `tiles` override
+    the launch's (kernels/triton_tiles.py)."""
     q, k_cache, v_cache, block_tables, seq_lens, qsl = batch
     query = q if query is None else query
     scale = query.shape[-1] ** -0.5 if scale is None else scale
@@ -136,7 +137,7 @@ def check_attention(batch, *, scale=None, sliding_window=None, soft_cap=None, qu
     assert (plan is None) == (bidir_spans is None)  # no spans: nothing planned, as before
     triton_attention.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, qsl, scale,
                                      sliding_window=sliding_window, soft_cap=soft_cap, plan=plan,
-                                     out=out)
+                                     out=out, tiles=tiles)
     ref = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(),
                                     block_tables, seq_lens, qsl, scale,
                                     sliding_window=sliding_window, soft_cap=soft_cap,

@@ -23,7 +23,7 @@ from tests.support.triton_cases import (  # noqa: F401  (device, gen: fixtures)
     rel_error,
     run_in_interpreter,
 )
-from kernels import triton_attention  # noqa: E402  (triton_cases skips without triton)
+from kernels import triton_attention, triton_tiles  # noqa: E402  (triton_cases skips without triton)
 from kernels.reference import paged_attention_reference
 from tests.unit.kernels.test_bidirectional_attention import (
     LAYOUTS,
@@ -101,6 +101,21 @@ def test_attention_with_random_images_and_gqa(device, gen, num_heads, num_kv_hea
     check_attention(batch, bidir_spans=spans)
     check_attention(batch, bidir_spans=spans, sliding_window=windows(device)["short"], soft_cap=20.0,
                     scale=1.0)
+
+
+# Tile sets that put the diagonal, the window's edge and the images in separate key tiles or in
+# one, and every tuned one (kernels/triton_tuned.json): each masked/unmasked split is exact.
+TILE_SETS = sorted({(16, 16, 4, 1), (32, 16, 4, 2), (64, 32, 4, 2), (16, 64, 4, 3), (128, 32, 8, 2),
+                    *((m, n, w, s) for m, n, w, s in triton_tiles.TUNED.values())})
+
+
+@pytest.mark.parametrize("tiles", TILE_SETS, ids=["m{}-n{}-w{}-s{}".format(*t) for t in TILE_SETS])
+@pytest.mark.parametrize("window", [None, "short", "long"])
+def test_attention_with_images_in_every_tile_set(device, gen, tiles, window):
+    layout = image_layouts(device)["mixed_with_decodes"] + image_layouts(device)["short_chunks"]
+    batch, spans = image_batch(layout, gen=gen, device=device, **llama_layout(device))
+    check_attention(batch, bidir_spans=spans, sliding_window=window and windows(device)[window],
+                    tiles=dict(zip(triton_tiles.TILE_KEYS, tiles)))
 
 
 @pytest.mark.parametrize("window", [None, "short"])

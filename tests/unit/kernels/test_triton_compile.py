@@ -17,7 +17,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels import triton_attention, triton_cache, triton_layer_ops, triton_sampling  # noqa: E402  (after the importorskip)
+from kernels import triton_attention, triton_cache, triton_layer_ops, triton_sampling, triton_tiles  # noqa: E402  (after the importorskip)
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
@@ -98,20 +98,48 @@ def test_attention_compiles_for_cuda_without_spills(case):
     """What the wrapper would launch compiles for Hopper/Ampere, and keeps its tiles in
     registers (no local-memory stack), on a machine without a GPU."""
     dtype, decode_only, head_dim, group, options, arch, spans = COMPILE_CASES[case]
-    cfg = triton_attention.launch_config(64 if decode_only else 300, 64, group, head_dim,
-                                         TORCH_DTYPES[dtype])
+    cfg = triton_tiles.launch_config(64 if decode_only else 300, 64, group, head_dim, TORCH_DTYPES[dtype],
+                                     f"sm_{arch}")
     launch = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
     constexprs = dict(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=16, USE_WINDOW=options, USE_SOFT_CAP=options, HAS_SPANS=spans,
+        SKIP=not (decode_only or spans or options),  # a causal step with chunks on SDPA
         DOT_PRECISION="ieee" if dtype == "fp32" else None, UPCAST_DOT=False, **cfg)
     pointers = {n: "*" + dtype for n in ATTN_POINTERS}
     pointers.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr",
-                                         "bidir_spans_ptr")})
+                                         "bidir_spans_ptr", "skip_ptr")})
     usage = compile_for_cuda(triton_attention._paged_attention_kernel, arch, pointers, constexprs,
-                             floats=("scale", "soft_cap"), options=launch)
+                             floats=("qk_scale", "cap_in", "cap_out"), options=launch)
     if usage is not None:
         assert usage[1] == 0, f"{case}: {usage[0]} registers and a {usage[1]}-byte stack (spills)"
+
+
+TUNED_CASES = [(arch, phase, layout, spans) for (arch, phase, layout) in sorted(triton_tiles.TUNED)
+               for spans in ((False, True) if phase == "prefill" else (False,))]
+
+
+@pytest.mark.skipif(INTERPRETER, reason="the interpreter run has no compiled kernels")
+@pytest.mark.skipif(not TUNED_CASES, reason="kernels/triton_tuned.json holds no entries")
+@pytest.mark.parametrize("arch,phase,layout,spans", TUNED_CASES or [("", "", "", False)],
+                         ids=[f"{a}-{p}-{k}" + ("-spans" if s else "") for a, p, k, s in TUNED_CASES] or ["none"])
+def test_tuned_tiles_compile_without_spills(arch, phase, layout, spans):
+    """Each tuned entry (kernels/triton_tuned.json), as its architecture launches it, in bf16,
+    causal and with spans and a window, keeps its tiles in registers."""
+    head_dim, group = (int(x[1:]) for x in layout.split("-"))
+    block_m, tile_n, warps, stages = triton_tiles.TUNED[(arch, phase, layout)]
+    constexprs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+                      BLOCK_SIZE=16, USE_WINDOW=spans, USE_SOFT_CAP=False, HAS_SPANS=spans,
+                      SKIP=phase == "prefill" and not spans, DOT_PRECISION=None,
+                      UPCAST_DOT=False, BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n)
+    pointers = {n: "*bf16" for n in ATTN_POINTERS}
+    pointers.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr",
+                                         "bidir_spans_ptr", "skip_ptr")})
+    usage = compile_for_cuda(triton_attention._paged_attention_kernel, int(arch.removeprefix("sm_")), pointers,
+                             constexprs, floats=("qk_scale", "cap_in", "cap_out"),
+                             options=dict(num_warps=warps, num_stages=stages))
+    if usage is not None:
+        assert usage[1] == 0, f"{arch} {phase} {layout}: {usage[0]} registers and a {usage[1]}-byte stack (spills)"
 
 
 @pytest.mark.skipif(INTERPRETER, reason="the interpreter run has no compiled kernels")

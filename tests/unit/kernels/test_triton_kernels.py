@@ -38,8 +38,9 @@ from tests.support.triton_cases import (  # noqa: F401  (device, gen: fixtures)
     rel_error,
     run_in_interpreter,
 )
-from kernels import triton_attention, triton_cache  # noqa: E402  (triton_cases skips without triton)
+from kernels import sdpa_prefill, triton_attention, triton_cache, triton_tiles  # noqa: E402  (triton_cases skips without triton)
 from kernels.backend import get_attention_backend
+from kernels.host_layout import HostLayout
 from kernels.reference import copy_blocks_reference, paged_attention_reference, write_kv_reference
 
 
@@ -84,6 +85,60 @@ def test_attention_window_and_soft_cap(device, gen, mix, sliding_window, soft_ca
     batch = make_batch(mixes(device)[mix], gen=gen, device=device, dtype=dtype,
                        **llama_layout(device))
     check_attention(batch, scale=1.0, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+# Tile sets with the diagonal and the window's edge in separate key tiles or in one, and every
+# tuned one (kernels/triton_tuned.json): each masked/unmasked split of the key loop is exact.
+TILE_SETS = sorted({(16, 16, 4, 1), (32, 16, 4, 2), (64, 32, 4, 2), (16, 64, 4, 3), (128, 32, 8, 2),
+                    *triton_tiles.TUNED.values()})
+
+
+@pytest.mark.parametrize("tiles", TILE_SETS, ids=["m{}-n{}-w{}-s{}".format(*t) for t in TILE_SETS])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (8, None), (33, 30.0)])
+def test_attention_in_every_tile_set(device, gen, tiles, sliding_window, soft_cap):
+    reqs = mixes(device)["mixed"] + mixes(device)["chunked_prefill"]
+    if device == "cuda" and sliding_window is not None:
+        sliding_window *= 32  # past a tile of keys
+    batch = make_batch(reqs, gen=gen, device=device, dtype=torch.bfloat16, **llama_layout(device))
+    check_attention(batch, sliding_window=sliding_window, soft_cap=soft_cap,
+                    scale=1.0 if soft_cap else None, tiles=dict(zip(triton_tiles.TILE_KEYS, tiles)))
+
+
+def test_tiles_that_do_not_fit_the_kernel_are_refused(device, gen):
+    batch = make_batch(SMALL_MIXES["mixed"], gen=gen, device=device, num_heads=8, num_kv_heads=1)
+    for tiles in [(4, 16, 4, 2), (16, 8, 4, 2), (24, 16, 4, 2), (16, 16, 3, 2), (16, 16, 4, 0)]:
+        with pytest.raises(ValueError, match="tiles"):
+            check_attention(batch, tiles=dict(zip(triton_tiles.TILE_KEYS, tiles)))
+    with pytest.raises(ValueError, match="tiles"):
+        check_attention(batch, tiles={"BLOCK_M": 16, "TILE_N": 16})
+
+
+@pytest.mark.parametrize("mix", ["prefill_only", "chunked_prefill", "mixed"])
+def test_long_chunks_run_on_sdpa_over_the_gathered_context(device, gen, mix, monkeypatch):
+    """With the lengths on the host (as the worker plans), chunks of MIN_TOKENS or more run on
+    SDPA (fresh prompts, and chunks after cached context: the mask aligned to the last key)
+    and the rest in the Triton kernel; a window, images or a soft cap keep all in Triton."""
+    if device == "cpu":
+        monkeypatch.setattr(sdpa_prefill, "MIN_TOKENS", 16)
+    q, k_cache, v_cache, bt, seq_lens, qsl = batch = make_batch(
+        mixes(device)[mix], gen=gen, device=device, dtype=torch.bfloat16, **llama_layout(device))
+    host = HostLayout(seq_lens.cpu().numpy(), qsl.cpu().numpy(), int(seq_lens.max()))
+    plan = triton_attention.plan_attention(bt, seq_lens, qsl, k_cache.shape[1], host=host)
+    q_lens = (qsl[1:] - qsl[:-1]).tolist()
+    routed = [i for i, n in enumerate(q_lens) if n >= sdpa_prefill.MIN_TOKENS]
+    assert [r[0] for r in plan.sdpa.requests] == routed and plan.sdpa.skip.tolist() == [
+        int(i in routed) for i in range(len(q_lens))]
+    scale = q.shape[-1] ** -0.5
+    for soft_cap in (None, 20.0):
+        out = torch.full_like(q, NAN)
+        triton_attention.paged_attention(*batch, scale, soft_cap=soft_cap, plan=plan, out=out)
+        ref = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), bt, seq_lens, qsl, scale,
+                                        soft_cap=soft_cap)
+        assert rel_error(out, ref) < REL_TOL[torch.bfloat16]
+    assert triton_attention.plan_attention(bt, seq_lens, qsl, k_cache.shape[1], 8, host=host) is None
+    spans = torch.zeros(q.shape[0], 2, dtype=torch.int32, device=device)
+    assert triton_attention.plan_attention(bt, seq_lens, qsl, k_cache.shape[1], bidir_spans=spans,
+                                           host=host).sdpa is None
 
 
 def test_attention_strided_query_and_allocated_output(device, gen):

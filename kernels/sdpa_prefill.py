@@ -1,0 +1,78 @@
+"""Long causal prefill chunks on torch's SDPA (flash/cuDNN), beside the Triton paged kernel.
+
+For a chunk of MIN_TOKENS or more new tokens in a step with no image and on a layer with no
+window (kernels/triton_attention.py plans it), the Triton backend gathers the request's
+context K/V out of the paged cache into contiguous tensors and runs causal SDPA on them,
+the mask aligned to the last key (a chunk after cached context sees all of it):
+
+    for each routed request i (query rows [q0, q0 + q_len), seq_len keys):
+        blocks = block_tables[i, :ceil(seq_len / block_size)]
+        K, V = cache[blocks] flattened to [seq_len, kv_heads, head_dim]        # the gather
+        out[q0 : q0 + q_len] = SDPA(Q, K, V, causal lower-right, scale, GQA)
+
+The gather reads the context once and writes it once (a few percent of the attention's
+time from 1k tokens up); the Triton kernel skips these requests (`skip`, int32 per request)
+and takes the rest of the step: decodes, short chunks, and every request of a step with
+images or on a sliding layer. A soft cap (Gemma 2) keeps the whole step in Triton.
+bench/compute/kernels.py times both paths per case (docs/benchmarks.md, "Kernels").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from kernels.host_layout import HostLayout
+
+MIN_TOKENS = 256  # a chunk's new tokens from which it runs on SDPA
+
+
+@dataclass(frozen=True)
+class SdpaRoute:
+    """The requests a step sends to SDPA, (index, first query row, q_len, seq_len) each, and
+    `skip` (int32 [num_seqs] on the device: 1 for those) for the Triton kernel."""
+
+    requests: tuple[tuple[int, int, int, int], ...]
+    skip: torch.Tensor
+
+
+def plan_route(host: HostLayout | None, sliding_window: int | None, bidir_spans: torch.Tensor | None,
+               device: torch.device, min_tokens: int | None = None) -> SdpaRoute | None:
+    """The step's SDPA requests (q_len >= min_tokens, default MIN_TOKENS) from the lengths on
+    the host; None when there are none, or when the step has images or the layer a window,
+    or the lengths are not on the host."""
+    min_tokens = MIN_TOKENS if min_tokens is None else min_tokens
+    if host is None or sliding_window is not None or bidir_spans is not None:
+        return None
+    qsl, seq_lens = host.query_start_loc, host.seq_lens
+    q_lens = qsl[1:] - qsl[:-1]
+    chosen = (q_lens >= min_tokens).nonzero()[0]
+    if len(chosen) == 0:
+        return None
+    requests = tuple((int(i), int(qsl[i]), int(q_lens[i]), int(seq_lens[i])) for i in chosen)
+    skip = torch.zeros(len(seq_lens), dtype=torch.int32)
+    skip[torch.from_numpy(chosen)] = 1
+    return SdpaRoute(requests, skip.to(device))
+
+
+def run_route(route: SdpaRoute, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Each routed request's attention into its rows of `out` (the contract of
+    kernels/reference.py's paged_attention_reference, without window, spans or soft cap)."""
+    block_size = k_cache.shape[1]
+    gqa = query.shape[1] != k_cache.shape[2]
+    for i, q0, q_len, seq_len in route.requests:
+        blocks = block_tables[i, : math.ceil(seq_len / block_size)].long()
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+        q = query[q0:q0 + q_len].transpose(0, 1)[None]
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, seq_len), scale=scale,
+                                               enable_gqa=gqa)
+        out[q0:q0 + q_len] = o[0].transpose(0, 1)
