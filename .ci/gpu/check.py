@@ -68,7 +68,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Each step's own limit in seconds, on CUDA; the overall budget caps what is left.
 # In this order: the CUDA path first; the fleet (CPU only) takes what the budget has left.
-LIMITS = {"install": 60, "tune": 200, "tests": 160, "vision": 60, "kernels": 150, "serving": 340, "cameras": 420,
+LIMITS = {"install": 60, "tune": 200, "tests": 160, "vision": 60, "kernels": 180, "serving": 340, "cameras": 420,
           "fleet": 270}
 # bench/stack/fleet.py on the machine's CPUs (the model is simulated): name -> flags. One scheduler
 # at a GPU-like 30 ms step; 256 workers at 100 ms steps (what 16 cores can simulate: the
@@ -250,7 +250,8 @@ class Check:
             return StepResult("kernels", "skipped", reason="needs CUDA; the script's --smoke run on the CPU "
                                                            "is tests/bench/test_bench_kernels.py")
         out = self.out / "kernels.json"
-        code = self.run([sys.executable, "bench/compute/kernels.py", "--quick", "--json", str(out)], limit)
+        baseline = ["--baseline", str(self.args.kernels_baseline)] if self.args.kernels_baseline else []
+        code = self.run([sys.executable, "bench/compute/kernels.py", "--quick", "--json", str(out), *baseline], limit)
         if code is None:
             return StepResult("kernels", "timeout", reason=f"ran past {limit:.0f} s")
         if code != 0:
@@ -382,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="default: all but cameras, which needs a draw of its own (--steps install cameras)")
     p.add_argument("--serving-concurrency", type=int, nargs="*", default=None,
                    help="the serving step's concurrencies (default 256 64; none: decode steps and the mixed step only)")
+    p.add_argument("--kernels-baseline", type=Path, default=None,
+                   help="another revision's kernels/triton_attention.py, timed beside this tree's in the kernels step")
     p.add_argument("--test-workers", type=int, default=4, help="pytest-xdist processes for the GPU tests")
     args = p.parse_args(argv)
     if args.limit_scale is None:

@@ -34,14 +34,12 @@ Nothing here is pinned: it runs with whatever torch and Triton the machine has.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
 import platform
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,67 +48,18 @@ ROOT = Path(__file__).resolve().parents[2]
 if not __package__:  # run as a file: the repository root on sys.path, this folder off it (bench/README.md)
     sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent)]
 
+from bench.compute.attention_cases import (  # noqa: E402
+    LAYOUTS,
+    Layout,
+    contiguous_kv,
+    image_prompt,
+    paged_batch,
+    rel_error,
+    sdpa_gqa_kwargs,
+)
 from bench.compute.device_timing import copy_bandwidth, device_time, matmul_rate  # noqa: E402
 
-class Layout(NamedTuple):
-    """An attention layout: query heads over KV heads of head_dim."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-
-LAYOUTS = {"llama3-8b": Layout(32, 8, 128), "gemma3-12b": Layout(16, 8, 256)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def sdpa_gqa_kwargs(device) -> dict:
-    """enable_gqa=True where this torch has it (2.5+); else K/V get expanded per head."""
-    q = torch.zeros(1, 4, 1, 16, device=device)
-    kv = torch.zeros(1, 2, 3, 16, device=device)
-    try:
-        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
-        return {"enable_gqa": True}
-    except (TypeError, RuntimeError):
-        return {}
-
-
-def paged_batch(seq_lens: list[int], q_lens: list[int], dtype, block_size: int, gen, layout: Layout):
-    """Random K/V for each request in scattered blocks; query rows at the end of each."""
-    dev = gen.device
-    per_req = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(per_req)
-    shape = (num_blocks, block_size, layout.kv_heads, layout.head_dim)
-    k_cache = torch.randn(shape, device=dev, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, device=dev, generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, device=dev, generator=gen).to(torch.int32)
-    block_tables = torch.zeros(len(seq_lens), max(per_req), dtype=torch.int32, device=dev)
-    start = 0
-    for i, n in enumerate(per_req):
-        block_tables[i, :n] = perm[start:start + n]
-        start += n
-    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev)
-    query = torch.randn(sum(q_lens), layout.heads, layout.head_dim, device=dev, generator=gen).to(dtype)
-    seq = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-    return query, k_cache, v_cache, block_tables, seq, qsl
-
-
-def contiguous_kv(k_cache, v_cache, block_tables, seq_lens: list[int]):
-    """[B, kv_heads, max_len, d] K and V (padding zeroed) gathered from the paged cache."""
-    b, max_len = len(seq_lens), max(seq_lens)
-    blocks = block_tables[:, : math.ceil(max_len / k_cache.shape[1])].long()
-    out = []
-    for cache in (k_cache, v_cache):
-        x = cache[blocks].reshape(b, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2).contiguous()
-        for i, n in enumerate(seq_lens):
-            x[i, :, n:] = 0
-        out.append(x)
-    return out
-
-
-def rel_error(out: torch.Tensor, expect: torch.Tensor) -> float:
-    out, expect = out.float(), expect.float()
-    return ((out - expect).abs().max() / expect.abs().max()).item()
 
 
 def decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen, layout: Layout) -> dict:
@@ -141,6 +90,8 @@ def decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen, layout: Lay
     del expect
 
     seconds = device_time(triton_decode, args.iters, flush)
+    baseline = baseline_time(args, lambda ta: ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale,
+                                                                 out=out), flush)
     nbytes = (2 * sum(seq_lens) * kv_heads * head_dim + 2 * query.numel()) * query.element_size()
     best = (math.inf, "none")
     if gqa:
@@ -153,7 +104,7 @@ def decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen, layout: Lay
         del ke, ve
     except torch.cuda.OutOfMemoryError:
         pass
-    return {"triton_us": seconds * 1e6, "GB_per_s": nbytes / seconds / 1e9,
+    return {"triton_us": seconds * 1e6, "baseline_us": baseline, "GB_per_s": nbytes / seconds / 1e9,
             "frac_of_copy": nbytes / seconds / copy_bw, "sdpa_us": best[0] * 1e6,
             "sdpa_kind": best[1], "triton_vs_sdpa": seconds / best[0], "rel_err": err}
 
@@ -171,23 +122,14 @@ def bench_decode(args, ta, dtype, copy_bw, flush, gqa, gen, name: str) -> list[d
                     row = decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen, LAYOUTS[name])
                 except torch.cuda.OutOfMemoryError:
                     row = {"error": "out of memory"}
+                except (AssertionError, RuntimeError) as exc:  # wrong, or no kernel: reported, the rest run
+                    row = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 row.update(layout=name, batch=batch, context=ctx, lengths=lengths)
                 rows.append(row)
                 if flush.is_cuda:
                     torch.cuda.empty_cache()
                 print_row(row, DECODE_COLUMNS)
     return rows
-
-
-def image_prompt(images: int, image_tokens: int = 256, text: int = 60) -> tuple[int, list[tuple[int, int]]]:
-    """A camera question's layout: `images` frames of `image_tokens` soft tokens, each between
-    two marker tokens after a line of text, then the question: (tokens, each image's [s, e))."""
-    spans, pos = [], 20
-    for _ in range(images):
-        pos += 2  # a newline and <start_of_image>
-        spans.append((pos, pos + image_tokens))
-        pos += image_tokens + 1  # <end_of_image>
-    return pos + text, spans
 
 
 def prefill_case(kind: str, n: int, dtype, args, gen, layout: Layout):
@@ -205,73 +147,106 @@ def prefill_case(kind: str, n: int, dtype, args, gen, layout: Layout):
     return paged_batch([n], [n], dtype, args.block_size, gen, layout), spans, window, n
 
 
+def prefill_row(args, ta, kind: str, n: int, dtype, mm_rate, flush, gqa, gen, name: str) -> dict:
+    """One prefill case's row (bench_prefill); AssertionError when the kernel is wrong."""
+    from kernels.host_layout import HostLayout
+    from kernels.reference import paged_attention_reference
+
+    heads, kv_heads, head_dim = layout = LAYOUTS[name]
+    scale, group = head_dim**-0.5, heads // kv_heads
+    (query, k_cache, v_cache, bt, seq, qsl), spans, window, n = prefill_case(kind, n, dtype, args, gen, layout)
+    out = torch.full_like(query, float("nan"))
+
+    def triton_prefill():
+        ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale, out=out, sliding_window=window,
+                           bidir_spans=spans)
+
+    k, v = contiguous_kv(k_cache, v_cache, bt, [n])
+    if not gqa:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    q4 = query.transpose(0, 1)[None]
+
+    def sdpa_prefill():
+        return F.scaled_dot_product_attention(q4, k, v, is_causal=True, scale=scale, **gqa)
+
+    triton_prefill()
+    if kind == "causal":
+        expect = sdpa_prefill()[0].transpose(0, 1)
+    else:  # the rule as written, in fp32
+        expect = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(), bt, seq, qsl, scale,
+                                           sliding_window=window, bidir_spans=spans)
+    err = rel_error(out, expect)
+    del expect
+    if not err < 2e-2:
+        raise AssertionError(f"prefill {kind} {n}: relative error {err:.2e} against the reference")
+    flops = 4 * n * n / 2 * heads * head_dim
+    t_triton = device_time(triton_prefill, args.iters, flush)
+    baseline = baseline_time(args, lambda ta: ta.paged_attention(
+        query, k_cache, v_cache, bt, seq, qsl, scale, out=out, sliding_window=window, bidir_spans=spans), flush)
+    t_sdpa = device_time(sdpa_prefill, args.iters, flush)
+    row = {"layout": name, "case": kind, "tokens": n, "triton_us": t_triton * 1e6, "baseline_us": baseline,
+           "TFLOP_per_s": flops / t_triton / 1e12, "frac_of_matmul": flops / t_triton / mm_rate,
+           "sdpa_us": t_sdpa * 1e6, "sdpa_TFLOP_per_s": flops / t_sdpa / 1e12,
+           "triton_vs_sdpa_rate": t_sdpa / t_triton, "rel_err": err}
+    if kind == "causal":  # as the worker plans it: the lengths on the host, the prompt on SDPA
+        host = HostLayout(seq.cpu().numpy(), qsl.cpu().numpy(), n)
+        plan = ta.plan_attention(bt, seq, qsl, k_cache.shape[1], host=host)
+        routed = torch.full_like(query, float("nan"))
+
+        def routed_prefill():
+            ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale, out=routed, plan=plan)
+
+        try:
+            routed_prefill()
+            row["routed_err"] = rel_error(routed, sdpa_prefill()[0].transpose(0, 1))
+            if not row["routed_err"] < 2e-2:
+                raise AssertionError(f"relative error {row['routed_err']:.2e} against SDPA")
+            row["routed_us"] = 1e6 * device_time(routed_prefill, args.iters, flush)
+            row["routed_vs_sdpa_rate"] = t_sdpa * 1e6 / row["routed_us"]
+        except (AssertionError, RuntimeError) as exc:  # the Triton numbers above stand
+            row["routed_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return row
+
+
 def bench_prefill(args, ta, dtype, mm_rate, flush, gqa, gen, name: str) -> list[dict]:
     """Each prefill case in the Triton kernel against causal flash SDPA on the same number of
     tokens (for the image cases too: FLOPs are counted as causal, 4 * N^2/2 * heads * head_dim,
     for both); plain causal prompts also as the worker runs them (`routed`: planned with
     the lengths on the host, so a long prompt goes to SDPA over its gathered K/V,
     kernels/sdpa_prefill.py)."""
-    from kernels.host_layout import HostLayout
-    from kernels.reference import paged_attention_reference
-
-    heads, kv_heads, head_dim = layout = LAYOUTS[name]
-    rows, scale, group = [], head_dim**-0.5, heads // kv_heads
+    rows = []
     cases = [("causal", n) for n in args.prefill] + [(k, 0) for k in args.prefill_images if name in args.image_layouts]
     for kind, n in cases:
-        (query, k_cache, v_cache, bt, seq, qsl), spans, window, n = prefill_case(kind, n, dtype, args, gen, layout)
-        out = torch.full_like(query, float("nan"))
-
-        def triton_prefill():
-            ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale, out=out, sliding_window=window,
-                               bidir_spans=spans)
-
-        k, v = contiguous_kv(k_cache, v_cache, bt, [n])
-        if not gqa:
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        q4 = query.transpose(0, 1)[None]
-
-        def sdpa_prefill():
-            return F.scaled_dot_product_attention(q4, k, v, is_causal=True, scale=scale, **gqa)
-
-        triton_prefill()
-        if kind == "causal":
-            expect = sdpa_prefill()[0].transpose(0, 1)
-        else:  # the rule as written, in fp32
-            expect = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(), bt, seq, qsl, scale,
-                                               sliding_window=window, bidir_spans=spans)
-        err = rel_error(out, expect)
-        del expect
-        if not err < 2e-2:
-            raise AssertionError(f"prefill {kind} {n}: relative error {err:.2e} against the reference")
-        flops = 4 * n * n / 2 * heads * head_dim
-        t_triton = device_time(triton_prefill, args.iters, flush)
-        t_sdpa = device_time(sdpa_prefill, args.iters, flush)
-        row = {"layout": name, "case": kind, "tokens": n, "triton_us": t_triton * 1e6,
-               "TFLOP_per_s": flops / t_triton / 1e12, "frac_of_matmul": flops / t_triton / mm_rate,
-               "sdpa_us": t_sdpa * 1e6, "sdpa_TFLOP_per_s": flops / t_sdpa / 1e12,
-               "triton_vs_sdpa_rate": t_sdpa / t_triton, "rel_err": err}
-        if kind == "causal":  # as the worker plans it: the lengths on the host, the prompt on SDPA
-            host = HostLayout(seq.cpu().numpy(), qsl.cpu().numpy(), n)
-            plan = ta.plan_attention(bt, seq, qsl, k_cache.shape[1], host=host)
-            routed = torch.full_like(query, float("nan"))
-
-            def routed_prefill():
-                ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale, out=routed, plan=plan)
-
-            routed_prefill()
-            row["routed_err"] = rel_error(routed, sdpa_prefill()[0].transpose(0, 1))
-            if not row["routed_err"] < 2e-2:
-                raise AssertionError(f"routed prefill {n}: relative error {row['routed_err']:.2e} against SDPA")
-            row["routed_us"] = 1e6 * device_time(routed_prefill, args.iters, flush)
-            row["routed_vs_sdpa_rate"] = t_sdpa * 1e6 / row["routed_us"]
+        try:
+            row = prefill_row(args, ta, kind, n, dtype, mm_rate, flush, gqa, gen, name)
+        except (AssertionError, RuntimeError) as exc:  # wrong, or no kernel here: reported, the rest still run
+            row = {"layout": name, "case": kind, "tokens": n, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         rows.append(row)
         print_row(row, PREFILL_COLUMNS)
     return rows
 
 
-DECODE_COLUMNS = ("layout", "batch", "context", "lengths", "triton_us", "GB_per_s", "frac_of_copy",
+def baseline_time(args, call, flush) -> float | None:
+    """µs of `call(module)` with --baseline's kernel module (another revision's, checked by
+    that revision's tests); None without --baseline."""
+    if args.baseline is None:
+        return None
+    return device_time(lambda: call(args.baseline), args.iters, flush) * 1e6
+
+
+def load_baseline(path: Path):
+    """Another kernels/triton_attention.py (an older revision's, say), imported as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_triton_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DECODE_COLUMNS = ("layout", "batch", "context", "lengths", "triton_us", "baseline_us", "GB_per_s", "frac_of_copy",
                   "sdpa_us", "sdpa_kind", "triton_vs_sdpa")
-PREFILL_COLUMNS = ("layout", "case", "tokens", "triton_us", "TFLOP_per_s", "frac_of_matmul", "sdpa_us",
+PREFILL_COLUMNS = ("layout", "case", "tokens", "triton_us", "baseline_us", "TFLOP_per_s", "frac_of_matmul", "sdpa_us",
                    "sdpa_TFLOP_per_s", "triton_vs_sdpa_rate", "routed_us", "routed_vs_sdpa_rate")
 
 
@@ -311,6 +286,8 @@ def main() -> None:
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1: checks this script, "
                          "measures nothing")
     ap.add_argument("--json", type=Path, help="also write every row here")
+    ap.add_argument("--baseline", type=Path, help="another triton_attention.py to time beside this tree's "
+                                                  "(git show REV:kernels/triton_attention.py > FILE)")
     args = ap.parse_args()
     if unknown := set(args.layouts) - set(LAYOUTS):
         ap.error(f"unknown layouts {sorted(unknown)}: of {', '.join(LAYOUTS)}")
@@ -328,6 +305,8 @@ def main() -> None:
     import triton
 
     from kernels import triton_attention as ta
+
+    args.baseline = load_baseline(args.baseline) if args.baseline else None
 
     dtype = DTYPES[args.dtype]
     gen = torch.Generator(device).manual_seed(0)

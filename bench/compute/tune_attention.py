@@ -38,7 +38,7 @@ if not __package__:  # run as a file: the repository root on sys.path, this fold
     sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent)]
 
 from bench.compute.device_timing import device_time  # noqa: E402
-from bench.compute.kernels import LAYOUTS, contiguous_kv, paged_batch, rel_error, sdpa_gqa_kwargs  # noqa: E402
+from bench.compute.attention_cases import LAYOUTS, contiguous_kv, paged_batch, rel_error, sdpa_gqa_kwargs  # noqa: E402
 
 # (BLOCK_M, TILE_N, num_warps, num_stages) per (phase, head_dim); the first is the untuned default.
 CANDIDATES = {

@@ -57,7 +57,8 @@ def test_every_requirement_is_in_the_image_carried_or_left_out_with_a_reason():
 def run_check(tmp_path, **kw) -> "check.Check":
     args = argparse.Namespace(out=tmp_path / "out", work=tmp_path / "work", budget_s=kw.get("budget_s", 60.0),
                               limit_scale=1.0, device=kw.get("device", "cpu"), bundle=tmp_path / "bundle",
-                              test_workers=1, serving_concurrency=None)
+                              test_workers=1, serving_concurrency=None,
+                              kernels_baseline=None)
     return check.Check(args)
 
 
