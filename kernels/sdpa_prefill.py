@@ -7,7 +7,7 @@ the mask aligned to the last key (a chunk after cached context sees all of it):
 
     for each routed request i (query rows [q0, q0 + q_len), seq_len keys):
         blocks = block_tables[i, :ceil(seq_len / block_size)]
-        K, V = cache[blocks] flattened to [seq_len, kv_heads, head_dim]        # the gather
+        K, V = cache[blocks] as [kv_heads, seq_len, head_dim]                  # the gather
         out[q0 : q0 + q_len] = SDPA(Q, K, V, causal lower-right, scale, GQA)
 
 The gather reads the context once and writes it once (a few percent of the attention's
@@ -63,12 +63,13 @@ def run_route(route: SdpaRoute, query: torch.Tensor, k_cache: torch.Tensor, v_ca
               block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """Each routed request's attention into its rows of `out` (the contract of
     kernels/reference.py's paged_attention_reference, without window, spans or soft cap)."""
-    block_size = k_cache.shape[1]
-    gqa = query.shape[1] != k_cache.shape[2]
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    gqa = query.shape[1] != kv_heads
+    by_head = (k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3))  # [kv_heads, blocks, block_size, d] views
     for i, q0, q_len, seq_len in route.requests:
         blocks = block_tables[i, : math.ceil(seq_len / block_size)].long()
-        k = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)[None]
-        v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+        # one gather each, into [kv_heads, blocks * block_size, d]: every head's keys contiguous
+        k, v = (c.index_select(1, blocks).view(kv_heads, -1, head_dim)[None, :, :seq_len] for c in by_head)
         q = query[q0:q0 + q_len].transpose(0, 1)[None]
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

@@ -1,6 +1,11 @@
 """Timing on the device for the GPU benches (bench/compute/kernels.py, bench/compute/vision_tower.py): the
 median of CUDA-event intervals, the L2 cache emptied before each (wall clock on the CPU,
-where the benches only smoke-test themselves), and the two roofs measured with it."""
+where the benches only smoke-test themselves), and the two roofs measured with it.
+
+`kernel_time` times a CUDA graph of the call instead, where it can be captured: the
+device's time alone, without the gaps while the host launches each kernel (a decode step
+replays a graph in the worker; in an eager prefill step the host runs ahead of the
+device's matmuls). A call that cannot be captured is timed as it is, and says so."""
 
 from __future__ import annotations
 
@@ -43,3 +48,28 @@ def matmul_rate(dtype: torch.dtype, flush: torch.Tensor, iters: int, n: int) -> 
     a = torch.randn(n, n, device=flush.device, dtype=dtype)
     b = torch.randn(n, n, device=flush.device, dtype=dtype)
     return 2 * n**3 / device_time(lambda: a @ b, iters, flush)
+
+
+def kernel_time(fn, iters: int, flush: torch.Tensor, graphs: bool = True, label: str = "") -> float:
+    """device_time of a CUDA graph replaying `fn` (captured after a warm-up on a side stream),
+    or of `fn` itself off CUDA, with graphs=False, or when capture fails (printed)."""
+    if not (graphs and flush.is_cuda):
+        return device_time(fn, iters, flush)
+    try:
+        fn()  # compiles, allocates, picks kernels
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as exc:
+        print(f"graph capture failed{' for ' + label if label else ''} ({str(exc).splitlines()[0][:160]}): "
+              "timed launch by launch", flush=True)
+        torch.cuda.synchronize()
+        return device_time(fn, iters, flush)
+    seconds = device_time(graph.replay, iters, flush)
+    del graph
+    return seconds

@@ -57,7 +57,7 @@ from bench.compute.attention_cases import (  # noqa: E402
     rel_error,
     sdpa_gqa_kwargs,
 )
-from bench.compute.device_timing import copy_bandwidth, device_time, matmul_rate  # noqa: E402
+from bench.compute.device_timing import copy_bandwidth, kernel_time, matmul_rate  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -89,18 +89,18 @@ def decode_case(ta, seq_lens, dtype, args, copy_bw, flush, gqa, gen, layout: Lay
         raise AssertionError(f"decode batch {batch}: relative error {err:.2e} against SDPA")
     del expect
 
-    seconds = device_time(triton_decode, args.iters, flush)
+    seconds = kernel_time(triton_decode, args.iters, flush, args.graphs, "triton decode")
     baseline = baseline_time(args, lambda ta: ta.paged_attention(query, k_cache, v_cache, bt, seq, qsl, scale,
                                                                  out=out), flush)
     nbytes = (2 * sum(seq_lens) * kv_heads * head_dim + 2 * query.numel()) * query.element_size()
     best = (math.inf, "none")
     if gqa:
-        best = min(best, (device_time(lambda: F.scaled_dot_product_attention(
-            q4, k, v, attn_mask=mask, scale=scale, **gqa), args.iters, flush), "gqa"))
+        best = min(best, (kernel_time(lambda: F.scaled_dot_product_attention(
+            q4, k, v, attn_mask=mask, scale=scale, **gqa), args.iters, flush, args.graphs, "sdpa gqa"), "gqa"))
     try:  # K/V materialised per query head: 4x the memory, sometimes a faster SDPA kernel
         ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        best = min(best, (device_time(lambda ke=ke, ve=ve: F.scaled_dot_product_attention(
-            q4, ke, ve, attn_mask=mask, scale=scale), args.iters, flush), "expanded"))
+        best = min(best, (kernel_time(lambda ke=ke, ve=ve: F.scaled_dot_product_attention(
+            q4, ke, ve, attn_mask=mask, scale=scale), args.iters, flush, args.graphs, "sdpa"), "expanded"))
         del ke, ve
     except torch.cuda.OutOfMemoryError:
         pass
@@ -180,10 +180,10 @@ def prefill_row(args, ta, kind: str, n: int, dtype, mm_rate, flush, gqa, gen, na
     if not err < 2e-2:
         raise AssertionError(f"prefill {kind} {n}: relative error {err:.2e} against the reference")
     flops = 4 * n * n / 2 * heads * head_dim
-    t_triton = device_time(triton_prefill, args.iters, flush)
+    t_triton = kernel_time(triton_prefill, args.iters, flush, args.graphs, "triton prefill")
     baseline = baseline_time(args, lambda ta: ta.paged_attention(
         query, k_cache, v_cache, bt, seq, qsl, scale, out=out, sliding_window=window, bidir_spans=spans), flush)
-    t_sdpa = device_time(sdpa_prefill, args.iters, flush)
+    t_sdpa = kernel_time(sdpa_prefill, args.iters, flush, args.graphs, "sdpa prefill")
     row = {"layout": name, "case": kind, "tokens": n, "triton_us": t_triton * 1e6, "baseline_us": baseline,
            "TFLOP_per_s": flops / t_triton / 1e12, "frac_of_matmul": flops / t_triton / mm_rate,
            "sdpa_us": t_sdpa * 1e6, "sdpa_TFLOP_per_s": flops / t_sdpa / 1e12,
@@ -201,7 +201,7 @@ def prefill_row(args, ta, kind: str, n: int, dtype, mm_rate, flush, gqa, gen, na
             row["routed_err"] = rel_error(routed, sdpa_prefill()[0].transpose(0, 1))
             if not row["routed_err"] < 2e-2:
                 raise AssertionError(f"relative error {row['routed_err']:.2e} against SDPA")
-            row["routed_us"] = 1e6 * device_time(routed_prefill, args.iters, flush)
+            row["routed_us"] = 1e6 * kernel_time(routed_prefill, args.iters, flush, args.graphs, "routed prefill")
             row["routed_vs_sdpa_rate"] = t_sdpa * 1e6 / row["routed_us"]
         except (AssertionError, RuntimeError) as exc:  # the Triton numbers above stand
             row["routed_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -231,7 +231,7 @@ def baseline_time(args, call, flush) -> float | None:
     that revision's tests); None without --baseline."""
     if args.baseline is None:
         return None
-    return device_time(lambda: call(args.baseline), args.iters, flush) * 1e6
+    return kernel_time(lambda: call(args.baseline), args.iters, flush, args.graphs, "baseline") * 1e6
 
 
 def load_baseline(path: Path):
@@ -280,8 +280,10 @@ def main() -> None:
     ap.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS),
                     help=f"attention layouts, of {', '.join(LAYOUTS)}")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false",
+                    help="time launch by launch (the host's gaps included), not a CUDA graph's replay")
     ap.add_argument("--quick", action="store_true",
-                    help="batches 64,256; contexts 512,8192; prefill 1024,8192")
+                    help="batches 64,256; contexts 512,8192; prefill 512,1024,8192")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1: checks this script, "
                          "measures nothing")
@@ -292,7 +294,7 @@ def main() -> None:
     if unknown := set(args.layouts) - set(LAYOUTS):
         ap.error(f"unknown layouts {sorted(unknown)}: of {', '.join(LAYOUTS)}")
     if args.quick:
-        args.batches, args.contexts, args.prefill = [64, 256], [512, 8192], [1024, 8192]
+        args.batches, args.contexts, args.prefill = [64, 256], [512, 8192], [512, 1024, 8192]
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--smoke runs the kernels in Triton's CPU interpreter: set TRITON_INTERPRET=1")

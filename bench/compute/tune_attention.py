@@ -9,7 +9,8 @@ candidate tile set (CANDIDATES: BLOCK_M, TILE_N, num_warps, num_stages) runs eac
 the phase: decode at batch 64 and 256 over contexts of 512 and 8,192 (equal lengths), prefill
 at 1,024, 2,048 and 8,192 tokens. A candidate's output is first compared with SDPA's (a wrong
 one is dropped, never timed); a candidate the GPU cannot hold (shared memory) is dropped too.
-Time: the median of CUDA-event intervals, L2 emptied before each (bench/compute/device_timing.py).
+Time: the median of CUDA-event intervals around a CUDA graph's replay of the call, L2 emptied
+before each (bench/compute/device_timing.py `kernel_time`).
 The winner of a (phase, layout) is the candidate with the least geometric mean over the
 shapes of its time over the shape's best time; the untuned default is among the
 candidates, so the winner is never slower than it on that mean.
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if not __package__:  # run as a file: the repository root on sys.path, this folder off it (bench/README.md)
     sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent)]
 
-from bench.compute.device_timing import device_time  # noqa: E402
+from bench.compute.device_timing import kernel_time  # noqa: E402
 from bench.compute.attention_cases import LAYOUTS, contiguous_kv, paged_batch, rel_error, sdpa_gqa_kwargs  # noqa: E402
 
 # (BLOCK_M, TILE_N, num_warps, num_stages) per (phase, head_dim); the first is the untuned default.
@@ -47,9 +48,9 @@ CANDIDATES = {
     ("decode", 256): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 3), (16, 64, 8, 2),
                       (16, 32, 4, 4), (16, 128, 8, 2), (16, 32, 8, 3)],
     ("prefill", 128): [(64, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3),
-                       (64, 32, 4, 3), (128, 32, 8, 2), (64, 32, 8, 3)],
+                       (64, 32, 4, 3), (128, 32, 8, 2), (64, 32, 8, 3), (128, 64, 8, 4)],
     ("prefill", 256): [(32, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3),
-                       (128, 32, 8, 3), (32, 64, 8, 2), (32, 32, 4, 3)],
+                       (128, 32, 8, 3), (32, 64, 8, 2), (32, 32, 4, 3), (128, 32, 8, 4)],
 }
 SHAPES = {"decode": [(64, 512), (64, 8192), (256, 512), (256, 8192)],  # (batch, context)
           "prefill": [(1, 1024), (1, 2048), (1, 8192)]}  # (requests, prompt tokens)
@@ -82,7 +83,7 @@ def case(phase: str, batch: int, n: int, layout, dtype, gen, block_size: int):
     return (query, k_cache, v_cache, bt, seq, qsl), expect, rows
 
 
-def run_candidate(ta, batch, expect, rows: int, tiles: dict, iters: int, flush) -> float | str:
+def run_candidate(ta, batch, expect, rows: int, tiles: dict, iters: int, flush, graphs: bool) -> float | str:
     """Seconds per call, or why the candidate was dropped."""
     query, k_cache, v_cache, bt, seq, qsl = batch
     out = torch.full_like(query, float("nan"))
@@ -97,7 +98,7 @@ def run_candidate(ta, batch, expect, rows: int, tiles: dict, iters: int, flush) 
     err = rel_error(out[:rows], expect)
     if not err < 2e-2:
         return f"wrong: relative error {err:.2e} against SDPA"
-    return device_time(call, iters, flush)
+    return kernel_time(call, iters, flush, graphs, "candidate")
 
 
 def tune(args, ta, device: str) -> dict:
@@ -118,7 +119,7 @@ def tune(args, ta, device: str) -> dict:
                 inputs, expect, rows = case(phase, batch, n, layout, dtype, gen, args.block_size)
                 for c in cands:
                     times[c][f"{batch}x{n}"] = run_candidate(ta, inputs, expect, rows, dict(zip(TILE_KEYS, c)),
-                                                             args.iters, flush)
+                                                             args.iters, flush, not args.no_graphs)
                 del inputs, expect
                 if device == "cuda":
                     torch.cuda.empty_cache()
@@ -166,6 +167,7 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--no-graphs", action="store_true", help="time launch by launch, not a CUDA graph's replay")
     ap.add_argument("--write", type=Path, help="merge the winners into this tuned-tiles file")
     ap.add_argument("--json", type=Path, help="every candidate's timings")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in Triton's CPU interpreter: "
