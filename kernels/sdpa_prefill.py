@@ -10,11 +10,13 @@ the mask aligned to the last key (a chunk after cached context sees all of it):
         K, V = cache[blocks] as [kv_heads, seq_len, head_dim]                  # the gather
         out[q0 : q0 + q_len] = SDPA(Q, K, V, causal lower-right, scale, GQA)
 
-The gather reads the context once and writes it once (a few percent of the attention's
-time from 1k tokens up); the Triton kernel skips these requests (`skip`, int32 per request)
-and takes the rest of the step: decodes, short chunks, and every request of a step with
-images or on a sliding layer. A soft cap (Gemma 2) keeps the whole step in Triton.
-bench/compute/kernels.py times both paths per case (docs/benchmarks.md, "Kernels").
+The gather reads the context once and writes it once; the Triton kernel skips these
+requests (`skip`, int32 per request) and takes the rest of the step: decodes, shorter
+chunks, and every request of a step with images or on a sliding layer. A soft cap (Gemma 2)
+keeps the whole step in Triton. On an H200 (bench/compute/kernels.py, docs/benchmarks.md
+"Kernels") this path is the faster from 1,024 tokens (0.9x the Triton kernel's time there,
+0.55-0.6x at 8,192) and the slower at 512 (1.06-1.5x: the gather and the launches), hence
+MIN_TOKENS.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels.host_layout import HostLayout
 
-MIN_TOKENS = 256  # a chunk's new tokens from which it runs on SDPA
+MIN_TOKENS = 1024  # a chunk's new tokens from which it runs on SDPA (H200: bench/compute/kernels.py)
 
 
 @dataclass(frozen=True)
