@@ -1,9 +1,12 @@
-"""Long causal prefill chunks on torch's SDPA (flash/cuDNN), beside the Triton paged kernel.
+"""Long causal prefill chunks on torch's SDPA, beside the Triton paged kernel.
 
 For a chunk of MIN_TOKENS or more new tokens in a step with no image and on a layer with no
-window (kernels/triton_attention.py plans it), the Triton backend gathers the request's
-context K/V out of the paged cache into contiguous tensors and runs causal SDPA on them,
-the mask aligned to the last key (a chunk after cached context sees all of it):
+window (kernels/triton_attention.py plans it), in fp16/bf16, the Triton backend gathers the
+request's context K/V out of the paged cache into contiguous tensors and runs causal SDPA on
+them, the mask aligned to the last key (a chunk after cached context sees all of it). SDPA
+picks its fused kernel: cuDNN or flash for a whole prompt, flash for a chunk after context
+(torch.nn.attention.bias.causal_lower_right). fp32 stays in the Triton kernel: SDPA's fused
+kernels do not take it, and its math fallback would hold the whole score matrix.
 
     for each routed request i (query rows [q0, q0 + q_len), seq_len keys):
         blocks = block_tables[i, :ceil(seq_len / block_size)]
@@ -30,20 +33,22 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels.host_layout import HostLayout
 
+DTYPES = (torch.float16, torch.bfloat16)
 MIN_TOKENS = 1024  # a chunk's new tokens from which it runs on SDPA (H200: bench/compute/kernels.py)
 
 
 @dataclass(frozen=True)
 class SdpaRoute:
     """The requests a step sends to SDPA, (index, first query row, q_len, seq_len) each, and
-    `skip` (int32 [num_seqs] on the device: 1 for those) for the Triton kernel."""
+    `skip` (int32 [num_seqs] on the device: 1 for those) for the Triton kernel, computed on
+    the device from query_start_loc (no copy from the host, so no wait for queued work)."""
 
     requests: tuple[tuple[int, int, int, int], ...]
     skip: torch.Tensor
 
 
 def plan_route(host: HostLayout | None, sliding_window: int | None, bidir_spans: torch.Tensor | None,
-               device: torch.device, min_tokens: int | None = None) -> SdpaRoute | None:
+               query_start_loc: torch.Tensor, min_tokens: int | None = None) -> SdpaRoute | None:
     """The step's SDPA requests (q_len >= min_tokens, default MIN_TOKENS) from the lengths on
     the host; None when there are none, or when the step has images or the layer a window,
     or the lengths are not on the host."""
@@ -56,9 +61,8 @@ def plan_route(host: HostLayout | None, sliding_window: int | None, bidir_spans:
     if len(chosen) == 0:
         return None
     requests = tuple((int(i), int(qsl[i]), int(q_lens[i]), int(seq_lens[i])) for i in chosen)
-    skip = torch.zeros(len(seq_lens), dtype=torch.int32)
-    skip[torch.from_numpy(chosen)] = 1
-    return SdpaRoute(requests, skip.to(device))
+    skip = ((query_start_loc[1:] - query_start_loc[:-1]) >= min_tokens).to(torch.int32)
+    return SdpaRoute(requests, skip)
 
 
 def run_route(route: SdpaRoute, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -23,7 +23,7 @@ a program finds its request by binary search, and a tile past its request's quer
         if HAS_SPANS: [s[r], e[r]) = bidir_spans[row of r]     # [0, 0]: none
                       hi = min(max(hi, max_r e[r]), seq_len)   # a block's keys after the tile
         m = -inf, l = 0, acc = 0                       # online softmax state, fp32
-        keys every row sees: [full_lo, full_hi) = (last row's window start, first row's
+        keys every row sees: [full_lo, full_hi) = [last row's position - W + 1, first row's
             position], in whole tiles; the tiles of [lo, full_lo) and [full_hi, hi) are masked
         for each TILE_N keys k in [lo, hi):
             block = block_tables[i, k // block_size]   # a key-by-key gather: tiles may span blocks
@@ -42,13 +42,14 @@ guarded so it never computes (-inf) - (-inf). Keys at or past seq_len are never 
 unused cache slots may hold anything (even NaN). fp32 inputs use IEEE dots (no TF32).
 
 Launch parameters depend only on shapes, dtype and the device's architecture
-(kernels/triton_tiles.py: tuned tiles per architecture, measured on the GPU), so `plan_attention`
-has nothing to precompute and the call never syncs with the host. Bidirectional spans
-(Gemma 3's images, kernels/reference.py) make a compiled variant of their own (HAS_SPANS):
-without them the kernel is exactly the causal one, and the plan is None. The plan only
-carries the spans to the kernel (int32, contiguous, on the device) and checks their shape;
-checking their values would sync with the host, so it trusts them as the contract says
-(the kernel applies the rule as written for any span, and never reads past seq_len).
+(kernels/triton_tiles.py: tuned tiles per architecture, measured on the GPU), so the call
+never syncs with the host. The plan carries two things, each only when there is one:
+bidirectional spans (Gemma 3's images, kernels/reference.py), which make a compiled variant
+of their own (HAS_SPANS; without them the kernel is exactly the causal one), and the long
+causal chunks that run on SDPA (kernels/sdpa_prefill.py; SKIP). It carries the spans to the
+kernel (int32, contiguous, on the device) and checks their shape; checking their values would
+sync with the host, so it trusts them as the contract says (the kernel applies the rule as
+written for any span, and never reads past seq_len).
 """
 
 import inspect
@@ -283,7 +284,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     checked, ValueError, their values are the caller's to get right). With the lengths on
     the host (`host`): the chunks of MIN_TOKENS or more that go to SDPA, on a layer without
     a window in a step without images (kernels/sdpa_prefill.py)."""
-    route = sdpa_prefill.plan_route(host, sliding_window, bidir_spans, query_start_loc.device)
+    route = sdpa_prefill.plan_route(host, sliding_window, bidir_spans, query_start_loc)
     if bidir_spans is None:
         return None if route is None else TritonPlan(None, route)
     if (bidir_spans.dim() != 2 or bidir_spans.shape[1] != 2
@@ -349,7 +350,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1],
                               bidir_spans=bidir_spans)
     spans = None if plan is None else plan.bidir_spans
-    route = None if plan is None or soft_cap is not None or sliding_window is not None else plan.sdpa
+    route = None if (plan is None or soft_cap is not None or sliding_window is not None
+                     or query.dtype not in sdpa_prefill.DTYPES) else plan.sdpa
     if spans is not None and spans.shape[0] < query.shape[0]:
         raise ValueError(f"bidir_spans has {spans.shape[0]} rows for {query.shape[0]} query rows")
     if sliding_window is not None and sliding_window < 1:

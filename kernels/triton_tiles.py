@@ -19,11 +19,25 @@ TUNED_FILE = Path(__file__).with_name("triton_tuned.json")
 TILE_KEYS = ("BLOCK_M", "TILE_N", "num_warps", "num_stages")
 
 
+def tile_problem(tiles: dict, group: int) -> str | None:
+    """What makes `tiles` unusable for a launch whose group is `group` (None: nothing): exactly
+    TILE_KEYS, ints, powers of two but num_stages (>= 1), BLOCK_M >= 16 (tl.dot's least) and
+    >= the group rounded up to a power of two, TILE_N >= 16."""
+    min_rows = max(16, triton.next_power_of_2(group))
+    if sorted(tiles) != sorted(TILE_KEYS) or not all(type(v) is int for v in tiles.values()):
+        return f"must give exactly {TILE_KEYS} as ints, got {tiles}"
+    if any(v < 1 or v & (v - 1) for k, v in tiles.items() if k != "num_stages") or tiles["num_stages"] < 1:
+        return f"BLOCK_M, TILE_N and num_warps must be powers of two and num_stages >= 1, got {tiles}"
+    if tiles["BLOCK_M"] < min_rows or tiles["TILE_N"] < 16:
+        return f"needs BLOCK_M >= {min_rows} and TILE_N >= 16, got {tiles}"
+    return None
+
+
 def read_tuned(path: Path = TUNED_FILE) -> MappingProxyType:
     """The tile sizes bench/compute/tune_attention.py measured fastest, per GPU architecture
     ("sm_90"), phase ("decode": every request one token; "prefill": any other batch) and
     layout ("d128-g4": head_dim 128, 4 query heads per KV head); {} when the file is absent.
-    ValueError for an entry without exactly the tile keys."""
+    ValueError for an entry that is not a valid tile set (`tile_problem`)."""
     if not path.exists():
         return MappingProxyType({})
     table = {}
@@ -32,8 +46,8 @@ def read_tuned(path: Path = TUNED_FILE) -> MappingProxyType:
             continue
         for phase, layouts in phases.items():
             for layout, cfg in layouts.items():
-                if sorted(cfg) != sorted(TILE_KEYS) or not all(isinstance(v, int) for v in cfg.values()):
-                    raise ValueError(f"{path}: {arch}/{phase}/{layout} must give exactly {TILE_KEYS} as ints")
+                if problem := tile_problem(cfg, int(layout.split("-g")[-1])):
+                    raise ValueError(f"{path}: {arch}/{phase}/{layout}: {problem}")
                 table[(arch, phase, layout)] = tuple(cfg[k] for k in TILE_KEYS)
     return MappingProxyType(table)
 
@@ -65,6 +79,7 @@ def launch_config(num_tokens: int, num_seqs: int, group: int, head_dim: int,
     return dict(_launch_config(num_tokens == num_seqs, group, head_dim, dtype, arch))
 
 
+# Cached per argument tuple: it reads TUNED, so whoever replaces TUNED (tests) calls cache_clear().
 @functools.lru_cache(maxsize=256)
 def _launch_config(decode_only: bool, group: int, head_dim: int, dtype: torch.dtype,
                    arch: str | None) -> tuple:
@@ -86,11 +101,8 @@ def _launch_config(decode_only: bool, group: int, head_dim: int, dtype: torch.dt
 
 
 def custom_config(tiles: dict, group: int) -> dict:
-    """launch_config's form of `tiles`; ValueError unless it gives TILE_KEYS as powers of two
-    with BLOCK_M >= the group (rounded up to a power of two) and TILE_N >= 16."""
-    if (sorted(tiles) != sorted(TILE_KEYS) or any(v < 1 or v & (v - 1) for k, v in tiles.items() if k != "num_stages")
-            or tiles["BLOCK_M"] < triton.next_power_of_2(group) or tiles["TILE_N"] < 16 or tiles["num_stages"] < 1):
-        raise ValueError(f"tiles must give {TILE_KEYS} (powers of two, BLOCK_M >= {triton.next_power_of_2(group)}, "
-                         f"TILE_N >= 16), got {tiles}")
+    """launch_config's form of `tiles`; ValueError with `tile_problem`'s reason."""
+    if problem := tile_problem(tiles, group):
+        raise ValueError(f"tiles {problem}")
     return dict(BLOCK_M=tiles["BLOCK_M"], BLOCK_Q=tiles["BLOCK_M"] // group, TILE_N=tiles["TILE_N"],
                 num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])

@@ -11,8 +11,9 @@ box inside one overall budget (`--budget-s`, 480 s), carrying on past a step tha
 
   install   the bundle's wheels and Redis; every service's modules import
   tune      bench/compute/tune_attention.py: the Triton attention's candidate tiles timed per
-            phase and layout; the winners written to kernels/triton_tuned.json (which the
-            steps after it use) and, with every timing, to --out (commit the file from there)
+            phase and layout; the winners written over kernels/triton_tuned.json in this
+            tree (so the steps after it test and time the new tiles, not the committed
+            ones) and, with every timing, to --out (commit the file from there)
   tests     the GPU-marked tests (`pytest -m gpu`; tests/gpu/, and the CUDA cases of the
             kernel and worker tests in tests/unit/): Triton kernels against the torch
             references in fp16/bf16, the CUDA worker against transformers, CUDA-graph

@@ -141,6 +141,24 @@ def test_long_chunks_run_on_sdpa_over_the_gathered_context(device, gen, mix, mon
                                            host=host).sdpa is None
 
 
+def test_fp32_stays_in_the_triton_kernel(device, gen, monkeypatch):
+    """SDPA's fused kernels do not take fp32: a planned route is not taken for it."""
+    monkeypatch.setattr(sdpa_prefill, "MIN_TOKENS", 16 if device == "cpu" else sdpa_prefill.MIN_TOKENS)
+
+    def no_route(*args):
+        raise AssertionError("an fp32 step went to SDPA")
+
+    monkeypatch.setattr(sdpa_prefill, "run_route", no_route)
+    q, k_cache, v_cache, bt, seq_lens, qsl = batch = make_batch(
+        mixes(device)["prefill_only"], gen=gen, device=device, **llama_layout(device))
+    host = HostLayout(seq_lens.cpu().numpy(), qsl.cpu().numpy(), int(seq_lens.max()))
+    plan = triton_attention.plan_attention(bt, seq_lens, qsl, k_cache.shape[1], host=host)
+    assert plan.sdpa.requests
+    out = triton_attention.paged_attention(*batch, 0.3, plan=plan)
+    ref = paged_attention_reference(*batch, 0.3)
+    assert rel_error(out, ref) < REL_TOL[torch.float32]
+
+
 def test_attention_strided_query_and_allocated_output(device, gen):
     """query as a view into a fused QKV projection (row stride != heads * head_dim), int64
     metadata, and the wrapper allocating the output itself."""

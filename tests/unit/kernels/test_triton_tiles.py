@@ -59,15 +59,16 @@ def test_every_other_case_keeps_the_defaults(tuned, call):
         triton_tiles.TUNED = untuned
 
 
-def test_a_tuned_entry_smaller_than_the_group_is_not_used(tuned, monkeypatch):
-    path = tuned.parent / "small.json"
+def test_a_tuned_entry_smaller_than_its_group_is_refused(tmp_path):
+    path = tmp_path / "small.json"
     path.write_text(json.dumps({"sm_90": {"decode": {"d128-g32": {**ENTRY, "BLOCK_M": 16}}}}))
-    monkeypatch.setattr(triton_tiles, "TUNED", triton_tiles.read_tuned(path))
-    assert triton_tiles.launch_config(4, 4, 32, 128, torch.bfloat16, "sm_90")["BLOCK_M"] == 32
+    with pytest.raises(ValueError, match="BLOCK_M >= 32"):
+        triton_tiles.read_tuned(path)
 
 
 @pytest.mark.parametrize("entry", [{"BLOCK_M": 64, "TILE_N": 32, "num_warps": 4},
-                                   {**ENTRY, "num_stages": 2.5}, {**ENTRY, "extra": 1}])
+                                   {**ENTRY, "num_stages": 2.5}, {**ENTRY, "extra": 1},
+                                   {**ENTRY, "BLOCK_M": 8}, {**ENTRY, "TILE_N": 48}])
 def test_a_malformed_entry_is_refused(tmp_path, entry):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"sm_90": {"decode": {"d128-g4": entry}}}))
@@ -81,5 +82,5 @@ def test_no_file_is_no_table(tmp_path):
 
 def test_custom_tiles_keep_the_group_whole():
     assert triton_tiles.custom_config(ENTRY, 2) == dict(ENTRY, BLOCK_Q=64)
-    with pytest.raises(ValueError, match="BLOCK_M >= 8"):
+    with pytest.raises(ValueError, match="BLOCK_M >= 16"):
         triton_tiles.custom_config({**ENTRY, "BLOCK_M": 4}, 5)
