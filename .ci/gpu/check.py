@@ -239,12 +239,21 @@ class Check:
         return self.pytest("tests", self.gpu_test_files(vision=False), limit)
 
     def vision(self, limit: float) -> StepResult:
-        files = self.gpu_test_files(vision=True)
-        if not files:
-            return StepResult("vision", "skipped", reason="no GPU-marked vision tests")
-        return self.pytest("vision", files, limit)
+        return self.pytest("vision", self.gpu_test_files(vision=True), limit)
 
     # -- benches ---------------------------------------------------------------------------------
+
+    def bench(self, name: str, cmd: list[str], out: Path, limit: float, note: str = "") -> StepResult:
+        """A bench script that writes its JSON to `out`: passed (with `note`) and its results,
+        or failed / timeout with whatever it wrote before."""
+        out.unlink(missing_ok=True)
+        code = self.run(cmd, limit)
+        results = json.loads(out.read_text()) if out.exists() else {}
+        if code is None:
+            return StepResult(name, "timeout", reason=f"ran past {limit:.0f} s", results=results)
+        if code != 0:
+            return StepResult(name, "failed", reason=f"exit {code}", results=results)
+        return StepResult(name, "passed", reason=note, results=results)
 
     def kernels(self, limit: float) -> StepResult:
         if not self.cuda:  # (Triton 3.6's interpreter, the image's, fails on NumPy >= 2.4 arrays)
@@ -252,28 +261,21 @@ class Check:
                                                            "is tests/bench/test_bench_kernels.py")
         out = self.out / "kernels.json"
         baseline = ["--baseline", str(self.args.kernels_baseline)] if self.args.kernels_baseline else []
-        code = self.run([sys.executable, "bench/compute/kernels.py", "--quick", "--json", str(out), *baseline], limit)
-        if code is None:
-            return StepResult("kernels", "timeout", reason=f"ran past {limit:.0f} s")
-        if code != 0:
-            return StepResult("kernels", "failed", reason=f"exit {code}")
-        return StepResult("kernels", "passed", results=json.loads(out.read_text()))
+        return self.bench("kernels", [sys.executable, "bench/compute/kernels.py", "--quick", "--json", str(out),
+                                      *baseline], out, limit)
 
     def tune(self, limit: float) -> StepResult:
         if not self.cuda:
             return StepResult("tune", "skipped", reason="needs CUDA; its --smoke run on the CPU is "
                                                         "tests/bench/test_bench_tune_attention.py")
         out, tuned = self.out / "tune.json", ROOT / "kernels" / "triton_tuned.json"
-        code = self.run([sys.executable, "bench/compute/tune_attention.py", "--write", str(tuned),
-                         "--json", str(out)], limit)
-        if code != 0:
-            return StepResult("tune", "timeout" if code is None else "failed",
-                              reason=f"ran past {limit:.0f} s" if code is None else f"exit {code}")
-        shutil.copy(tuned, self.out / tuned.name)
-        results = json.loads(out.read_text())
-        return StepResult("tune", "passed", results={k: {"winner": r["winner"], "winner_mean": r["winner_mean"],
-                                                         "default_mean": r["default_mean"]}
-                                                     for k, r in results["results"].items()})
+        result = self.bench("tune", [sys.executable, "bench/compute/tune_attention.py", "--write", str(tuned),
+                                     "--json", str(out)], out, limit)
+        if result.status == "passed":  # the file to commit beside every timing; the winners in the report
+            shutil.copy(tuned, self.out / tuned.name)
+            result.results = {k: {m: r[m] for m in ("winner", "winner_mean", "default_mean")}
+                              for k, r in result.results["results"].items()}
+        return result
 
     def fleet(self, limit: float) -> StepResult:
         runs, results = FLEET_RUNS if self.cuda else FLEET_RUNS_CPU, {}
@@ -311,27 +313,13 @@ class Check:
             cmd += ["--concurrency", "4", "8", "--output-mean", "16", "--roofline-batches", "4"]
         elif self.args.serving_concurrency is not None:
             cmd += ["--concurrency", *map(str, self.args.serving_concurrency)]
-        code = self.run(cmd, limit)
-        if code is None:
-            return StepResult("serving", "timeout", reason=f"ran past {limit:.0f} s",
-                              results=json.loads(out.read_text()) if out.exists() else {})
-        results = json.loads(out.read_text()) if out.exists() else {}
-        if code != 0:
-            return StepResult("serving", "failed", reason=f"exit {code}", results=results)
-        return StepResult("serving", "passed", reason="" if self.cuda else "tiny preset on the CPU", results=results)
-
+        return self.bench("serving", cmd, out, limit, "" if self.cuda else "tiny preset on the CPU")
 
     def cameras(self, limit: float) -> StepResult:
         out = self.out / "cameras.json"
         cmd = [sys.executable, ".ci/gpu/camera_serving.py", "--device", self.args.device,
                "--budget-s", str(max(30.0, limit - 45)), "--work", str(self.work / "cameras"), "--json", str(out)]
-        code = self.run(cmd, limit)
-        results = json.loads(out.read_text()) if out.exists() else {}
-        if code is None:
-            return StepResult("cameras", "timeout", reason=f"ran past {limit:.0f} s", results=results)
-        if code != 0:
-            return StepResult("cameras", "failed", reason=f"exit {code}", results=results)
-        return StepResult("cameras", "passed", reason="" if self.cuda else "tiny preset on the CPU", results=results)
+        return self.bench("cameras", cmd, out, limit, "" if self.cuda else "tiny preset on the CPU")
 
 
 def junit_summary(xml: Path) -> dict:
