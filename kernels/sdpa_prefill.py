@@ -9,7 +9,7 @@ picks its fused kernel: cuDNN or flash for a whole prompt, flash for a chunk aft
 kernels do not take it, and its math fallback would hold the whole score matrix.
 
     for each routed request i (query rows [q0, q0 + q_len), seq_len keys):
-        blocks = block_tables[i, :ceil(seq_len / block_size)]
+        blocks = block_tables[i, :ceil(seq_len / block_size)]                 # planned once a step
         K, V = cache[blocks] as [kv_heads, seq_len, head_dim]                  # the gather
         out[q0 : q0 + q_len] = SDPA(Q, K, V, causal lower-right, scale, GQA)
 
@@ -39,16 +39,19 @@ MIN_TOKENS = 1024  # a chunk's new tokens from which it runs on SDPA (H200: benc
 
 @dataclass(frozen=True)
 class SdpaRoute:
-    """The requests a step sends to SDPA, (index, first query row, q_len, seq_len) each, and
+    """The requests a step sends to SDPA, (index, first query row, q_len, seq_len) each, their
+    context's block ids (int64 on the device, once a step: every layer gathers by them), and
     `skip` (int32 [num_seqs] on the device: 1 for those) for the Triton kernel, computed on
     the device from query_start_loc (no copy from the host, so no wait for queued work)."""
 
     requests: tuple[tuple[int, int, int, int], ...]
+    blocks: tuple[torch.Tensor, ...]
     skip: torch.Tensor
 
 
 def plan_route(host: HostLayout | None, sliding_window: int | None, bidir_spans: torch.Tensor | None,
-               query_start_loc: torch.Tensor, min_tokens: int | None = None) -> SdpaRoute | None:
+               query_start_loc: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+               min_tokens: int | None = None) -> SdpaRoute | None:
     """The step's SDPA requests (q_len >= min_tokens, default MIN_TOKENS) from the lengths on
     the host; None when there are none, or when the step has images or the layer a window,
     or the lengths are not on the host."""
@@ -61,19 +64,19 @@ def plan_route(host: HostLayout | None, sliding_window: int | None, bidir_spans:
     if len(chosen) == 0:
         return None
     requests = tuple((int(i), int(qsl[i]), int(q_lens[i]), int(seq_lens[i])) for i in chosen)
+    blocks = tuple(block_tables[i, : math.ceil(seq_len / block_size)].long() for i, _, _, seq_len in requests)
     skip = ((query_start_loc[1:] - query_start_loc[:-1]) >= min_tokens).to(torch.int32)
-    return SdpaRoute(requests, skip)
+    return SdpaRoute(requests, blocks, skip)
 
 
 def run_route(route: SdpaRoute, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+              scale: float, out: torch.Tensor) -> None:
     """Each routed request's attention into its rows of `out` (the contract of
     kernels/reference.py's paged_attention_reference, without window, spans or soft cap)."""
-    _, block_size, kv_heads, head_dim = k_cache.shape
+    kv_heads, head_dim = k_cache.shape[2:]
     gqa = query.shape[1] != kv_heads
     by_head = (k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3))  # [kv_heads, blocks, block_size, d] views
-    for i, q0, q_len, seq_len in route.requests:
-        blocks = block_tables[i, : math.ceil(seq_len / block_size)].long()
+    for (_, q0, q_len, seq_len), blocks in zip(route.requests, route.blocks):
         # one gather each, into [kv_heads, blocks * block_size, d]: every head's keys contiguous
         k, v = (c.index_select(1, blocks).view(kv_heads, -1, head_dim)[None, :, :seq_len] for c in by_head)
         q = query[q0:q0 + q_len].transpose(0, 1)[None]

@@ -284,7 +284,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     checked, ValueError, their values are the caller's to get right). With the lengths on
     the host (`host`): the chunks of MIN_TOKENS or more that go to SDPA, on a layer without
     a window in a step without images (kernels/sdpa_prefill.py)."""
-    route = sdpa_prefill.plan_route(host, sliding_window, bidir_spans, query_start_loc)
+    route = sdpa_prefill.plan_route(host, sliding_window, bidir_spans, query_start_loc, block_tables, block_size)
     if bidir_spans is None:
         return None if route is None else TritonPlan(None, route)
     if (bidir_spans.dim() != 2 or bidir_spans.shape[1] != 2
@@ -388,5 +388,5 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         UPCAST_DOT=INTERPRETED and query.dtype == torch.bfloat16, **cfg,
     )
     if route is not None:
-        sdpa_prefill.run_route(route, query, k_cache, v_cache, block_tables, scale, out)
+        sdpa_prefill.run_route(route, query, k_cache, v_cache, scale, out)
     return out
