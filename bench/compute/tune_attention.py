@@ -40,6 +40,7 @@ if not __package__:  # run as a file: the repository root on sys.path, this fold
 
 from bench.compute.device_timing import kernel_time  # noqa: E402
 from bench.compute.attention_cases import LAYOUTS, contiguous_kv, paged_batch, rel_error, sdpa_gqa_kwargs  # noqa: E402
+from kernels.triton_tiles import TILE_KEYS  # noqa: E402  (no Triton kernel in it: the interpreter's choice stays open)
 
 # (BLOCK_M, TILE_N, num_warps, num_stages) per (phase, head_dim); the first is the untuned default.
 CANDIDATES = {
@@ -55,7 +56,6 @@ CANDIDATES = {
 SHAPES = {"decode": [(64, 512), (64, 8192), (256, 512), (256, 8192)],  # (batch, context)
           "prefill": [(1, 1024), (1, 2048), (1, 8192)]}  # (requests, prompt tokens)
 SMOKE = {"decode": [(3, 40)], "prefill": [(1, 48)]}
-TILE_KEYS = ("BLOCK_M", "TILE_N", "num_warps", "num_stages")
 
 
 def case(phase: str, batch: int, n: int, layout, dtype, gen, block_size: int):
